@@ -1,0 +1,138 @@
+"""Attention of one layer: single-latent MQA over the sliding window and the shared
+compressed KV, one softmax with a per-head sink (spec §2.4).
+
+For T new tokens at positions p..p+T-1 the keys are the window ring's rows from earlier
+forwards plus this forward's rows, masked by absolute position (a query at q sees positions
+q-W+1..q), and, on ratio>0 layers, the compressed entries its index source selected. The same
+code serves decode (T=1), verify (T=k) and prefill chunks.
+"""
+from __future__ import annotations
+
+import torch
+
+from strata.checkpoint.weights import WeightReader
+from strata.config import ModelConfig
+from strata.model.compressor import Compressor
+from strata.model.context import ForwardContext
+from strata.model.indexer import Indexer
+from strata.model.numerics import rms_norm, row_matmul
+from strata.model.rope import apply_rope
+from strata.quant.qdq import fp4_qdq_e4m3_scale, fp8_act_qdq
+from strata.runtime.state import State
+
+
+class Attention:
+    def __init__(self, cfg: ModelConfig, layer: int, w: WeightReader, prefix: str,
+                 ratio: int) -> None:
+        self.cfg, self.layer, self.ratio = cfg, layer, ratio
+        D, H, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        G, ol = cfg.o_groups, cfg.o_lora_rank
+        self.wq_a = w.linear(f"{prefix}.wq_a", cfg.q_lora_rank, D)
+        self.q_norm = w.float_tensor(f"{prefix}.q_norm.weight", (cfg.q_lora_rank,))
+        self.wq_b = w.linear(f"{prefix}.wq_b", H * hd, cfg.q_lora_rank)
+        self.wkv = w.linear(f"{prefix}.wkv", hd, D)
+        self.kv_norm = w.float_tensor(f"{prefix}.kv_norm.weight", (hd,))
+        self.wo_a = w.linear(f"{prefix}.wo_a", G * ol, H * hd // G)
+        self.wo_b = w.linear(f"{prefix}.wo_b", D, G * ol)
+        self.attn_sink = w.float_tensor(f"{prefix}.attn_sink", (H,))
+        is_backbone = layer < cfg.n_layers
+        self.compressor = (Compressor(cfg, layer, w, f"{prefix}.compressor")
+                           if is_backbone and cfg.is_kv_source(layer) else None)
+        self.indexer = (Indexer(cfg, layer, w, f"{prefix}.indexer")
+                        if is_backbone and cfg.is_index_source(layer) else None)
+
+    # -- pieces shared with the DSpark stages ----------------------------------------------
+    def project_q(self, u: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q_latent [T, q_lora], roped queries [T, H, hd])."""
+        cfg, nx = self.cfg, ctx.numerics
+        qr = rms_norm(self.wq_a(u, nx), self.q_norm, cfg.rms_norm_eps)
+        q = self.wq_b(qr, nx).view(ctx.T, cfg.num_attention_heads, cfg.head_dim)
+        cos, sin = ctx.rope(self.ratio)
+        return qr, apply_rope(q, cos, sin)
+
+    def project_kv(self, u: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Window KV rows [T, hd] in their stored form (roped; fp8-qdq'd in vendor mode)."""
+        nx = ctx.numerics
+        kv = rms_norm(self.wkv(u, nx), self.kv_norm, self.cfg.rms_norm_eps)
+        cos, sin = ctx.rope(self.ratio)
+        kv = apply_rope(kv, cos, sin)
+        return fp8_act_qdq(kv) if nx.quantize else kv
+
+    def output(self, o: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Inverse RoPE on the output tails, grouped wo_a, then wo_b. o [T, H, hd] fp32."""
+        cfg, nx = self.cfg, ctx.numerics
+        cos, sin = ctx.rope(self.ratio)
+        o = apply_rope(o, cos, sin, inverse=True).to(nx.act_dtype)
+        G = cfg.o_groups
+        wo_a = self.wo_a.materialize(nx.act_dtype).view(G, cfg.o_lora_rank, -1)
+        o = o.reshape(ctx.T, G, -1)
+        o = torch.cat([row_matmul(o[:, g], wo_a[g]) for g in range(G)], dim=1)
+        return self.wo_b(o, nx)
+
+    # -- the backbone forward -----------------------------------------------------------------
+    def forward(self, u: torch.Tensor, ctx: ForwardContext, state: State) -> torch.Tensor:
+        cfg, nx = self.cfg, ctx.numerics
+        qr, q = self.project_q(u, ctx)
+        kv = self.project_kv(u, ctx)
+
+        # Each query's window is exactly its W most recent positions, gathered from the
+        # ring (earlier forwards) or this forward's rows, in position order: a fixed-length
+        # key set per query keeps the result independent of the chunk it came in.
+        ring = state.window[self.layer]
+        W = cfg.sliding_window
+        kpos = ctx.positions[:, None] - (W - 1) + torch.arange(W, device=u.device)[None]
+        in_chunk = kpos >= ctx.start
+        slot = kpos.clamp(min=0) % ring.size
+        valid = (kpos >= 0) & (in_chunk | (ring.tags[slot] == kpos))
+        win_rows = torch.where(in_chunk[..., None], kv[(kpos - ctx.start).clamp(min=0)].float(),
+                               ring.rows[slot].float())
+        ring.write(ctx.positions, kv, state.journal)
+
+        comp_rows = comp_mask = None
+        if self.ratio > 0:
+            if self.compressor is not None:
+                latent, j0 = self.compressor.forward(u, ctx, state)
+                self._store_entries(latent, j0, ctx, state)
+                if self.indexer is not None and latent.shape[0]:
+                    self.indexer.publish_keys(latent, j0, ctx, state)
+                if latent.shape[0]:
+                    ctx.published_keys.append(self.layer)
+            if self.indexer is not None:
+                ctx.sel[self.layer] = self.indexer.select(u, qr, ctx, state)
+            sel = ctx.sel[cfg.index_source_of(self.layer)]
+            cache = state.comp_kv[cfg.kv_source_of(self.layer)]
+            comp_rows = cache[sel.clamp(min=0)].float()  # [T, k, hd]
+            comp_mask = sel >= 0
+        o = sparse_attention(q.float(), win_rows, valid, comp_rows, comp_mask,
+                             self.attn_sink, cfg.head_dim ** -0.5)
+        return self.output(o, ctx)
+
+    def _store_entries(self, latent: torch.Tensor, j0: int, ctx: ForwardContext,
+                       state: State) -> None:
+        """Rotate new latents at their group's first position and append to the cache."""
+        n = latent.shape[0]
+        if n == 0:
+            return
+        pos = torch.arange(j0, j0 + n, device=latent.device) * self.ratio
+        cos, sin = ctx.rope_at(self.ratio, pos)
+        kv = apply_rope(latent, cos, sin)
+        if ctx.numerics.quantize:
+            kv = fp4_qdq_e4m3_scale(kv)
+        state.comp_kv[self.layer][j0:j0 + n] = kv.to(state.comp_kv[self.layer].dtype)
+
+
+def sparse_attention(q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
+                     comp_rows: torch.Tensor | None, comp_mask: torch.Tensor | None,
+                     sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """One softmax per query over its own rows [T, W, hd] (mask [T, W]) and compressed rows
+    [T, k, hd] (mask [T, k]); the per-head sink enters only the denominator; K == V.
+    q [T, H, hd] fp32 → [T, H, hd] fp32. Every query is its own batch element."""
+    T, H, _ = q.shape
+    if comp_rows is not None:
+        rows = torch.cat((rows, comp_rows), dim=1)
+        mask = torch.cat((mask, comp_mask), dim=1)
+    s = torch.bmm(q, rows.transpose(1, 2)) * scale  # [T, H, n]
+    s = torch.where(mask[:, None, :], s, torch.tensor(float("-inf"), device=q.device))
+    s = torch.cat((s, sink.view(1, H, 1).expand(T, H, 1)), dim=-1)
+    p = torch.softmax(s, dim=-1)[..., :-1]
+    return torch.bmm(p, rows)

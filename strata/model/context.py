@@ -1,0 +1,50 @@
+"""The per-forward context: what one forward's layers publish to later layers.
+
+The vendor keeps these in a module-level `shared_attn`; here they are an explicit object made
+fresh for every forward (the persistent part lives in runtime.state.State).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from strata.config import ModelConfig
+from strata.model.numerics import Numerics
+from strata.model.rope import rope_cos_sin, rope_inv_freq
+
+
+@dataclass
+class ForwardContext:
+    cfg: ModelConfig
+    numerics: Numerics
+    start: int                      # absolute position of the first new token
+    positions: torch.Tensor         # [T] absolute positions
+    engram_ids: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [T, n_ids]
+    # index-source layer -> [T, topk] selected compressed entries (ascending, -1 = empty)
+    sel: dict[int, torch.Tensor] = field(default_factory=dict)
+    candidates: torch.Tensor | None = None   # [T, n_entries] bool, from the candidate source
+    published_keys: list[int] = field(default_factory=list)  # kv sources with new keys
+    main_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # DSpark taps [T, D]
+    _rope: dict[bool, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    _rope_inv: dict[bool, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def T(self) -> int:
+        return self.positions.numel()
+
+    def inv_freq(self, ratio: int) -> torch.Tensor:
+        key = ratio > 0
+        if key not in self._rope_inv:
+            self._rope_inv[key] = rope_inv_freq(self.cfg, ratio)
+        return self._rope_inv[key]
+
+    def rope(self, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin at this forward's positions for the table of a layer of this ratio."""
+        key = ratio > 0
+        if key not in self._rope:
+            self._rope[key] = rope_cos_sin(self.inv_freq(ratio), self.positions)
+        return self._rope[key]
+
+    def rope_at(self, ratio: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(self.inv_freq(ratio), positions)

@@ -1,0 +1,60 @@
+"""The Engram n-gram memory module of layers 1 and 14 (spec §2.7).
+
+Row ids come from model.ngram_hash (tokens only, computed once per forward). Each position
+gathers 3·n_heads table rows (fp8 + ue8m0 per 32), projects them to one key per hyper-connection
+copy and one shared value, and adds the value to each copy through a per-copy scalar gate.
+The table is read through `EngramTable.lookup`, so where the rows live (GPU, RAM or disk) is
+the table's concern.
+"""
+from __future__ import annotations
+
+import torch
+
+from strata.checkpoint.encodings import dequant_engram_rows
+from strata.checkpoint.weights import WeightReader
+from strata.config import ModelConfig
+from strata.model.numerics import Numerics
+
+
+class EngramTable:
+    """A table held as stored (e4m3 rows + uint8 exponents) in device memory."""
+
+    def __init__(self, rows: torch.Tensor, scale: torch.Tensor) -> None:
+        self.rows, self.scale = rows, scale
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 rows [..., head_dim] for ids [...]."""
+        flat = ids.reshape(-1)
+        out = dequant_engram_rows(self.rows[flat], self.scale[flat])
+        return out.view(*ids.shape, -1)
+
+
+class Engram:
+    def __init__(self, cfg: ModelConfig, layer: int, w: WeightReader, prefix: str) -> None:
+        self.cfg = cfg
+        i = cfg.engram_layer_ids.index(layer)
+        n_rows, hd = cfg.engram_num_embeddings[i], cfg.engram_head_dim
+        n_ids = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+        D, H = cfg.hidden_size, cfg.hc_mult
+        self.table = EngramTable(
+            w.tensor(f"{prefix}.embed.weight", "F8_E4M3", (n_rows, hd)),
+            w.tensor(f"{prefix}.embed.scale", ("F8_E8M0", "U8"), (n_rows, hd // 32)))
+        self.wkv = w.linear(f"{prefix}.wkv", (H + 1) * D, n_ids * hd)
+        q_w = w.float_tensor(f"{prefix}.q_weight", (H, D))
+        k_w = w.float_tensor(f"{prefix}.k_weight", (H, D))
+        self.qk_weight = q_w * k_w  # only their product is used
+
+    def forward(self, h: torch.Tensor, ids: torch.Tensor, nx: Numerics) -> torch.Tensor:
+        """h [T, H, D] → h + gate·value; ids [T, n_ids]."""
+        cfg = self.cfg
+        T, H, D = h.shape
+        mem = self.table.lookup(ids).flatten(1)  # [T, n_ids·hd] fp32
+        kv = self.wkv(mem, nx, torch.float32)
+        key, value = kv[:, :H * D].view(T, H, D), kv[:, H * D:]
+        hf = h.float()
+        eps = cfg.rms_norm_eps
+        dot = (hf * self.qk_weight * key).sum(-1)
+        dot = dot * torch.rsqrt(hf.pow(2).mean(-1) + eps) * torch.rsqrt(key.pow(2).mean(-1) + eps)
+        dot = dot / D ** 0.5
+        gate = torch.sigmoid(torch.copysign(torch.sqrt(dot.abs().clamp(min=1e-6)), dot))
+        return (hf + gate[..., None] * value[:, None, :]).to(h.dtype)

@@ -1,0 +1,111 @@
+"""The lightning indexer: which compressed entries each query attends (spec §2.6).
+
+Key owners (the kv-source layers) derive index keys from their compressor's pre-RoPE latent.
+Every index-source layer scores the visible entries with its own queries,
+score_j = Σ_h w_h·relu(q_h·k_j), and publishes the top-k. The candidate source (layer 20)
+also publishes candidate blocks; the later "reindex" layers score only inside them.
+
+Selection is batch-invariant: a query's picks depend only on its own visible entries (entries
+j < (p+1)//ratio), ties go to the lowest index, and −inf (invisible or masked) entries are never
+picked, so prefill, verify and decode select the same entries.
+"""
+from __future__ import annotations
+
+import torch
+
+from strata.checkpoint.weights import WeightReader
+from strata.config import ModelConfig
+from strata.model.context import ForwardContext
+from strata.model.numerics import rms_norm
+from strata.model.rope import apply_rope
+from strata.quant.qdq import fp4_qdq_ue8m0
+from strata.runtime.state import State
+
+
+def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [T, k] of the k largest finite scores per row, ties to the lowest index,
+    sorted ascending; slots with no finite score left are −1. Always k wide, so the
+    attention that consumes it has the same shape whatever the number of entries."""
+    T, n = scores.shape
+    order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    m = min(k, n)
+    idx, val = order.indices[:, :m], order.values[:, :m]
+    idx = torch.where(val > float("-inf"), idx, torch.full_like(idx, n))
+    idx = torch.sort(idx, dim=-1).values
+    idx = torch.where(idx < n, idx, torch.full_like(idx, -1))
+    if m < k:
+        idx = torch.cat((idx, idx.new_full((T, k - m), -1)), dim=1)
+    return idx
+
+
+def select_candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, block: int,
+                            n_blocks: int) -> torch.Tensor:
+    """Entry mask [T, n] of the top `n_blocks` blocks by max score; the block holding each
+    query's newest visible entry is always kept; blocks with no finite score never are."""
+    T, n = scores.shape
+    nb = (n + block - 1) // block
+    padded = torch.full((T, nb * block), float("-inf"), dtype=scores.dtype, device=scores.device)
+    padded[:, :n] = scores
+    bscore = padded.view(T, nb, block).amax(-1)
+    newest = (n_visible - 1).clamp(min=0) // block
+    pin = (n_visible > 0)[:, None] & (torch.arange(nb, device=scores.device)[None] == newest[:, None])
+    bscore = torch.where(pin, torch.full_like(bscore, float("inf")), bscore)
+    keep = topk_lowest_index(bscore, n_blocks)
+    mask_blocks = torch.zeros((T, nb + 1), dtype=torch.bool, device=scores.device)
+    mask_blocks.scatter_(1, torch.where(keep >= 0, keep, torch.full_like(keep, nb)), True)
+    return mask_blocks[:, :nb].repeat_interleave(block, dim=1)[:, :n]
+
+
+class Indexer:
+    def __init__(self, cfg: ModelConfig, layer: int, w: WeightReader, prefix: str) -> None:
+        self.cfg, self.layer, self.ratio = cfg, layer, cfg.ratio(layer)
+        nh, ihd = cfg.index_n_heads, cfg.index_head_dim
+        self.wq_b = w.linear(f"{prefix}.wq_b", nh * ihd, cfg.q_lora_rank)
+        self.weights_proj = w.linear(f"{prefix}.weights_proj", nh, cfg.hidden_size)
+        self.owns_keys = cfg.is_kv_source(layer)
+        if self.owns_keys:
+            self.wk = w.linear(f"{prefix}.wk", ihd, cfg.head_dim)
+            self.k_norm = w.float_tensor(f"{prefix}.k_norm.weight", (ihd,))
+
+    def publish_keys(self, latent: torch.Tensor, j0: int, ctx: ForwardContext,
+                     state: State) -> None:
+        """Index keys of new entries j0.. from their pre-RoPE latents, into the state."""
+        n = latent.shape[0]
+        if n == 0:
+            return
+        nx = ctx.numerics
+        k = rms_norm(self.wk(latent, nx, torch.float32), self.k_norm, self.cfg.rms_norm_eps)
+        pos = torch.arange(j0, j0 + n, device=latent.device) * self.ratio
+        cos, sin = ctx.rope_at(self.ratio, pos)
+        k = apply_rope(k, cos, sin)
+        if nx.quantize:
+            k = fp4_qdq_ue8m0(k)
+        state.index_k[self.layer][j0:j0 + n] = k.to(state.index_k[self.layer].dtype)
+
+    def select(self, u: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext,
+               state: State) -> torch.Tensor:
+        """Top-k entries [T, k] (ascending, −1 = none) for every query of the forward."""
+        cfg, nx, r = self.cfg, ctx.numerics, self.ratio
+        nh, ihd = cfg.index_n_heads, cfg.index_head_dim
+        n = (ctx.start + ctx.T) // r
+        key_src = cfg.kv_source_of(self.layer)
+        if (nx.vendor_stale_index_k and self.owns_keys and r > 1
+                and self.layer not in ctx.published_keys and state.stale_index_source is not None):
+            key_src = state.stale_index_source  # vendor quirk, spec §2.6
+        keys = state.index_k[key_src][:n].float()
+        q = self.wq_b(qr, nx, torch.float32).view(ctx.T, nh, ihd)
+        cos, sin = ctx.rope(r)
+        q = apply_rope(q, cos, sin)
+        if nx.quantize:
+            q = fp4_qdq_ue8m0(q)
+        w = self.weights_proj(u, nx, torch.float32) * (ihd ** -0.5 * nh ** -0.5)
+        scores = torch.einsum("th,thj->tj", w, torch.relu(torch.einsum("thd,jd->thj", q, keys)))
+        n_visible = (ctx.positions + 1) // r
+        visible = torch.arange(n, device=u.device)[None] < n_visible[:, None]
+        scores = torch.where(visible, scores, torch.full_like(scores, float("-inf")))
+        if self.layer == cfg.candidate_source_layer_id:
+            ctx.candidates = select_candidate_blocks(scores, n_visible, cfg.candidate_block_size,
+                                                     cfg.candidate_topk_blocks)
+        elif cfg.is_reindex(self.layer):
+            scores = torch.where(ctx.candidates, scores, torch.full_like(scores, float("-inf")))
+        return topk_lowest_index(scores, cfg.index_topk)

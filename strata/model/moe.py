@@ -1,0 +1,144 @@
+"""Mixture of experts: sqrt-softplus gate, bias-steered top-k, SwiGLU experts with clamps,
+plus the shared expert (spec §2.8).
+
+Routed experts are held stacked per layer ([E, out, in] in their stored encoding) so a step's
+selected experts are gathered by index — no Python loop over experts while decoding. Prefill
+(many token-expert pairs) instead runs each present expert once over its tokens.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from strata.checkpoint.encodings import dequant_fp4_group, dequant_fp8_block
+from strata.checkpoint.weights import WeightReader
+from strata.config import ModelConfig
+from strata.model.numerics import Numerics, row_matmul
+from strata.quant.linear import Linear
+from strata.quant.qdq import fp8_act_qdq
+
+# Token-expert pairs up to which a step gathers expert weights instead of grouping tokens.
+GATHER_PAIRS = 16
+
+
+def swiglu(g: torch.Tensor, v: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(g, limit))·clamp(v, ±limit) in fp32."""
+    return F.silu(g.float().clamp(max=limit)) * v.float().clamp(-limit, limit)
+
+
+class ExpertStack:
+    """The routed experts of one layer, each w1/w3 [I, D] and w2 [D, I], stacked."""
+
+    def __init__(self, cfg: ModelConfig, w: WeightReader, prefix: str, n_experts: int) -> None:
+        D, I = cfg.hidden_size, cfg.moe_intermediate_size
+        self.n_experts, self.limit = n_experts, cfg.swiglu_limit
+        lins = {name: [w.linear(f"{prefix}.{e}.{name}", *shape) for e in range(n_experts)]
+                for name, shape in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I)))}
+        # Stack the stored encodings so weights can be gathered per selected expert.
+        self.stored = {name: _stack(ls) for name, ls in lins.items()}
+        self._dense: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def dense(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """All experts' `name` weights dequantized, [E, out, in] (reference path)."""
+        key = (name, dtype)
+        if key not in self._dense:
+            kind, tensors = self.stored[name]
+            if kind == "fp4":
+                wq, sc = tensors
+                d = torch.stack([dequant_fp4_group(wq[e], sc[e]) for e in range(self.n_experts)])
+            elif kind == "fp8":
+                wq, sc = tensors
+                d = torch.stack([dequant_fp8_block(wq[e], sc[e]) for e in range(self.n_experts)])
+            else:
+                d = tensors[0].float()
+            self._dense[key] = d.to(dtype)
+        return self._dense[key]
+
+    @property
+    def quantized(self) -> bool:
+        return self.stored["w1"][0] != "dense"
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
+                nx: Numerics) -> torch.Tensor:
+        """Σ_k expert_{idx[t,k]}(x_t)·weight[t,k]; x [T, D], idx/weight [T, k] → [T, D] fp32.
+
+        Each (token, slot) pair is computed by the same per-row products in both paths and
+        the slots are summed in slot order, so a token's output does not depend on the batch.
+        """
+        T, k = idx.shape
+        dt = nx.act_dtype
+        quant = nx.quantize and self.quantized
+        xq = (fp8_act_qdq(x) if quant else x).to(dt)
+        w1, w3, w2 = self.dense("w1", dt), self.dense("w3", dt), self.dense("w2", dt)
+        if T * k <= GATHER_PAIRS:
+            flat = idx.reshape(-1)
+            xs = xq.repeat_interleave(k, dim=0).unsqueeze(1)  # [T·k, 1, D]
+            g = torch.bmm(xs, w1[flat].transpose(1, 2)).squeeze(1)
+            v = torch.bmm(xs, w3[flat].transpose(1, 2)).squeeze(1)
+            a = swiglu(g, v, self.limit) * weight.reshape(-1, 1).float()
+            a = (fp8_act_qdq(a) if quant else a).to(dt).unsqueeze(1)
+            ys = torch.bmm(a, w2[flat].transpose(1, 2)).squeeze(1).float().view(T, k, -1)
+        else:
+            ys = torch.empty((T, k, x.shape[1]), dtype=torch.float32, device=x.device)
+            for e in torch.unique(idx).tolist():
+                t, slot = (idx == e).nonzero(as_tuple=True)
+                g, v = row_matmul(xq[t], w1[e]), row_matmul(xq[t], w3[e])
+                a = swiglu(g, v, self.limit) * weight[t, slot, None].float()
+                a = (fp8_act_qdq(a) if quant else a).to(dt)
+                ys[t, slot] = row_matmul(a, w2[e]).float()
+        out = ys[:, 0]
+        for s in range(1, k):
+            out = out + ys[:, s]
+        return out
+
+
+def _stack(lins: list[Linear]) -> tuple[str, tuple[torch.Tensor, ...]]:
+    first = lins[0]
+    if hasattr(first, "scale") and first.weight.dtype == torch.int8:
+        return "fp4", (torch.stack([l.weight for l in lins]), torch.stack([l.scale for l in lins]))
+    if hasattr(first, "scale"):
+        return "fp8", (torch.stack([l.weight for l in lins]), torch.stack([l.scale for l in lins]))
+    return "dense", (torch.stack([l.weight for l in lins]),)
+
+
+class SharedExpert:
+    def __init__(self, cfg: ModelConfig, w: WeightReader, prefix: str) -> None:
+        D, I = cfg.hidden_size, cfg.moe_intermediate_size
+        self.w1 = w.linear(f"{prefix}.w1", I, D)
+        self.w3 = w.linear(f"{prefix}.w3", I, D)
+        self.w2 = w.linear(f"{prefix}.w2", D, I)
+        self.limit = cfg.swiglu_limit
+
+    def forward(self, x: torch.Tensor, nx: Numerics) -> torch.Tensor:
+        a = swiglu(self.w1(x, nx), self.w3(x, nx), self.limit)
+        return self.w2(a.to(nx.act_dtype), nx, torch.float32)
+
+
+class MoE:
+    def __init__(self, cfg: ModelConfig, w: WeightReader, prefix: str, n_experts: int,
+                 top_k: int) -> None:
+        D = cfg.hidden_size
+        self.cfg, self.top_k = cfg, top_k
+        self.gate = w.linear(f"{prefix}.gate", n_experts, D)
+        self.bias = w.float_tensor(f"{prefix}.gate.bias", (n_experts,))
+        self.bias_vl = (w.float_tensor(f"{prefix}.gate.bias_vl", (n_experts,))
+                        if w.has(f"{prefix}.gate.bias_vl") else None)
+        self.experts = ExpertStack(cfg, w, f"{prefix}.experts", n_experts)
+        self.shared = SharedExpert(cfg, w, f"{prefix}.shared_experts") \
+            if cfg.n_shared_experts else None
+
+    def route(self, u: torch.Tensor, nx: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [T, k], weights [T, k]); the bias picks experts but never weights them."""
+        s = torch.sqrt(F.softplus(self.gate(u, nx, torch.float32) / self.cfg.gate_temp))
+        biased = s + self.bias
+        idx = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :self.top_k]
+        w = s.gather(1, idx)
+        w = w / (w.sum(-1, keepdim=True) + 1e-20) * self.cfg.routed_scaling_factor
+        return idx, w
+
+    def forward(self, u: torch.Tensor, nx: Numerics) -> torch.Tensor:
+        idx, w = self.route(u, nx)
+        y = self.experts.forward(u, idx, w, nx)
+        if self.shared is not None:
+            y = y + self.shared.forward(u, nx)
+        return y.to(nx.act_dtype)

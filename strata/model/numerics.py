@@ -1,0 +1,70 @@
+"""How the forward rounds: reference (fp32, no quantisation points) or vendor (spec §2.9).
+
+`vendor` reproduces every quantisation point of the vendor path: fp8 activations per 32 before
+fp8/fp4 GEMMs, fp8 window KV, fp4 compressed KV, fp4 indexer q/k. `reference` keeps fp32
+throughout with none of them, to compare with fp32 references such as colibri's.
+The activation dtype (fp32 or bf16 between ops) is a separate choice: CPU runs fp32, CUDA bf16.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from strata.errors import ConfigError
+
+MODES = ("reference", "vendor")
+
+
+@dataclass(frozen=True)
+class Numerics:
+    mode: str = "reference"
+    act_dtype: torch.dtype = torch.float32
+    # Vendor quirk (spec §2.6): a ratio-2 index source with no new latent in this forward
+    # scores against the previous forward's last published keys. Off by default: it makes
+    # decode differ from prefill, and HF transformers implements the intended semantics.
+    vendor_stale_index_k: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"numerics mode {self.mode!r}: expected one of {MODES}")
+        if self.act_dtype not in (torch.float32, torch.bfloat16):
+            raise ConfigError(f"activation dtype {self.act_dtype}: expected float32 or bfloat16")
+
+    @property
+    def quantize(self) -> bool:
+        return self.mode == "vendor"
+
+    @classmethod
+    def for_device(cls, device: torch.device | str, mode: str = "reference",
+                   act_dtype: str | None = None, vendor_stale_index_k: bool = False) -> "Numerics":
+        """CPU defaults to fp32 activations, CUDA to bf16 (spec: bf16 where the vendor has it)."""
+        device = torch.device(device)
+        if act_dtype is None:
+            dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+        else:
+            dt = {"float32": torch.float32, "fp32": torch.float32,
+                  "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}.get(act_dtype)
+            if dt is None:
+                raise ConfigError(f"activation dtype {act_dtype!r}: expected float32 or bfloat16")
+        return cls(mode=mode, act_dtype=dt, vendor_stale_index_k=vendor_stale_index_k)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """w ⊙ x·rsqrt(mean(x²)+eps), computed in fp32 and cast back to x's dtype."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype)
+
+
+def row_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, K] · w[N, K]ᵀ → [T, N], every row computed by the same [1, K]×[K, N] product.
+
+    Batch invariance: a row's result must not depend on how many rows share the call (a
+    plain GEMM picks kernels by M and changes the rounding), so a prefill chunk, a verify
+    window and a single decode step compute bit-identical rows.
+    """
+    T = x.shape[0]
+    return torch.bmm(x.unsqueeze(1), w.t().unsqueeze(0).expand(T, -1, -1)).squeeze(1)

@@ -1,0 +1,96 @@
+"""Every weight matmul goes through one Linear interface, whatever the stored format.
+
+Backends hold the checkpoint's stored tensors unchanged (fp8 bytes + ue8m0 tile scales, packed
+fp4 + per-32 scales, or plain bf16/fp32) and expose `forward(x, numerics)` and `dequantize()`.
+This torch reference dequantizes once and keeps the dense copy (`materialize`); fast kernels
+(Triton, issue 5) replace `forward` behind the same interface without a dense copy.
+In vendor numerics, fp8/fp4 GEMMs first quantise the activation to fp8 per 32 along K.
+"""
+from __future__ import annotations
+
+import torch
+
+from strata.checkpoint.encodings import dequant_fp4_group, dequant_fp8_block
+from strata.model.numerics import Numerics, row_matmul
+from strata.quant.qdq import fp8_act_qdq
+
+
+class Linear:
+    """y = x·Wᵀ for W [out_features, in_features]."""
+
+    quantized_activations = False  # vendor mode quantises x to fp8 before this GEMM
+
+    def __init__(self, out_features: int, in_features: int) -> None:
+        self.out_features = out_features
+        self.in_features = in_features
+        self._dense: dict[torch.dtype, torch.Tensor] = {}
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        raise NotImplementedError
+
+    def materialize(self, dtype: torch.dtype) -> torch.Tensor:
+        w = self._dense.get(dtype)
+        if w is None:
+            w = self.dequantize(dtype)
+            self._dense[dtype] = w
+        return w
+
+    def forward(self, x: torch.Tensor, nx: Numerics, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        if nx.quantize and self.quantized_activations:
+            x = fp8_act_qdq(x)
+        # An fp32 output (gate, head, compressor) is also computed in fp32.
+        cd = torch.float32 if out_dtype == torch.float32 else nx.act_dtype
+        w = self.materialize(cd)
+        y = row_matmul(x.to(cd), w)
+        return y.to(out_dtype or nx.act_dtype)
+
+    __call__ = forward
+
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+
+class DenseLinear(Linear):
+    """A bf16/fp32 weight stored as is (norm-free projections, gate, head, compressor)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__(*weight.shape)
+        self.weight = weight
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.weight.to(dtype)
+
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+class Fp8Block32Linear(Linear):
+    """fp8 e4m3 weight with one ue8m0 scale per 32×32 tile (official dense format)."""
+
+    quantized_activations = True
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        super().__init__(*weight.shape)
+        self.weight, self.scale = weight, scale
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequant_fp8_block(self.weight, self.scale).to(dtype)
+
+    def nbytes(self) -> int:
+        return self.weight.numel() + self.scale.numel()
+
+
+class Fp4Group32Linear(Linear):
+    """fp4 e2m1 weight packed two per byte, ue8m0 scale per 32 along K (official experts)."""
+
+    quantized_activations = True
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        super().__init__(weight.shape[0], weight.shape[1] * 2)
+        self.weight, self.scale = weight, scale
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequant_fp4_group(self.weight, self.scale).to(dtype)
+
+    def nbytes(self) -> int:
+        return self.weight.numel() + self.scale.numel()

@@ -1,0 +1,222 @@
+"""Per-session decode state with snapshot → commit / rollback (DESIGN.md, spec §4).
+
+Everything a forward writes lives here, preallocated on the model's device:
+- `window[l]`: each layer's sliding-window KV in a position-tagged ring (rows are valid for a
+  query by their tag, so rows of rejected positions are simply never read again);
+- `comp_tail[l]`: per-token compressor inputs (k, gate) of ratio-2 kv-source layers, a ring
+  holding the unfinished group's first token across forwards;
+- `comp_kv[l]`, `index_k[l]`: compressed KV and index keys of kv-source layers, at absolute
+  entry indices (entry j ↔ tokens [j·r, (j+1)·r)); entries past the committed position are
+  invisible by construction and overwritten when recomputed;
+- `tokens`: the committed token ids (Engram history, prefix matching);
+- `position`: the number of committed tokens.
+
+Rolling back never copies whole caches: a forward run under `begin()` journals only the ring
+slots it overwrites (cost ∝ rows written), and rollback restores those of rejected positions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from strata.config import ModelConfig
+from strata.errors import CapacityError
+
+
+class PositionRing:
+    """A ring of `size` rows addressed by absolute position (slot = pos % size), with tags."""
+
+    def __init__(self, size: int, row_shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device, keep: int) -> None:
+        if size < keep + 1:
+            raise ValueError(f"ring of {size} rows cannot keep {keep} rows of history")
+        self.size = size
+        self.keep = keep  # rows before the current position that later reads may need
+        self.rows = torch.zeros((size,) + row_shape, dtype=dtype, device=device)
+        self.tags = torch.full((size,), -1, dtype=torch.long, device=device)
+
+    def read_before(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All rows with their tags; rows not strictly before `start` get tag -1 (invalid)."""
+        tags = torch.where(self.tags < start, self.tags, torch.full_like(self.tags, -1))
+        return self.rows, tags
+
+    def gather(self, positions: torch.Tensor) -> torch.Tensor:
+        """Rows of the given positions (the caller guarantees they are present)."""
+        return self.rows[positions % self.size]
+
+    def write(self, positions: torch.Tensor, rows: torch.Tensor,
+              journal: "Journal | None") -> None:
+        """Write rows for ascending consecutive positions; journal the displaced slots.
+
+        Only the last `size` rows can be stored; a journaled write that drops earlier rows
+        can then be rolled back wholly, or to a point whose history it still holds.
+        """
+        first = int(positions[0]) if positions.numel() else 0
+        if positions.numel() > self.size:
+            positions, rows = positions[-self.size:], rows[-self.size:]
+        slots = positions % self.size
+        if journal is not None:
+            journal.writes.append(RingWrite(self, first, slots, positions,
+                                            self.rows[slots].clone(), self.tags[slots].clone()))
+        self.rows[slots] = rows.to(self.rows.dtype)
+        self.tags[slots] = positions
+
+    def clone(self) -> "PositionRing":
+        other = object.__new__(PositionRing)
+        other.size, other.keep = self.size, self.keep
+        other.rows, other.tags = self.rows.clone(), self.tags.clone()
+        return other
+
+
+@dataclass
+class RingWrite:
+    """One journaled ring write: the slots it overwrote and what they held."""
+
+    ring: PositionRing
+    first: int                 # first position the caller asked to write
+    slots: torch.Tensor
+    positions: torch.Tensor    # positions actually stored (the last `size` of the write)
+    old_rows: torch.Tensor
+    old_tags: torch.Tensor
+
+    def undo_from(self, to: int) -> None:
+        """Restore the slots of positions ≥ `to`."""
+        kept_from = int(self.positions[0]) if self.positions.numel() else self.first
+        if self.first < to < kept_from + self.ring.keep and kept_from > self.first:
+            raise ValueError(f"cannot roll back to position {to}: this write kept only "
+                             f"positions ≥ {kept_from} of the {self.ring.keep} it needs before {to}")
+        undo = self.positions >= to
+        s = self.slots[undo]
+        self.ring.rows[s] = self.old_rows[undo]
+        self.ring.tags[s] = self.old_tags[undo]
+
+
+@dataclass
+class Journal:
+    """What the forwards since begin() displaced from the rings, to undo rejected rows."""
+
+    start: int
+    n_written: int = 0
+    stale_index_source: int | None = None
+    writes: list[RingWrite] = field(default_factory=list)
+
+
+class State:
+    """Decode state of one sequence for a given model config and capacity (in tokens)."""
+
+    def __init__(self, cfg: ModelConfig, capacity: int, device: torch.device | str = "cpu",
+                 kv_dtype: torch.dtype = torch.float32, ring_size: int | None = None) -> None:
+        device = torch.device(device)
+        self.cfg, self.capacity, self.device = cfg, capacity, device
+        W = cfg.sliding_window
+        # Window plus the widest verify window, so rejected rows never displace live ones.
+        self.ring_size = ring_size or (W + max(128, 2 * cfg.dspark_block_size + 2))
+        hd, ihd = cfg.head_dim, cfg.index_head_dim
+        self.window = [PositionRing(self.ring_size, (hd,), kv_dtype, device, keep=W - 1)
+                       for _ in range(cfg.n_layers)]
+        self.comp_tail: dict[int, PositionRing] = {}
+        self.comp_kv: dict[int, torch.Tensor] = {}
+        self.index_k: dict[int, torch.Tensor] = {}
+        for l in cfg.kv_source_layer_ids:
+            r = cfg.ratio(l)
+            if r > 1:
+                self.comp_tail[l] = PositionRing(max(16, 2 * r), (2, hd), torch.float32,
+                                                 device, keep=r - 1)
+            n = capacity // r
+            self.comp_kv[l] = torch.zeros((n, hd), dtype=kv_dtype, device=device)
+            if cfg.is_index_source(l):
+                self.index_k[l] = torch.zeros((n, ihd), dtype=kv_dtype, device=device)
+        self.tokens = torch.zeros(capacity, dtype=torch.long, device=device)
+        self.position = 0
+        # vendor_stale_index_k: last kv-source layer that published keys in the last forward
+        self.stale_index_source: int | None = None
+        self.journal: Journal | None = None
+
+    # ---- forward bookkeeping ------------------------------------------------------------
+    def check_room(self, n_new: int) -> None:
+        if self.position + n_new > self.capacity:
+            raise CapacityError(
+                f"{self.position} tokens in context + {n_new} new = {self.position + n_new} "
+                f"exceeds the session capacity of {self.capacity} tokens")
+
+    def advance(self, tokens: torch.Tensor) -> None:
+        """Record the forward's tokens as written (the caller commits or rolls back)."""
+        T = tokens.numel()
+        self.tokens[self.position:self.position + T] = tokens
+        if self.journal is not None:
+            self.journal.n_written += T
+        self.position += T
+
+    # ---- snapshot / commit / rollback ---------------------------------------------------
+    def begin(self) -> Journal:
+        """Start journaling ring writes; the next forwards can be rolled back to here."""
+        if self.journal is not None:
+            raise RuntimeError("a snapshot is already open on this state")
+        self.journal = Journal(start=self.position, stale_index_source=self.stale_index_source)
+        return self.journal
+
+    def commit(self) -> None:
+        """Keep everything written since begin()."""
+        self.journal = None
+
+    def rollback(self, to: int | None = None) -> None:
+        """Undo every row written since begin() for positions ≥ `to` (default: all of them)."""
+        j = self.journal
+        if j is None:
+            raise RuntimeError("rollback without an open snapshot")
+        to = j.start if to is None else to
+        end = j.start + j.n_written
+        if not j.start <= to <= end:
+            raise ValueError(f"rollback target {to} outside the journaled range "
+                             f"[{j.start}, {end}]")
+        for w in reversed(j.writes):
+            w.undo_from(to)
+        if to == j.start:
+            self.stale_index_source = j.stale_index_source
+        self.position = to
+        self.journal = None
+
+    # ---- inspection (tests, prefix reuse) -----------------------------------------------
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every cache tensor by name, for bit-exact comparisons."""
+        out: dict[str, torch.Tensor] = {"tokens": self.tokens[:self.position]}
+        for l, ring in enumerate(self.window):
+            out[f"window.{l}.rows"], out[f"window.{l}.tags"] = ring.rows, ring.tags
+        for l, ring in self.comp_tail.items():
+            out[f"comp_tail.{l}.rows"], out[f"comp_tail.{l}.tags"] = ring.rows, ring.tags
+        for l, t in self.comp_kv.items():
+            out[f"comp_kv.{l}"] = t[:self.position // self.cfg.ratio(l)]
+        for l, t in self.index_k.items():
+            out[f"index_k.{l}"] = t[:self.position // self.cfg.ratio(l)]
+        return out
+
+    def live_tensors(self) -> dict[str, torch.Tensor]:
+        """What later forwards can read: ring rows in reach of the next position, caches up
+        to the committed entry count. Two states that agree here decode identically."""
+        out = {"tokens": self.tokens[:self.position]}
+        p = self.position
+        for name, rings in (("window", dict(enumerate(self.window))), ("comp_tail", self.comp_tail)):
+            for l, ring in rings.items():
+                lo = p - ring.keep
+                live = (ring.tags >= max(lo, 0)) & (ring.tags < p)
+                order = torch.argsort(torch.where(live, ring.tags, torch.full_like(ring.tags, -1)))
+                keep = order[live[order]]
+                out[f"{name}.{l}.tags"] = ring.tags[keep]
+                out[f"{name}.{l}.rows"] = ring.rows[keep]
+        for l, t in self.comp_kv.items():
+            out[f"comp_kv.{l}"] = t[:p // self.cfg.ratio(l)]
+        for l, t in self.index_k.items():
+            out[f"index_k.{l}"] = t[:p // self.cfg.ratio(l)]
+        return out
+
+    def clone(self) -> "State":
+        other = object.__new__(State)
+        other.__dict__.update(self.__dict__)
+        other.window = [r.clone() for r in self.window]
+        other.comp_tail = {l: r.clone() for l, r in self.comp_tail.items()}
+        other.comp_kv = {l: t.clone() for l, t in self.comp_kv.items()}
+        other.index_k = {l: t.clone() for l, t in self.index_k.items()}
+        other.tokens = self.tokens.clone()
+        other.journal = None
+        return other
