@@ -1,0 +1,44 @@
+"""Shared fixtures: deterministic tiny checkpoints generated once per test session."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("ATEN_CPU_CAPABILITY", "default")  # before torch: see strata/__init__.py
+
+import pytest
+import torch
+
+from strata.checkpoint.tiny import make_tiny
+from strata.model.model import Model
+from strata.model.numerics import Numerics
+
+
+def pytest_sessionstart(session):
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap != "DEFAULT":
+        raise pytest.UsageError(
+            f"torch was imported with CPU capability {cap}; the batch-invariance tests need "
+            "ATEN_CPU_CAPABILITY=default set before torch is first imported")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """The small-vocabulary fixture (320 ids, every layer role)."""
+    return make_tiny(tmp_path_factory.mktemp("tiny"), "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def real_vocab_dir(tmp_path_factory):
+    """The real-tokenizer fixture (129,280 ids)."""
+    return make_tiny(tmp_path_factory.mktemp("realvocab"), "real-vocab", seed=0)
+
+
+@pytest.fixture(scope="session", params=["reference", "vendor"])
+def tiny_model(request, tiny_dir):
+    """The tiny model in each numerics mode (fp32 activations on CPU)."""
+    return Model.load(tiny_dir, "cpu", Numerics(mode=request.param))
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_dir):
+    return Model.load(tiny_dir, "cpu", Numerics(mode="reference"))
