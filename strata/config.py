@@ -36,6 +36,8 @@ VENDOR_NAMES = {
 }
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
+# Vendor names that are not also HF names: any of them marks a flat inference/config.json.
+_VENDOR_ONLY = tuple(v for hf, v in VENDOR_NAMES.items() if v != hf) + ("original_seq_len",)
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,7 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: top level must be a JSON object")
         top = raw
+        vendor = False
         model_type = raw.get("model_type")
         if "text_config" in raw:
             text = raw["text_config"]
@@ -160,8 +163,13 @@ class ModelConfig:
             if model_type not in (None, "deepseek_v41"):
                 raise ConfigError(f"{source}: model_type {model_type!r} is not supported "
                                   f"(expected one of {SUPPORTED_MODEL_TYPES})")
+            text_type = text.get("model_type")
+            if text_type not in (None, "deepseek_v41_text"):
+                raise ConfigError(f"{source}: text_config.model_type {text_type!r} is not "
+                                  "supported (expected 'deepseek_v41_text')")
             model_type = "deepseek_v41"
-        elif "dim" in raw and "n_layers" in raw:
+        elif any(v in raw for v in _VENDOR_ONLY):
+            vendor = True
             text = {hf: raw[v] for hf, v in VENDOR_NAMES.items() if v in raw}
             text.update({k: v for k, v in raw.items() if k not in VENDOR_NAMES.values()})
             model_type = model_type or "deepseek_v41"
@@ -180,13 +188,16 @@ class ModelConfig:
         missing = []
         for name, f in known.items():
             if name in vals:
-                kwargs[name] = _coerce(name, vals[name], f.type, source)
+                shown = f"{name} (vendor: {VENDOR_NAMES[name]})" \
+                    if vendor and VENDOR_NAMES.get(name, name) != name else name
+                kwargs[name] = _coerce(shown, vals[name], f.type, source)
             elif name in _DEFAULTS:
                 kwargs[name] = _DEFAULTS[name]
             elif f.default is not MISSING:  # has a dataclass default
                 continue
             else:
-                missing.append(name)
+                missing.append(f"{name} (vendor: {VENDOR_NAMES[name]})"
+                               if vendor and VENDOR_NAMES.get(name, name) != name else name)
         if missing:
             raise ConfigError(f"{source}: missing field(s) {', '.join(missing)}")
         cfg = cls(**kwargs)
@@ -299,12 +310,12 @@ class ModelConfig:
             if not self.is_kv_source(s) and not self.is_reindex(s):
                 raise bad(f"index source layer {s} owns no keys and is not a reindex layer "
                           "after the candidate source")
-        if self.head_dim % 32 or self.q_lora_rank % 32 or self.hidden_size % 32 \
-                or self.o_lora_rank % 32 or self.moe_intermediate_size % 32 \
-                or self.index_head_dim % 32 or self.engram_head_dim % 32:
-            raise bad("hidden_size, head_dim, q_lora_rank, o_lora_rank, moe_intermediate_size, "
-                      "index_head_dim and engram_head_dim must all be multiples of 32 "
-                      "(32-wide quantisation blocks)")
+        for k in ("hidden_size", "head_dim", "q_lora_rank", "o_lora_rank",
+                  "moe_intermediate_size", "index_head_dim", "engram_head_dim"):
+            if getattr(self, k) % 32:
+                raise bad(f"{k} = {getattr(self, k)} is not a multiple of 32 (hidden_size, "
+                          "head_dim, q_lora_rank, o_lora_rank, moe_intermediate_size, "
+                          "index_head_dim and engram_head_dim are quantised in 32-wide blocks)")
         if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.head_dim:
             raise bad("qk_rope_head_dim must be even and ≤ head_dim")
         if self.qk_rope_head_dim > self.index_head_dim:
@@ -389,19 +400,25 @@ def _flatten_rope(text: dict[str, Any], source: str) -> dict[str, Any]:
     return vals
 
 
+def _as_int(value: Any) -> int:
+    """A JSON integer (an integral float like 5120.0 too); not a bool, string or fraction."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or (isinstance(value, float) and not value.is_integer()):
+        raise TypeError
+    return int(value)
+
+
 def _coerce(name: str, value: Any, typ: Any, source: str) -> Any:
     typ = str(typ)
     try:
         if typ.startswith("tuple"):
             if not isinstance(value, (list, tuple)):
                 raise TypeError
-            return tuple(int(v) for v in value)
+            return tuple(_as_int(v) for v in value)
         if typ == "int":
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise TypeError
-            return int(value)
+            return _as_int(value)
         if typ == "float":
-            if isinstance(value, bool):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError
             return float(value)
         if typ == "str":

@@ -265,3 +265,34 @@ def make_tiny(out: str | Path, preset: str = "real-vocab", seed: int = 0) -> Pat
         "tokenizer_class": "PreTrainedTokenizerFast"}, indent=1, ensure_ascii=False))
     (out / "strata_fixture.json").write_text(json.dumps({"preset": preset, "seed": seed}))
     return out
+
+
+def default_cache_dir() -> Path:
+    """Where generated fixtures and caches live: $STRATA_CACHE, else the XDG cache."""
+    import os
+    env = os.environ.get("STRATA_CACHE")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "strata"
+
+
+def default_model_dir(preset: str = "real-vocab", seed: int = 0) -> Path:
+    """The embedded default model: generated on first use, then reused."""
+    import shutil
+    import tempfile
+    target = default_cache_dir() / "fixtures" / f"{preset}-seed{seed}"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{preset}-", dir=target.parent))
+    try:
+        make_tiny(tmp, preset, seed)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished first
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -70,6 +70,10 @@ class WeightReader:
             s = self.tensor(f"{prefix}.scale", SCALE_DTYPES, (out_features, in_features // 32))
             return Fp4Group32Linear(w, s)
         if dt in ("BF16", "F32", "F16"):
+            if self.folder.has(f"{prefix}.scale"):
+                raise CheckpointError(f"{self._where(name)} has dtype {dt} but a scale tensor "
+                                      f"{prefix}.scale stands beside it: a quantized weight "
+                                      "(F8_E4M3 or I8) was expected")
             return DenseLinear(self.tensor(name, dt, (out_features, in_features)))
         raise CheckpointError(f"{self._where(name)} has dtype {dt}; expected F8_E4M3 (+scale), "
                               "I8 packed fp4 (+scale), BF16 or F32")

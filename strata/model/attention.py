@@ -15,7 +15,7 @@ from strata.config import ModelConfig
 from strata.model.compressor import Compressor
 from strata.model.context import ForwardContext
 from strata.model.indexer import Indexer
-from strata.model.numerics import rms_norm, row_matmul
+from strata.model.numerics import rms_norm, row_matmul, rows_bmm
 from strata.model.rope import apply_rope
 from strata.quant.qdq import fp4_qdq_e4m3_scale, fp8_act_qdq
 from strata.runtime.state import State
@@ -131,8 +131,8 @@ def sparse_attention(q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
     if comp_rows is not None:
         rows = torch.cat((rows, comp_rows), dim=1)
         mask = torch.cat((mask, comp_mask), dim=1)
-    s = torch.bmm(q, rows.transpose(1, 2)) * scale  # [T, H, n]
+    s = rows_bmm(q, rows) * scale  # [T, H, n]
     s = torch.where(mask[:, None, :], s, torch.tensor(float("-inf"), device=q.device))
     s = torch.cat((s, sink.view(1, H, 1).expand(T, H, 1)), dim=-1)
     p = torch.softmax(s, dim=-1)[..., :-1]
-    return torch.bmm(p, rows)
+    return rows_bmm(p, rows.transpose(1, 2))

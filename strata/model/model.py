@@ -79,13 +79,37 @@ class Model:
         """
         cfg = self.cfg
         nx = numerics or self.numerics
-        tokens = tokens.to(self.device).long().view(-1)
+        if logits not in ("all", "last", "none"):
+            raise ValueError(f"logits={logits!r}: expected 'all', 'last' or 'none'")
+        tokens = tokens.to(self.device).view(-1)
+        if tokens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"token ids must be integers, got {tokens.dtype}")
+        tokens = tokens.long()
         T = tokens.numel()
         if T == 0:
             raise ValueError("forward needs at least one token")
         if int(tokens.min()) < 0 or int(tokens.max()) >= cfg.vocab_size:
             raise ValueError(f"token ids must be in 0..{cfg.vocab_size - 1}")
         state.check_room(T)
+        # A forward that fails part-way must not leave half-written rings behind: without a
+        # caller's snapshot, it journals its own writes and undoes them on error.
+        own_journal = state.journal is None
+        if own_journal:
+            state.begin()
+        try:
+            out = self._forward(tokens, state, logits, nx)
+        except BaseException:
+            if own_journal:
+                state.rollback()
+            raise
+        if own_journal:
+            state.commit()
+        return out
+
+    def _forward(self, tokens: torch.Tensor, state: State, logits: str,
+                 nx: Numerics) -> tuple[torch.Tensor | None, ForwardContext]:
+        cfg = self.cfg
+        T = tokens.numel()
         start = state.position
         positions = torch.arange(start, start + T, device=self.device)
         ctx = ForwardContext(cfg, nx, start, positions)

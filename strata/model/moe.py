@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from strata.checkpoint.encodings import dequant_fp4_group, dequant_fp8_block
 from strata.checkpoint.weights import WeightReader
 from strata.config import ModelConfig
-from strata.model.numerics import Numerics, row_matmul
+from strata.model.numerics import Numerics, row_matmul, rows_bmm
 from strata.quant.linear import Linear
 from strata.quant.qdq import fp8_act_qdq
 
@@ -73,11 +73,11 @@ class ExpertStack:
         if T * k <= GATHER_PAIRS:
             flat = idx.reshape(-1)
             xs = xq.repeat_interleave(k, dim=0).unsqueeze(1)  # [T·k, 1, D]
-            g = torch.bmm(xs, w1[flat].transpose(1, 2)).squeeze(1)
-            v = torch.bmm(xs, w3[flat].transpose(1, 2)).squeeze(1)
+            g = rows_bmm(xs, w1[flat]).squeeze(1)
+            v = rows_bmm(xs, w3[flat]).squeeze(1)
             a = swiglu(g, v, self.limit) * weight.reshape(-1, 1).float()
             a = (fp8_act_qdq(a) if quant else a).to(dt).unsqueeze(1)
-            ys = torch.bmm(a, w2[flat].transpose(1, 2)).squeeze(1).float().view(T, k, -1)
+            ys = rows_bmm(a, w2[flat]).squeeze(1).float().view(T, k, -1)
         else:
             ys = torch.empty((T, k, x.shape[1]), dtype=torch.float32, device=x.device)
             for e in torch.unique(idx).tolist():

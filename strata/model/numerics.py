@@ -59,12 +59,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y.to(x.dtype)
 
 
-def row_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [T, K] · w[N, K]ᵀ → [T, N], every row computed by the same [1, K]×[K, N] product.
+def rows_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [B, M, K] · w[b]ᵀ for w [B or 1, N, K] → [B, M, N]; every row computed alike.
 
-    Batch invariance: a row's result must not depend on how many rows share the call (a
-    plain GEMM picks kernels by M and changes the rounding), so a prefill chunk, a verify
-    window and a single decode step compute bit-identical rows.
+    Batch invariance: a row's result must not depend on how many rows share the call (BLAS
+    libraries pick kernels from the whole shape and change the rounding), so a prefill chunk,
+    a verify window and a single decode step compute bit-identical rows. On CPU a bmm of
+    per-batch products is invariant (checked by scripts/batch_invariance.py); on CUDA cuBLAS is
+    not, and the fixed-order Triton kernel in strata.kernels.rowwise is used.
     """
-    T = x.shape[0]
-    return torch.bmm(x.unsqueeze(1), w.t().unsqueeze(0).expand(T, -1, -1)).squeeze(1)
+    if x.is_cuda:
+        from strata.kernels.rowwise import rowwise_bmm
+        return rowwise_bmm(x, w)
+    return torch.bmm(x, w.expand(x.shape[0], -1, -1).transpose(1, 2))
+
+
+def row_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, K] · w[N, K]ᵀ → [T, N], each row by the same [1, K]×[K, N] product."""
+    return rows_bmm(x.unsqueeze(1), w.unsqueeze(0)).squeeze(1)

@@ -1,0 +1,265 @@
+"""strata: command-line entry point.
+
+  strata generate  [--model DIR] (--prompt TEXT | --tokens IDS) --max-tokens N ...
+  strata score     [--model DIR] --tokens IDS --mode prefill|decode|chunk:N [--start K] --save F.npz
+  strata inspect   DIR
+  strata make-tiny OUT [--preset tiny|real-vocab] [--seed N]
+
+With no --model, the embedded tiny real-vocabulary fixture is generated into the cache
+directory ($STRATA_CACHE or ~/.cache/strata) on first use.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import strata  # noqa: F401  (sets the CPU kernel capability before torch loads)
+
+import torch
+
+from strata.errors import StrataError
+
+
+def _model_dir(arg: str | None) -> Path:
+    from strata.checkpoint.tiny import default_model_dir
+    return Path(arg) if arg else default_model_dir()
+
+
+def _load(args) -> "Model":  # noqa: F821
+    from strata.model.model import Model
+    from strata.model.numerics import Numerics
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise StrataError(f"--device {args.device!r}: expected cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise StrataError(f"--device {args.device}: CUDA is not available on this machine")
+        if (device.index or 0) >= n:
+            raise StrataError(f"--device {args.device}: this machine has {n} CUDA device(s)")
+    elif device.type != "cpu":
+        raise StrataError(f"--device {args.device!r}: expected cpu, cuda or cuda:N")
+    mode = args.numerics or ("vendor" if device.type == "cuda" else "reference")
+    nx = Numerics.for_device(device, mode, args.dtype, args.vendor_stale_index_k)
+    return Model.load(_model_dir(args.model), device, nx)
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise StrataError(f"--tokens {text!r}: expected integers separated by commas or spaces") \
+            from None
+    if not ids:
+        raise StrataError("--tokens: no token ids given")
+    return ids
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="checkpoint folder (default: the embedded tiny fixture)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--numerics", choices=["reference", "vendor"],
+                   help="reference: fp32, no quantisation points; vendor: every quantisation "
+                        "point of the official path (default: reference on CPU, vendor on CUDA)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"],
+                   help="activation dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--vendor-stale-index-k", action="store_true",
+                   help="reproduce the vendor's stale index-key quirk (spec §2.6)")
+    p.add_argument("--capacity", type=int, default=None,
+                   help="context capacity in tokens (default: prompt + max tokens)")
+
+
+def cmd_generate(args) -> int:
+    from strata.runtime.sampling import SamplingParams
+    from strata.runtime.session import Session
+    from strata.tokenizer import load_tokenizer, tokenizer_path
+    model = _load(args)
+    model_dir = _model_dir(args.model)
+    tok = load_tokenizer(model_dir)
+    if args.tokens is not None:
+        prompt = _parse_ids(args.tokens)
+    else:
+        import deepseek_recipe as dr
+        conv = dr.Conversation([dr.UserMessage(args.prompt)], thinking_mode=args.thinking)
+        rtok = dr.Tokenizer.from_file(str(tokenizer_path(model_dir)))
+        prompt = list(dr.DeepseekV41Encoding().with_tokenizer(rtok).encode(conv))
+    params = SamplingParams(args.temperature, args.top_p, args.seed)
+    cap = args.capacity or len(prompt) + args.max_tokens
+    session = Session(model, cap)
+    t0 = time.perf_counter()
+    result = session.run(prompt, args.max_tokens, params)
+    dt = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps({"prompt_tokens": prompt, "tokens": result.tokens,
+                          "text": tok.decode(result.tokens, skip_special_tokens=False),
+                          "finish_reason": result.finish_reason, "seconds": dt}))
+    else:
+        print(tok.decode(result.tokens, skip_special_tokens=False))
+        print(f"[{len(prompt)} prompt tokens, {len(result.tokens)} generated, "
+              f"{result.finish_reason}, {dt:.2f} s]", file=sys.stderr)
+    return 0
+
+
+def cmd_score(args) -> int:
+    import numpy as np
+    model = _load(args)
+    ids = _parse_ids(args.tokens)
+    if not 0 <= args.start < len(ids):
+        raise StrataError(f"--start {args.start}: must be in 0..{len(ids) - 1}")
+    mode = args.mode
+    if mode == "prefill":
+        chunk = len(ids)
+    elif mode == "decode":
+        chunk = 1
+    elif mode.startswith("chunk:") and mode[6:].isdigit() and int(mode[6:]) > 0:
+        chunk = int(mode[6:])
+    else:
+        raise StrataError(f"--mode {mode!r}: expected prefill, decode or chunk:N")
+    state = model.new_state(args.capacity or len(ids))
+    tokens = torch.tensor(ids)
+    out = []
+    for lo, hi in ((0, args.start), (args.start, len(ids))):
+        for i in range(lo, hi, chunk):
+            j = min(i + chunk, hi)
+            logits, _ = model.forward(tokens[i:j], state, logits="all" if lo == args.start else "none")
+            if logits is not None:
+                out.append(logits.cpu())
+    logits = torch.cat(out).numpy()
+    np.savez(args.save, logits=logits, tokens=np.array(ids),
+             positions=np.arange(args.start, len(ids)), mode=mode)
+    print(f"saved logits {list(logits.shape)} for positions {args.start}..{len(ids) - 1} "
+          f"to {args.save}")
+    return 0
+
+
+def _group(name: str) -> str:
+    if name.startswith("mtp."):
+        return "dspark"
+    if name.startswith(("vision.", "aligner.")):
+        return "vision"
+    if ".engram.embed." in name:
+        return "engram tables"
+    if ".engram." in name:
+        return "engram projections"
+    if ".ffn.experts." in name:
+        return "routed experts"
+    if ".ffn.shared_experts." in name:
+        return "shared experts"
+    if ".ffn.gate" in name:
+        return "router"
+    if ".attn.compressor." in name:
+        return "compressor"
+    if ".attn.indexer." in name:
+        return "indexer"
+    if ".attn." in name:
+        return "attention"
+    if ".hc_" in name:
+        return "mhc"
+    if name.endswith("norm.weight"):
+        return "norms"
+    if name.split(".")[0] in ("embed", "head", "norm", "image_start", "image_end", "image_newline"):
+        return "embed/head"
+    return "other"
+
+
+def cmd_inspect(args) -> int:
+    from strata.checkpoint.safetensors_io import CheckpointFolder
+    from strata.config import ModelConfig
+    folder = Path(args.dir)
+    cfg = ModelConfig.from_model_dir(folder)
+    ckpt = CheckpointFolder(folder)
+    groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    dtypes: dict[str, int] = defaultdict(int)
+    for name in ckpt.names():
+        info = ckpt.info(name)
+        g = groups[_group(name)]
+        g[0] += 1
+        g[1] += info.nbytes
+        dtypes[info.dtype] += info.nbytes
+    if any(n.endswith(".trellis") for n in ckpt.names()):
+        fmt = "EXL3"
+    elif "F8_E4M3" in dtypes:
+        fmt = "official (fp8 dense, fp4 experts, fp8 Engram)"
+    else:
+        fmt = "unquantized"
+    print(f"{folder}: {fmt}; {len(ckpt.files())} file(s), {len(ckpt.names())} tensors, "
+          f"{ckpt.total_bytes() / 1e9:.3f} GB")
+    print(f"  layers {cfg.n_layers}, hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}"
+          f"×{cfg.head_dim}, vocab {cfg.vocab_size}, experts {cfg.n_routed_experts} top-"
+          f"{cfg.num_experts_per_tok}, window {cfg.sliding_window}")
+    print(f"  compress ratios {list(cfg.compress_ratios[:cfg.n_layers])}; kv sources "
+          f"{list(cfg.kv_source_layer_ids)}; index sources {list(cfg.index_source_layer_ids)}; "
+          f"candidate source {cfg.candidate_source_layer_id}")
+    print(f"  engram layers {list(cfg.engram_layer_ids)} rows {list(cfg.engram_num_embeddings)}; "
+          f"DSpark stages {cfg.num_nextn_predict_layers} targets "
+          f"{list(cfg.dspark_target_layer_ids)}")
+    print(f"  {'group':<20}{'tensors':>9}{'bytes':>16}")
+    for g, (n, b) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {g:<20}{n:>9}{b:>16,}")
+    print("  by dtype: " + ", ".join(f"{k} {v:,}" for k, v in sorted(dtypes.items())))
+    return 0
+
+
+def cmd_make_tiny(args) -> int:
+    from strata.checkpoint.tiny import make_tiny
+    out = make_tiny(args.out, args.preset, args.seed)
+    print(f"wrote {args.preset} fixture (seed {args.seed}) to {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="strata", description="DeepSeek-V4.1-Flash inference engine")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate tokens from a prompt")
+    _add_model_args(g)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="a user message, rendered with the V4.1 chat format")
+    src.add_argument("--tokens", help="raw prompt token ids (comma or space separated)")
+    g.add_argument("--thinking", action="store_true", help="render the prompt in thinking mode")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.set_defaults(fn=cmd_generate)
+
+    s = sub.add_parser("score", help="save per-position logits for a token sequence")
+    _add_model_args(s)
+    s.add_argument("--tokens", required=True)
+    s.add_argument("--mode", default="prefill", help="prefill, decode or chunk:N")
+    s.add_argument("--start", type=int, default=0, help="positions before this are context only")
+    s.add_argument("--save", required=True, help="output .npz (logits, tokens, positions)")
+    s.set_defaults(fn=cmd_score)
+
+    i = sub.add_parser("inspect", help="describe a checkpoint folder")
+    i.add_argument("dir")
+    i.set_defaults(fn=cmd_inspect)
+
+    m = sub.add_parser("make-tiny", help="write a deterministic random fixture checkpoint")
+    m.add_argument("out")
+    m.add_argument("--preset", default="real-vocab", choices=["tiny", "real-vocab"])
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(fn=cmd_make_tiny)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "max_tokens", 1) is not None and getattr(args, "max_tokens", 1) < 1:
+        print("strata: error: --max-tokens must be ≥ 1", file=sys.stderr)
+        return 2
+    try:
+        return args.fn(args)
+    except StrataError as e:
+        print(f"strata: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Sampling as a pure function of (seed, absolute position, logits).
+
+Gumbel-max (the vendor samples argmax(p / Exp(1)), the same distribution): the noise for token
+v at position p comes from a counter-based hash of (seed, p, v), so the token picked at a
+position never depends on how many rows were computed together or on any RNG state. Plain and
+speculative decoding therefore pick the same tokens at any temperature, and a request is
+reproducible from its seed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from strata.errors import StrataError
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(a: torch.Tensor, b: int) -> torch.Tensor:
+    """(a·b) mod 2³² for 0 ≤ a < 2³², in int64 without overflow (16-bit limbs)."""
+    hi, lo = a >> 16, a & 0xFFFF
+    return ((((hi * b) & 0xFFFF) << 16) + lo * b) & _M32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser: a bijection that mixes every input bit."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def uniform_noise(seed: int, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """U(0,1) fp64 [R, V], a deterministic function of (seed, position, token id)."""
+    dev = positions.device
+    v = torch.arange(vocab, device=dev, dtype=torch.long)[None, :]
+    p = positions.long()[:, None]
+    h = _fmix32((v * 0x9E3779B1) & _M32)
+    h = _fmix32(h ^ (p & _M32))
+    h = _fmix32(h ^ ((p >> 32) & _M32) ^ 0x68E31DA4)
+    h = _fmix32(h ^ (seed & _M32))
+    h = _fmix32(h ^ ((seed >> 32) & _M32) ^ 0x1B56C4E9)
+    return (h.double() + 0.5) / 2.0 ** 32
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0):
+            raise StrataError(f"temperature {self.temperature} must be ≥ 0")
+        if not (0.0 < self.top_p <= 1.0):
+            raise StrataError(f"top_p {self.top_p} must be in (0, 1]")
+        if not 0 <= self.seed < 2 ** 63:
+            raise StrataError(f"seed {self.seed} must be in 0..2^63-1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def sample(logits: torch.Tensor, positions: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Token ids [R] for logits [R, V] fp32 of the rows at absolute `positions` [R].
+
+    Greedy: argmax (ties to the lowest id). Otherwise softmax(logits / T) restricted to the
+    top-p nucleus (smallest prefix by descending probability, ties by id, whose mass reaches
+    top_p), sampled by Gumbel-max with the position-keyed noise.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    z = logits.double() / params.temperature
+    if params.top_p < 1.0:
+        probs = torch.softmax(z, dim=-1)
+        order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        before = torch.cumsum(order.values, dim=-1) - order.values  # mass strictly before
+        keep_sorted = before < params.top_p
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order.indices, keep_sorted)
+        z = torch.where(keep, z, torch.full_like(z, float("-inf")))
+    u = uniform_noise(params.seed, positions.to(logits.device), logits.shape[-1])
+    gumbel = -torch.log(-torch.log(u))
+    return (z + gumbel).argmax(dim=-1)

@@ -1,0 +1,73 @@
+"""The command line, run in-process (strata.cli.main) and once as a real subprocess."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from strata.cli import main
+
+
+def test_generate_tokens_json(tiny_dir, capsys):
+    assert main(["generate", "--model", str(tiny_dir), "--tokens", "5,6,7,8", "--max-tokens", "6",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt_tokens"] == [5, 6, 7, 8] and len(out["tokens"]) <= 6
+    assert out["finish_reason"] in ("stop", "length")
+
+
+def test_generate_prompt_is_rendered_with_the_chat_format(tiny_dir, capsys):
+    assert main(["generate", "--model", str(tiny_dir), "--prompt", "hi", "--max-tokens", "2",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+    assert tok.decode(out["prompt_tokens"], skip_special_tokens=False) == \
+        "<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜></think>"
+
+
+def test_score_modes_agree(tiny_dir, tmp_path):
+    ids = " ".join(str(i) for i in range(3, 43))
+    paths = {}
+    for mode in ("prefill", "decode", "chunk:7"):
+        paths[mode] = tmp_path / f"{mode.replace(':', '')}.npz"
+        assert main(["score", "--model", str(tiny_dir), "--tokens", ids, "--mode", mode,
+                     "--start", "5", "--save", str(paths[mode])]) == 0
+    a = np.load(paths["prefill"])
+    assert a["logits"].shape == (35, 320) and list(a["positions"]) == list(range(5, 40))
+    for mode in ("decode", "chunk:7"):
+        assert np.array_equal(np.load(paths[mode])["logits"], a["logits"])
+
+
+def test_inspect(tiny_dir, capsys):
+    assert main(["inspect", str(tiny_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "official (fp8 dense, fp4 experts, fp8 Engram)" in out
+    assert "routed experts" in out and "engram tables" in out and "dspark" in out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["score", "--tokens", "1,x", "--save", "o.npz"], "expected integers"),
+    (["score", "--tokens", "1 2", "--mode", "chunk:0", "--save", "o.npz"], "--mode"),
+    (["generate", "--tokens", "1", "--device", "cuda:99"], "CUDA"),
+    (["generate", "--tokens", "1", "--device", "tpu"], "--device"),
+])
+def test_bad_arguments_are_reported(tiny_dir, capsys, argv, needle):
+    assert main(argv[:1] + ["--model", str(tiny_dir)] + argv[1:]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_make_tiny_and_default_model_subprocess(tmp_path):
+    """`strata generate` with no --model makes the real-vocab fixture in the cache first."""
+    env = dict(os.environ, STRATA_CACHE=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-m", "strata.cli", "generate", "--prompt", "hello",
+                        "--max-tokens", "3", "--json"], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["prompt_tokens"][:2] == [0, 128803] and len(out["tokens"]) == 3
+    assert (tmp_path / "cache" / "fixtures" / "real-vocab-seed0" / "config.json").exists()
