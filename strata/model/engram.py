@@ -13,7 +13,7 @@ import torch
 from strata.checkpoint.encodings import dequant_engram_rows
 from strata.checkpoint.weights import WeightReader
 from strata.config import ModelConfig
-from strata.model.numerics import Numerics
+from strata.model.numerics import Numerics, row_mean, row_sum
 
 
 class EngramTable:
@@ -53,8 +53,9 @@ class Engram:
         key, value = kv[:, :H * D].view(T, H, D), kv[:, H * D:]
         hf = h.float()
         eps = cfg.rms_norm_eps
-        dot = (hf * self.qk_weight * key).sum(-1)
-        dot = dot * torch.rsqrt(hf.pow(2).mean(-1) + eps) * torch.rsqrt(key.pow(2).mean(-1) + eps)
+        dot = row_sum(hf * self.qk_weight * key)[..., 0]
+        dot = dot * torch.rsqrt(row_mean(hf * hf)[..., 0] + eps) \
+            * torch.rsqrt(row_mean(key * key)[..., 0] + eps)
         dot = dot / D ** 0.5
         gate = torch.sigmoid(torch.copysign(torch.sqrt(dot.abs().clamp(min=1e-6)), dot))
         return (hf + gate[..., None] * value[:, None, :]).to(h.dtype)

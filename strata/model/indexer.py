@@ -16,7 +16,7 @@ import torch
 from strata.checkpoint.weights import WeightReader
 from strata.config import ModelConfig
 from strata.model.context import ForwardContext
-from strata.model.numerics import rms_norm
+from strata.model.numerics import rms_norm, rows_bmm
 from strata.model.rope import apply_rope
 from strata.quant.qdq import fp4_qdq_ue8m0
 from strata.runtime.state import State
@@ -99,7 +99,8 @@ class Indexer:
         if nx.quantize:
             q = fp4_qdq_ue8m0(q)
         w = self.weights_proj(u, nx, torch.float32) * (ihd ** -0.5 * nh ** -0.5)
-        scores = torch.einsum("th,thj->tj", w, torch.relu(torch.einsum("thd,jd->thj", q, keys)))
+        per_head = torch.relu(rows_bmm(q, keys.unsqueeze(0)))  # [T, nh, n]
+        scores = rows_bmm(w.unsqueeze(1), per_head.transpose(1, 2)).squeeze(1)  # Σ_h w_h·…
         n_visible = (ctx.positions + 1) // r
         visible = torch.arange(n, device=u.device)[None] < n_visible[:, None]
         scores = torch.where(visible, scores, torch.full_like(scores, float("-inf")))

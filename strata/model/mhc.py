@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.model.numerics import row_matmul
+from strata.model.numerics import row_matmul, row_mean
 
 
 @dataclass
@@ -36,7 +36,7 @@ def hc_mixes(h: torch.Tensor, w: HcWeights, norm_eps: float, hc_eps: float,
     """(pre [T,H], post [T,H], comb [T,H,H]) in fp32 for stream h [T, H, D]."""
     T, H, _ = h.shape
     x = h.float().flatten(1)
-    m = row_matmul(x, w.fn) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm_eps)
+    m = row_matmul(x, w.fn) * torch.rsqrt(row_mean(x * x) + norm_eps)
     s, b = w.scale, w.base
     pre = torch.sigmoid(m[:, :H] * s[0] + b[:H]) + hc_eps
     post = 2 * torch.sigmoid(m[:, H:2 * H] * s[1] + b[H:2 * H])

@@ -53,7 +53,7 @@ class Numerics:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """w ⊙ x·rsqrt(mean(x²)+eps), computed in fp32 and cast back to x's dtype."""
     xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = xf * torch.rsqrt(row_mean(xf * xf) + eps)
     if weight is not None:
         y = y * weight.float()
     return y.to(x.dtype)
@@ -77,3 +77,22 @@ def rows_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def row_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [T, K] · w[N, K]ᵀ → [T, N], each row by the same [1, K]×[K, N] product."""
     return rows_bmm(x.unsqueeze(1), w.unsqueeze(0)).squeeze(1)
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """Σ over the last dim, keepdim, in a fixed order whatever the leading shape.
+
+    CUDA reductions choose their thread layout from the whole tensor's shape, so a long row
+    sums differently alone than among many; a product with a ones vector through the row
+    kernel does not. CPU reductions of a contiguous last dim are already row-invariant.
+    """
+    if not x.is_cuda:
+        return x.sum(-1, keepdim=True)
+    K = x.shape[-1]
+    flat = x.reshape(-1, 1, K)
+    return rows_bmm(flat, torch.ones((1, 1, K), dtype=x.dtype, device=x.device)).view(
+        *x.shape[:-1], 1)
+
+
+def row_mean(x: torch.Tensor) -> torch.Tensor:
+    return row_sum(x) / x.shape[-1]
