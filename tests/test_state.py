@@ -94,3 +94,34 @@ def test_rollback_rules(tiny_reference):
         state.rollback(to=5)
     state.rollback(to=2)
     assert state.position == 2
+
+
+def test_bookmark_restore_and_truncate(tiny_reference):
+    """Prefix reuse: go back to a bookmark (or truncate while the rings still hold the rows)
+    and continue with different tokens — same logits and state as a cold run."""
+    m = tiny_reference
+    a, b = random_tokens(300, seed=10), random_tokens(40, seed=11)
+    state = m.new_state(512)
+    m.forward(a[:100], state, logits="none")
+    bm = state.bookmark()
+    m.forward(a[100:], state, logits="none")      # 200 more: the rings have wrapped
+    assert not state.can_truncate(100)
+    with pytest.raises(ValueError, match="cannot truncate"):
+        state.truncate(100)
+    state.restore(bm)
+    got, _ = m.forward(b, state)
+    cold = m.new_state(512)
+    m.forward(a[:100], cold, logits="none")
+    want, _ = m.forward(b, cold)
+    assert torch.equal(got, want)
+    assert_same(state.live_tensors(), cold.live_tensors())
+
+    assert state.can_truncate(state.position - 20)
+    state.truncate(state.position - 20)
+    cold2 = m.new_state(512)
+    m.forward(torch.cat((a[:100], b[:20])), cold2, logits="none")
+    x, _ = m.forward(b[25:30], state)
+    y, _ = m.forward(b[25:30], cold2)
+    assert torch.equal(x, y)
+    with pytest.raises(ValueError, match="ahead"):
+        state.restore(m.new_state(512).bookmark().__class__(10**6, bm.rings, None))

@@ -102,6 +102,21 @@ class Journal:
     writes: list[RingWrite] = field(default_factory=list)
 
 
+@dataclass
+class Bookmark:
+    """The ring contents at a position: with them, a state that has since gone further on the
+    same tokens can return to `position` exactly (the caches at absolute positions below it
+    were not touched by later forwards). Costs a copy of the rings, not of the caches."""
+
+    position: int
+    rings: list[tuple[torch.Tensor, torch.Tensor]]
+    stale_index_source: int | None
+
+    def nbytes(self) -> int:
+        return sum(r.numel() * r.element_size() + t.numel() * t.element_size()
+                   for r, t in self.rings)
+
+
 class State:
     """Decode state of one sequence for a given model config and capacity (in tokens)."""
 
@@ -121,7 +136,8 @@ class State:
         for l in cfg.kv_source_layer_ids:
             r = cfg.ratio(l)
             if r > 1:
-                self.comp_tail[l] = PositionRing(max(16, 2 * r), (2, hd), torch.float32,
+                # As long as the window ring, so truncation reaches as far back for both.
+                self.comp_tail[l] = PositionRing(self.ring_size, (2, hd), torch.float32,
                                                  device, keep=r - 1)
             n = capacity // r
             self.comp_kv[l] = torch.zeros((n, hd), dtype=kv_dtype, device=device)
@@ -176,6 +192,50 @@ class State:
             self.stale_index_source = j.stale_index_source
         self.position = to
         self.journal = None
+
+    # ---- going back without a journal (prefix reuse) -------------------------------------
+    def _rings(self) -> list[PositionRing]:
+        return list(self.window) + list(self.comp_tail.values())
+
+    def bookmark(self) -> Bookmark:
+        """Remember the current position so the state can later return to it."""
+        if self.journal is not None:
+            raise RuntimeError("commit or roll back the open snapshot before bookmarking")
+        return Bookmark(self.position, [(r.rows.clone(), r.tags.clone()) for r in self._rings()],
+                        self.stale_index_source)
+
+    def restore(self, bm: Bookmark) -> None:
+        """Return to a bookmark taken on this state at or before the current position, with
+        the same tokens up to it (the caller checks tokens; bookmarks past a point the state
+        has been moved back from are invalid and must be dropped)."""
+        if self.journal is not None:
+            raise RuntimeError("commit or roll back the open snapshot before restoring")
+        if bm.position > self.position:
+            raise ValueError(f"bookmark at {bm.position} is ahead of the state ({self.position})")
+        for ring, (rows, tags) in zip(self._rings(), bm.rings):
+            ring.rows.copy_(rows)
+            ring.tags.copy_(tags)
+        self.position = bm.position
+        self.stale_index_source = bm.stale_index_source
+
+    def can_truncate(self, to: int) -> bool:
+        """Whether every ring still holds the rows that positions ≥ `to` will read."""
+        if not 0 <= to <= self.position:
+            return False
+        for ring in self._rings():
+            need = torch.arange(max(0, to - ring.keep), to, device=ring.tags.device)
+            if need.numel() and not bool((ring.tags[need % ring.size] == need).all()):
+                return False
+        return True
+
+    def truncate(self, to: int) -> None:
+        """Forget positions ≥ `to` (their rows are invisible to later forwards)."""
+        if self.journal is not None:
+            raise RuntimeError("commit or roll back the open snapshot before truncating")
+        if not self.can_truncate(to):
+            raise ValueError(f"cannot truncate to {to}: the rings no longer hold the rows "
+                             "before it (restore a bookmark instead)")
+        self.position = to
 
     # ---- inspection (tests, prefix reuse) -----------------------------------------------
     def tensors(self) -> dict[str, torch.Tensor]:
