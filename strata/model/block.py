@@ -47,6 +47,10 @@ class Block:
         cfg = self.cfg
         return hc_mixes(h, hc, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
 
+    def attend(self, u: torch.Tensor, ctx: ForwardContext, state: State) -> torch.Tensor:
+        """The attention sublayer (DSpark stages attend differently: see model/dspark.py)."""
+        return self.attn.forward(u, ctx, state)
+
     def forward(self, h: torch.Tensor, pre_mix: torch.Tensor, ctx: ForwardContext,
                 state: State) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, H, D], pre_mix [T, H] → (h, this block's FFN pre)."""
@@ -58,7 +62,7 @@ class Block:
 
         pre_a, post_a, comb_a = self.mixes(self.hc_attn, h)
         u = rms_norm(collapse(h, pre_mix), self.attn_norm, cfg.rms_norm_eps)
-        y = self.attn.forward(u, ctx, state)
+        y = self.attend(u, ctx, state)
         h = hc_update(y, h, post_a, comb_a)
 
         pre_f, post_f, comb_f = self.mixes(self.hc_ffn, h)

@@ -1,21 +1,72 @@
-"""The DSpark draft head's weights (`mtp.0..N-1`, spec §2.11).
+"""The DSpark draft head (`mtp.0..N-1`, spec §2.11, dspark_engram.md §1.3).
 
-Loaded with the model so a checkpoint is validated whole; the drafting loop and the verify
-step build on these (issue 3). Stages are ordinary blocks (ratio 0, own experts); the head
-shares the backbone's embedding and LM head.
+Context: for every committed main position, main_x = RMSNorm(main_proj · [stream means at
+the inputs of the target layers]; main_norm), and each stage keeps its own window of keys
+fp8(rope(RMSNorm(wkv_k · main_x))) — written for committed rows only (`commit_context`).
+
+Drafting (`draft`): a block [anchor, noise×(γ-1)] at positions P..P+γ-1 (P = the anchor's
+position, one past the last committed row) runs through the stages — ordinary blocks (own
+mHC, 128-expert MoE, window-only RoPE) whose attention sees the stage's window of committed
+keys plus all block rows, non-causally. The collapsed rows give base logits through the
+backbone head; a rank-r Markov bias then makes the drafts semi-autoregressive:
+token_{i+1} = pick(U_i + head_m · embed_m[token_i]). Confidence c_i = σ(proj · [x_i; embed_m
+[token_i]]) estimates P(draft i accepted | the earlier ones were).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+
 from strata.checkpoint.weights import WeightReader
 from strata.config import ModelConfig
+from strata.model.attention import sparse_attention
 from strata.model.block import Block
+from strata.model.context import ForwardContext
+from strata.model.mhc import collapse
+from strata.model.numerics import Numerics, rms_norm, row_matmul
+from strata.runtime.state import State
+
+
+class DSparkStage(Block):
+    """One draft stage: a block whose attention reads the stage's committed-key window."""
+
+    def __init__(self, cfg: ModelConfig, index: int, w: WeightReader) -> None:
+        super().__init__(cfg, cfg.n_layers + index, w, f"mtp.{index}")
+        self.index = index
+
+    def attend(self, u: torch.Tensor, ctx: ForwardContext, state: State) -> torch.Tensor:
+        attn, cfg = self.attn, self.cfg
+        _, q = attn.project_q(u, ctx)
+        kv = attn.project_kv(u, ctx)  # the block rows' own keys, in stored form
+        ring = state.dspark[self.index]
+        P = ctx.start  # the anchor's position: the window is the W positions before it
+        valid = (ring.tags >= 0) & (ring.tags < P) & (ring.tags >= P - cfg.sliding_window)
+        rows = torch.cat((ring.rows.float(), kv.float()), dim=0)
+        mask = torch.cat((valid, torch.ones(ctx.T, dtype=torch.bool, device=u.device)))
+        T = ctx.T
+        o = sparse_attention(q.float(), rows.expand(T, -1, -1), mask.expand(T, -1), None, None,
+                             attn.attn_sink, cfg.head_dim ** -0.5)
+        return attn.output(o, ctx)
+
+    def context_keys(self, main_x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Window keys of committed main rows (same projection as the block rows' keys)."""
+        return self.attn.project_kv(main_x, ctx)
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor      # [γ] drafted tokens for positions P+1..P+γ
+    logits: torch.Tensor      # [γ, V] Markov-corrected draft logits
+    confidence: torch.Tensor  # [γ] σ(conf): P(accepted | the earlier drafts were)
 
 
 class DSparkHead:
     def __init__(self, cfg: ModelConfig, w: WeightReader) -> None:
         D, V, R = cfg.hidden_size, cfg.vocab_size, cfg.dspark_markov_rank
         n = cfg.num_nextn_predict_layers
-        self.stages = [Block(cfg, cfg.n_layers + k, w, f"mtp.{k}") for k in range(n)]
+        self.cfg = cfg
+        self.stages = [DSparkStage(cfg, k, w) for k in range(n)]
         self.main_proj = w.linear("mtp.0.main_proj", D, len(cfg.dspark_target_layer_ids) * D)
         self.main_norm = w.float_tensor("mtp.0.main_norm.weight", (D,))
         last = f"mtp.{n - 1}"
@@ -23,3 +74,55 @@ class DSparkHead:
         self.markov_embed = w.tensor(f"{last}.markov_head.embed.weight", ("BF16", "F32"), (V, R))
         self.markov_head = w.tensor(f"{last}.markov_head.head.weight", ("BF16", "F32"), (V, R))
         self.confidence_proj = w.float_tensor(f"{last}.confidence_head.proj.weight", (1, D + R))
+
+    def main_hidden(self, ctx: ForwardContext) -> torch.Tensor:
+        """[T, n_targets·D]: the forward's taps, concatenated in target-layer order."""
+        return torch.cat([ctx.main_hidden[l] for l in self.cfg.dspark_target_layer_ids], dim=-1)
+
+    def commit_context(self, main_hidden: torch.Tensor, start: int, state: State,
+                       nx: Numerics) -> None:
+        """Write the stage windows for committed main rows at positions start.. ."""
+        cfg = self.cfg
+        positions = torch.arange(start, start + main_hidden.shape[0], device=main_hidden.device)
+        ctx = ForwardContext(cfg, nx, start, positions)
+        main_x = rms_norm(self.main_proj(main_hidden, nx), self.main_norm, cfg.rms_norm_eps)
+        for stage in self.stages:
+            state.dspark[stage.index].write(positions, stage.context_keys(main_x, ctx), None)
+
+    @torch.no_grad()
+    def draft(self, embed: torch.Tensor, head, anchor: int, state: State, nx: Numerics,
+              pick) -> Draft:
+        """Draft γ tokens after `anchor`, which sits at position state.position.
+
+        `pick(logits [1, V], position) -> token` chooses each draft token (the request's own
+        sampler, so a draft coupled to the target's noise is accepted more often).
+        """
+        cfg = self.cfg
+        g = cfg.dspark_block_size
+        P = state.position
+        dev = embed.device
+        tokens = torch.full((g,), cfg.dspark_noise_token_id, dtype=torch.long, device=dev)
+        tokens[0] = anchor
+        positions = torch.arange(P, P + g, device=dev)
+        ctx = ForwardContext(cfg, nx, P, positions)
+        h = embed[tokens].to(nx.act_dtype)[:, None, :].expand(g, cfg.hc_mult, -1).contiguous()
+        pre = torch.zeros((g, cfg.hc_mult), dtype=torch.float32, device=dev)
+        pre[:, 0] = 1.0
+        for stage in self.stages:
+            h, pre = stage.forward(h, pre, ctx, state)
+        x = collapse(h, pre).float()  # pre-norm rows: the confidence head reads these
+        base = head(rms_norm(x, self.norm, cfg.rms_norm_eps), nx, torch.float32)
+        embed_m, head_m = self.markov_embed.float(), self.markov_head.float()
+        out_tokens, out_logits, conf = [], [], []
+        prev = anchor
+        for i in range(g):  # semi-autoregressive: each bias depends on the previous pick
+            m = embed_m[prev]
+            logits = base[i] + row_matmul(m[None], head_m)[0]
+            c = self.confidence_proj[0] @ torch.cat((x[i], m))
+            tok = int(pick(logits[None], P + 1 + i))
+            out_tokens.append(tok)
+            out_logits.append(logits)
+            conf.append(torch.sigmoid(c))
+            prev = tok
+        return Draft(torch.tensor(out_tokens, device=dev), torch.stack(out_logits),
+                     torch.stack(conf))

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.errors import StrataError
 from strata.model.model import Model
 from strata.runtime.sampling import SamplingParams, sample
+from strata.runtime.speculative import DraftOverride, DSparkDecoder, SpecConfig, SpecStats
 from strata.runtime.state import State
 
 
@@ -24,12 +26,24 @@ class GenerationResult:
 
 
 class Session:
-    def __init__(self, model: Model, capacity: int, prefill_chunk: int = 512) -> None:
+    def __init__(self, model: Model, capacity: int, prefill_chunk: int = 512,
+                 speculative: SpecConfig | None = None, draft_override: DraftOverride | None = None,
+                 costs: tuple[list[float], float] | None = None) -> None:
+        """`speculative` enables DSpark: the state then also keeps the draft stages' windows
+        of every committed row (prefill included), and generate() can run mode 'dspark'.
+        `costs` = (seconds per verify window of 1.. rows, seconds per draft) for the adaptive
+        length (strata.runtime.speculative.measure_costs)."""
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be ≥ 1")
+        if speculative is not None and model.dspark is None:
+            raise StrataError("speculative decoding needs a model with DSpark stages (mtp.*)")
         self.model = model
         self.state: State = model.new_state(capacity)
         self.prefill_chunk = prefill_chunk
+        self.speculative = speculative
+        self.draft_override = draft_override
+        self.costs = costs
+        self.stats: SpecStats | None = None  # of the last dspark generation
 
     @property
     def position(self) -> int:
@@ -43,33 +57,65 @@ class Session:
         for i in range(0, tokens.numel(), self.prefill_chunk):
             chunk = tokens[i:i + self.prefill_chunk]
             want = "last" if i + self.prefill_chunk >= tokens.numel() else "none"
-            last, _ = self.model.forward(chunk, self.state, logits=want)
+            start = self.state.position
+            last, ctx = self.model.forward(chunk, self.state, logits=want)
+            if self.speculative is not None:
+                self.model.dspark.commit_context(self.model.dspark.main_hidden(ctx), start,
+                                                 self.state, self.model.numerics)
         return last[0]
 
     def generate(self, prompt: torch.Tensor | list[int], max_tokens: int,
                  params: SamplingParams = SamplingParams(),
                  stop_ids: frozenset[int] | None = None,
-                 should_stop: Callable[[], bool] | None = None) -> Iterator[int]:
-        """Yield up to max_tokens sampled tokens after the prompt (stops after a stop id)."""
+                 should_stop: Callable[[], bool] | None = None,
+                 mode: str | None = None) -> Iterator[int]:
+        """Yield up to max_tokens sampled tokens after the prompt (stops after a stop id).
+
+        mode 'plain' runs one forward per token; 'dspark' (the default when the session is
+        speculative) verifies drafted blocks — the tokens are the same either way.
+        """
+        mode = mode or ("dspark" if self.speculative is not None else "plain")
+        if mode not in ("plain", "dspark"):
+            raise StrataError(f"decode mode {mode!r}: expected 'plain' or 'dspark'")
+        if mode == "dspark" and self.speculative is None:
+            raise StrataError("mode 'dspark' needs a session created with speculative=SpecConfig()")
         prompt = torch.as_tensor(prompt, dtype=torch.long).view(-1)
         cfg = self.model.cfg
         stop_ids = frozenset({cfg.eos_token_id}) if stop_ids is None else stop_ids
         self.state.check_room(prompt.numel() + max(max_tokens - 1, 0))
         logits = self.prefill(prompt)
-        for i in range(max_tokens):
-            pos = torch.tensor([self.state.position], device=logits.device)
-            tok = int(sample(logits[None], pos, params)[0])
+        tok = int(sample(logits[None], torch.tensor([self.state.position]), params)[0])
+        if mode == "dspark":
+            decoder = DSparkDecoder(self, self.speculative, self.draft_override,
+                                    *(self.costs or (None, 0.0)))
+            self.stats = decoder.stats
+        emitted = 0
+        while True:
             yield tok
-            if tok in stop_ids or i == max_tokens - 1 or (should_stop and should_stop()):
+            emitted += 1
+            if tok in stop_ids or emitted >= max_tokens or (should_stop and should_stop()):
                 return
-            logits, _ = self.model.forward(torch.tensor([tok]), self.state, logits="last")
-            logits = logits[0]
+            if mode == "plain":
+                start = self.state.position
+                logits, ctx = self.model.forward(torch.tensor([tok]), self.state, logits="last")
+                if self.speculative is not None:  # keep the draft windows complete
+                    self.model.dspark.commit_context(self.model.dspark.main_hidden(ctx), start,
+                                                     self.state, self.model.numerics)
+                tok = int(sample(logits, torch.tensor([self.state.position]), params)[0])
+                continue
+            more = decoder.step(tok, params, max_tokens - emitted)
+            for t in more[:-1]:
+                yield t
+                emitted += 1
+                if t in stop_ids or (should_stop and should_stop()):
+                    return
+            tok = more[-1]
 
     def run(self, prompt: torch.Tensor | list[int], max_tokens: int,
             params: SamplingParams = SamplingParams(),
-            stop_ids: frozenset[int] | None = None) -> GenerationResult:
+            stop_ids: frozenset[int] | None = None, mode: str | None = None) -> GenerationResult:
         n_prompt = torch.as_tensor(prompt).numel()
-        out = list(self.generate(prompt, max_tokens, params, stop_ids))
+        out = list(self.generate(prompt, max_tokens, params, stop_ids, mode=mode))
         stops = frozenset({self.model.cfg.eos_token_id}) if stop_ids is None else stop_ids
         reason = "stop" if out and out[-1] in stops else "length"
         return GenerationResult(out, reason, n_prompt)

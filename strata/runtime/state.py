@@ -143,6 +143,9 @@ class State:
             self.comp_kv[l] = torch.zeros((n, hd), dtype=kv_dtype, device=device)
             if cfg.is_index_source(l):
                 self.index_k[l] = torch.zeros((n, ihd), dtype=kv_dtype, device=device)
+        # DSpark: each stage's window of target-derived keys, committed positions only.
+        self.dspark = [PositionRing(self.ring_size, (hd,), kv_dtype, device, keep=W - 1)
+                       for _ in range(cfg.num_nextn_predict_layers)]
         self.tokens = torch.zeros(capacity, dtype=torch.long, device=device)
         self.position = 0
         # vendor_stale_index_k: last kv-source layer that published keys in the last forward
@@ -195,7 +198,7 @@ class State:
 
     # ---- going back without a journal (prefix reuse) -------------------------------------
     def _rings(self) -> list[PositionRing]:
-        return list(self.window) + list(self.comp_tail.values())
+        return list(self.window) + list(self.comp_tail.values()) + list(self.dspark)
 
     def bookmark(self) -> Bookmark:
         """Remember the current position so the state can later return to it."""
@@ -245,6 +248,8 @@ class State:
             out[f"window.{l}.rows"], out[f"window.{l}.tags"] = ring.rows, ring.tags
         for l, ring in self.comp_tail.items():
             out[f"comp_tail.{l}.rows"], out[f"comp_tail.{l}.tags"] = ring.rows, ring.tags
+        for k, ring in enumerate(self.dspark):
+            out[f"dspark.{k}.rows"], out[f"dspark.{k}.tags"] = ring.rows, ring.tags
         for l, t in self.comp_kv.items():
             out[f"comp_kv.{l}"] = t[:self.position // self.cfg.ratio(l)]
         for l, t in self.index_k.items():
@@ -256,7 +261,8 @@ class State:
         to the committed entry count. Two states that agree here decode identically."""
         out = {"tokens": self.tokens[:self.position]}
         p = self.position
-        for name, rings in (("window", dict(enumerate(self.window))), ("comp_tail", self.comp_tail)):
+        for name, rings in (("window", dict(enumerate(self.window))), ("comp_tail", self.comp_tail),
+                            ("dspark", dict(enumerate(self.dspark)))):
             for l, ring in rings.items():
                 lo = p - ring.keep
                 live = (ring.tags >= max(lo, 0)) & (ring.tags < p)
@@ -275,6 +281,7 @@ class State:
         other.__dict__.update(self.__dict__)
         other.window = [r.clone() for r in self.window]
         other.comp_tail = {l: r.clone() for l, r in self.comp_tail.items()}
+        other.dspark = [r.clone() for r in self.dspark]
         other.comp_kv = {l: t.clone() for l, t in self.comp_kv.items()}
         other.index_k = {l: t.clone() for l, t in self.index_k.items()}
         other.tokens = self.tokens.clone()

@@ -1,0 +1,201 @@
+"""DSpark speculative decoding: draft a block, verify it in one forward, commit the accepted
+prefix and roll back the rest (issue 3; spec §2.11, dspark_engram.md §1.4).
+
+One step, with the anchor a (sampled, not yet run) at position P:
+  draft d1..dL for positions P+1..P+L                  (DSparkHead.draft)
+  one main forward over [a, d1..dL] at P..P+L          (under state.begin())
+  y_j = sample(row P+j, position P+j+1)   for j = 0..L (the target's own picks)
+  accept d_{j+1} while it equals y_j; n = accepted count
+  state.rollback(to=P+n+1)                              (keeps a and d1..dn, undoes the rest)
+  write the draft windows for the n+1 committed rows    (from the verify forward's taps)
+  emit d1..dn, y_n; the next anchor is y_n at P+n+1.
+
+Sampling is a pure function of (seed, position, logits) and forwards are batch-invariant, so
+the committed tokens are exactly the tokens plain decoding picks, at any temperature: the
+draft only decides how many of them one forward yields. The draft picks with the same
+position-keyed sampler, which couples it to the target's noise and raises acceptance.
+
+Verification length: fixed, or adaptive — from the draft's confidences, the expected committed
+tokens of each length are Σ_{i≤L} Π_{k≤i} c_k + 1, priced by a table of measured forward times
+per window size; L = 0 means a plain step. Acceptance below a floor for several windows
+switches to plain decoding for a while, then drafting is tried again.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from strata.errors import StrataError
+from strata.runtime.sampling import SamplingParams, sample
+
+# (position P, proposed drafts) -> drafts to verify instead (tests force accept/reject).
+DraftOverride = Callable[[int, list[int]], list[int]]
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    length: int | None = None        # fixed verify length (drafts per window); None: adaptive
+    low_acceptance: float = 0.2      # mean accepted/drafted below this ...
+    low_windows: int = 8             # ... over this many windows switches to plain decoding
+    plain_backoff: int = 16          # plain steps before drafting again
+
+    def __post_init__(self) -> None:
+        if self.length is not None and self.length < 0:
+            raise StrataError(f"speculative length {self.length} must be ≥ 0")
+
+
+@dataclass
+class SpecStats:
+    windows: int = 0                 # verify forwards
+    committed: list[int] = field(default_factory=list)  # per window, incl. the y token
+    drafted: int = 0
+    accepted: int = 0
+    plain_steps: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    @property
+    def mean_committed(self) -> float:
+        return sum(self.committed) / len(self.committed) if self.committed else 0.0
+
+    def as_dict(self) -> dict:
+        return {"windows": self.windows, "mean_committed_per_window": self.mean_committed,
+                "drafted": self.drafted, "accepted": self.accepted,
+                "plain_steps": self.plain_steps, "draft_s": self.draft_s,
+                "verify_s": self.verify_s}
+
+
+def choose_length(confidence: torch.Tensor, costs: list[float], draft_cost: float) -> int:
+    """Verify length maximising expected committed tokens per second.
+
+    costs[r] = seconds of a main forward over r+1 rows (r drafts); confidence[i] = P(draft i+1
+    accepted | drafts 1..i were). L = 0 is a plain step (no draft cost counted: it is sunk
+    either way once drafted, but a plain step is what we compare against).
+    """
+    best, best_rate = 0, 1.0 / costs[0]
+    survive, expect = 1.0, 0.0
+    for L in range(1, min(len(confidence), len(costs) - 1) + 1):
+        survive *= float(confidence[L - 1])
+        expect += survive
+        rate = (1.0 + expect) / (costs[L] + draft_cost)
+        if rate > best_rate:
+            best, best_rate = L, rate
+    return best
+
+
+class DSparkDecoder:
+    """Runs the speculative loop for a Session whose state tracks the draft context."""
+
+    def __init__(self, session, config: SpecConfig, override: DraftOverride | None = None,
+                 costs: list[float] | None = None, draft_cost: float = 0.0) -> None:
+        model = session.model
+        if model.dspark is None:
+            raise StrataError("this model has no DSpark draft head (no mtp.* stages)")
+        self.session, self.model, self.config, self.override = session, model, config, override
+        self.costs, self.draft_cost = costs, draft_cost
+        self.stats = SpecStats()
+        self._recent: list[tuple[int, int]] = []  # (drafted, accepted) of recent windows
+        self._plain_left = 0
+
+    def _length(self, confidence: torch.Tensor) -> int:
+        g = self.model.cfg.dspark_block_size
+        if self.config.length is not None:
+            return min(self.config.length, g)
+        if self.costs is None:
+            return g
+        return choose_length(confidence, self.costs, self.draft_cost)
+
+    def _low_acceptance(self) -> bool:
+        c = self.config
+        recent = self._recent[-c.low_windows:]
+        if len(recent) < c.low_windows:
+            return False
+        drafted = sum(d for d, _ in recent)
+        return drafted > 0 and sum(a for _, a in recent) / drafted < c.low_acceptance
+
+    def step(self, anchor: int, params: SamplingParams, budget: int) -> list[int]:
+        """Advance from `anchor` (at state.position); return the tokens that follow it, the
+        last of which is the next anchor. At most `budget` tokens are returned."""
+        s, model, state = self.session, self.model, self.session.state
+        P = state.position
+        nx = model.numerics
+        L = 0
+        if self._plain_left > 0:
+            self._plain_left -= 1
+        elif budget > 1:
+            t0 = time.perf_counter()
+            draft = model.dspark.draft(model.embed, model.head, anchor, state, nx,
+                                       lambda lg, pos: sample(lg, torch.tensor([pos]), params)[0])
+            self.stats.draft_s += time.perf_counter() - t0
+            L = min(self._length(draft.confidence), budget - 1, state.capacity - P - 1)
+            drafts = draft.tokens[:L].tolist()
+            if self.override is not None:
+                drafts = list(self.override(P, drafts))[:L]
+                L = len(drafts)
+        if L == 0:
+            self.stats.plain_steps += 1
+            logits, ctx = model.forward(torch.tensor([anchor]), state, logits="all")
+            model.dspark.commit_context(model.dspark.main_hidden(ctx), P, state, nx)
+            return [int(sample(logits, torch.tensor([P + 1]), params)[0])]
+
+        t0 = time.perf_counter()
+        window = torch.tensor([anchor] + drafts)
+        state.begin()
+        try:
+            logits, ctx = model.forward(window, state, logits="all")
+        except BaseException:
+            state.rollback()
+            raise
+        picks = sample(logits, torch.arange(P + 1, P + L + 2, device=logits.device), params)
+        picks = picks.tolist()
+        n = 0
+        while n < L and drafts[n] == picks[n]:
+            n += 1
+        state.rollback(to=P + n + 1)
+        model.dspark.commit_context(model.dspark.main_hidden(ctx)[:n + 1], P, state, nx)
+        self.stats.verify_s += time.perf_counter() - t0
+        self.stats.windows += 1
+        self.stats.committed.append(n + 1)
+        self.stats.drafted += L
+        self.stats.accepted += n
+        self._recent.append((L, n))
+        if self._low_acceptance():
+            self._plain_left = self.config.plain_backoff
+            self._recent.clear()
+        return drafts[:n] + [picks[n]]
+
+
+def measure_costs(model, rows: int, repeats: int = 3, context: int = 64) -> tuple[list[float], float]:
+    """Median seconds of a main forward over 1..rows rows and of one draft, on a scratch
+    state with `context` tokens of history (start-up calibration for the adaptive length)."""
+    cfg = model.cfg
+    state = model.new_state(context + rows + cfg.dspark_block_size + 1)
+    tokens = torch.arange(context) % cfg.vocab_size
+    model.forward(tokens, state, logits="none")
+    costs = []
+    for r in range(1, rows + 1):
+        times = []
+        for _ in range(repeats):
+            state.begin()
+            t0 = time.perf_counter()
+            model.forward(tokens[:r], state, logits="all")
+            if state.device.type == "cuda":
+                torch.cuda.synchronize(state.device)
+            times.append(time.perf_counter() - t0)
+            state.rollback()
+        costs.append(sorted(times)[len(times) // 2])
+    draft = 0.0
+    if model.dspark is not None:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model.dspark.draft(model.embed, model.head, 5, state, model.numerics,
+                               lambda lg, pos: int(lg.argmax()))
+            if state.device.type == "cuda":
+                torch.cuda.synchronize(state.device)
+            times.append(time.perf_counter() - t0)
+        draft = sorted(times)[len(times) // 2]
+    return costs, draft

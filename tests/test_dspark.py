@@ -1,0 +1,172 @@
+"""DSpark speculative decoding == plain decoding, token for token and cache for cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata.errors import StrataError
+from strata.runtime.sampling import SamplingParams, sample
+from strata.runtime.session import Session
+from strata.runtime.speculative import SpecConfig, choose_length
+from util import random_tokens
+
+GREEDY = SamplingParams()
+SAMPLED = SamplingParams(temperature=0.9, top_p=0.9, seed=5)
+
+
+def plain_tokens(model, prompt, n, params, capacity=512):
+    return Session(model, capacity).run(prompt, n, params, stop_ids=frozenset()).tokens
+
+
+def oracle(reference, prompt_len, corrupt_at=None):
+    """Drafts = the true continuation (full acceptance), optionally wrong from one index."""
+    def override(P, drafts):
+        i = P - prompt_len  # reference[i] sits at position P (the anchor)
+        out = list(reference[i + 1:i + 1 + len(drafts)])
+        if corrupt_at is not None and corrupt_at < len(out):
+            out[corrupt_at] = (out[corrupt_at] + 1) % 300 + 3
+        return out
+    return override
+
+
+@pytest.mark.parametrize("prompt_len,n", [(10, 40), (120, 24), (250, 20)])
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_dspark_equals_plain(tiny_model, prompt_len, n, params):
+    """Across the window wrap (128), the ring wrap (256) and ratio-2 pair boundaries."""
+    prompt = random_tokens(prompt_len, seed=prompt_len)
+    want = plain_tokens(tiny_model, prompt, n, params)
+    s = Session(tiny_model, 512, speculative=SpecConfig())
+    assert s.run(prompt, n, params, stop_ids=frozenset()).tokens == want
+    assert s.stats.windows > 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_many_seeds_sampled(tiny_reference, seed):
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=seed)
+    prompt = random_tokens(30 + seed, seed=100 + seed)
+    want = plain_tokens(tiny_reference, prompt, 25, params)
+    s = Session(tiny_reference, 256, speculative=SpecConfig(length=5))
+    assert s.run(prompt, 25, params, stop_ids=frozenset()).tokens == want
+
+
+@pytest.mark.parametrize("kind", ["accept_all", "reject_first", "reject_third", "reject_all"])
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_forced_drafts(tiny_model, kind, params):
+    prompt_len, n = 124, 30  # the windows straddle positions 125-129
+    prompt = random_tokens(prompt_len, seed=7)
+    want = plain_tokens(tiny_model, prompt, n, params)
+    ref = [int(sample(tiny_model.forward(prompt, tiny_model.new_state(512), logits="last")[0],
+                      torch.tensor([prompt_len]), params)[0])] + want[1:]
+    assert ref == want
+    corrupt = {"accept_all": None, "reject_first": 0, "reject_third": 2, "reject_all": -1}[kind]
+    if corrupt == -1:
+        def override(P, drafts):
+            return [(t + 1) % 300 + 3 for t in oracle(want, prompt_len)(P, drafts)]
+    else:
+        override = oracle(want, prompt_len, corrupt)
+    s = Session(tiny_model, 512, speculative=SpecConfig(length=5, low_windows=10**6),
+                draft_override=override)
+    assert s.run(prompt, n, params, stop_ids=frozenset()).tokens == want
+    per_window = s.stats.committed
+    if kind == "accept_all":
+        assert all(c == 6 for c in per_window[:-1])
+    elif kind == "reject_all" or kind == "reject_first":
+        assert all(c == 1 for c in per_window)
+    else:
+        assert all(c == 3 for c in per_window[:-1])
+
+
+def test_caches_equal_plain_after_every_step(tiny_model):
+    """After each speculative step, every readable cache — window rings, compressor tails,
+    compressed KV, index keys, the DSpark stage windows — equals plain decoding's, bit for bit."""
+    prompt_len = 60
+    prompt = random_tokens(prompt_len, seed=12)
+    want = plain_tokens(tiny_model, prompt, 40, GREEDY)
+    s = Session(tiny_model, 256, speculative=SpecConfig(length=5, low_windows=10**6),
+                draft_override=oracle(want, prompt_len, corrupt_at=3))
+    plain = Session(tiny_model, 256, speculative=SpecConfig())
+    plain.prefill(prompt)
+    gen = s.generate(prompt, 40, GREEDY, stop_ids=frozenset())
+    produced = [next(gen)]
+    checked = 0
+    while True:
+        try:
+            produced.append(next(gen))
+        except StopIteration:
+            break
+        # bring the plain state to the speculative state's position (it runs ahead of the
+        # yielded tokens by the rest of its window; `want` is the common continuation)
+        consumed = s.state.position - prompt_len
+        while plain.state.position - prompt_len < consumed:
+            i = plain.state.position - prompt_len
+            logits, ctx = tiny_model.forward(torch.tensor([want[i]]), plain.state)
+            tiny_model.dspark.commit_context(tiny_model.dspark.main_hidden(ctx), prompt_len + i,
+                                             plain.state, tiny_model.numerics)
+        if plain.state.position == s.state.position:
+            a, b = s.state.live_tensors(), plain.state.live_tensors()
+            assert a.keys() == b.keys()
+            for name in a:
+                assert torch.equal(a[name], b[name]), (name, s.state.position)
+            checked += 1
+    assert produced == want and checked >= 5
+
+
+def test_low_acceptance_falls_back_to_plain(tiny_reference):
+    prompt = random_tokens(20, seed=13)
+    want = plain_tokens(tiny_reference, prompt, 40, GREEDY)
+
+    def reject(P, drafts):
+        return [(t + 1) % 300 + 3 for t in oracle(want, 20)(P, drafts)]
+    cfg = SpecConfig(length=5, low_acceptance=0.5, low_windows=3, plain_backoff=4)
+    s = Session(tiny_reference, 128, speculative=cfg, draft_override=reject)
+    assert s.run(prompt, 40, GREEDY, stop_ids=frozenset()).tokens == want
+    assert s.stats.plain_steps >= 4 and s.stats.windows >= 3
+
+
+def test_choose_length():
+    costs = [1.0, 1.05, 1.1, 1.15, 1.2, 1.25]  # seconds for 1..6 rows
+    assert choose_length(torch.tensor([0.9] * 5), costs, 0.1) == 5
+    assert choose_length(torch.tensor([0.05] * 5), costs, 0.1) == 0
+    # confident first drafts, hopeless later ones: stop where the expected gain stops paying
+    assert choose_length(torch.tensor([0.95, 0.9, 0.01, 0.01, 0.01]), costs, 0.1) == 2
+    # expensive windows: shorter
+    assert choose_length(torch.tensor([0.8] * 5), [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 0.0) == 0
+
+
+def test_verify_row_sampler_matches_target_distribution(tiny_reference):
+    """The token a verify row commits is sample(row logits, position, seed): over many seeds
+    its frequencies follow softmax(logits/T) within the top-p nucleus (chi-square, p=0.001)."""
+    m = tiny_reference
+    state = m.new_state(64)
+    logits, _ = m.forward(random_tokens(12, seed=14), state)
+    row = logits[-1]
+    T, top_p = 1.3, 0.9
+    p = torch.softmax(row.double() / T, -1)
+    order = torch.sort(p, descending=True, stable=True)
+    keep = (torch.cumsum(order.values, 0) - order.values) < top_p
+    q = torch.zeros_like(p)
+    q[order.indices[keep]] = p[order.indices[keep]]
+    q /= q.sum()
+    n = 3000
+    picks = torch.cat([sample(row[None], torch.tensor([20]), SamplingParams(T, top_p, seed))
+                       for seed in range(n)])
+    assert bool((q[picks] > 0).all()), "a token outside the nucleus was sampled"
+    counts = torch.bincount(picks, minlength=row.numel()).double()
+    expect = q * n
+    big = expect >= 5
+    cells_obs = torch.cat((counts[big], counts[~big].sum()[None]))
+    cells_exp = torch.cat((expect[big], expect[~big].sum()[None]))
+    nz = cells_exp > 0
+    chi2 = float(((cells_obs[nz] - cells_exp[nz]) ** 2 / cells_exp[nz]).sum())
+    dof = int(nz.sum()) - 1
+    # Wilson–Hilferty approximation of the 0.999 chi-square quantile
+    z = 3.09
+    crit = dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
+    assert chi2 < crit, (chi2, crit, dof)
+
+
+def test_dspark_needs_a_speculative_session(tiny_reference):
+    with pytest.raises(StrataError, match="speculative"):
+        list(Session(tiny_reference, 64).generate(random_tokens(4, seed=1), 3, mode="dspark"))
+    with pytest.raises(StrataError, match="decode mode"):
+        list(Session(tiny_reference, 64).generate(random_tokens(4, seed=1), 3, mode="fast"))
