@@ -4,6 +4,7 @@
   strata score     [--model DIR] --tokens IDS --mode prefill|decode|chunk:N [--start K] --save F.npz
   strata inspect   DIR
   strata make-tiny OUT [--preset tiny|real-vocab] [--seed N]
+  strata serve     [--model DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY] ...
 
 With no --model, the embedded tiny real-vocabulary fixture is generated into the cache
 directory ($STRATA_CACHE or ~/.cache/strata) on first use.
@@ -205,6 +206,33 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_bench_decode(args) -> int:
+    import platform
+    from strata.bench.decode import bench_decode, prompt_tokens, report, write_json
+    from strata.tokenizer import tokenizer_path
+    model = _load(args)
+    prompt = prompt_tokens(tokenizer_path(_model_dir(args.model)))
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    results = bench_decode(model, prompt, modes, n=args.tokens, runs=args.runs,
+                           warmup=args.warmup, length=args.length)
+    print(report(results, len(prompt)))
+    if args.json:
+        dev = torch.device(args.device)
+        meta = {"command": "strata " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
+                "device": torch.cuda.get_device_name(dev) if dev.type == "cuda"
+                else platform.processor() or platform.machine(),
+                "model": str(_model_dir(args.model)), "prompt_tokens": len(prompt),
+                "numerics": model.numerics.mode, "act_dtype": str(model.numerics.act_dtype)}
+        write_json(args.json, results, meta)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from strata.serve.server import api_key, check_bind, serve
+    check_bind(args.host, api_key(args.api_key))  # before the (long) model load
+    return serve(_load(args), _model_dir(args.model), args)
+
+
 def cmd_make_tiny(args) -> int:
     from strata.checkpoint.tiny import make_tiny
     out = make_tiny(args.out, args.preset, args.seed)
@@ -240,6 +268,41 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="describe a checkpoint folder")
     i.add_argument("dir")
     i.set_defaults(fn=cmd_inspect)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    bd = bsub.add_parser("decode", help="decode protocol: fixed coding prompt, greedy, "
+                                        "modes compared token for token")
+    _add_model_args(bd)
+    bd.add_argument("--modes", default="plain,dspark,oracle",
+                    help="comma-separated: plain, dspark, oracle (drafts = plain continuation)")
+    bd.add_argument("--tokens", type=int, default=96)
+    bd.add_argument("--runs", type=int, default=3)
+    bd.add_argument("--warmup", type=int, default=1)
+    bd.add_argument("--length", type=int, default=None,
+                    help="fixed verify length for dspark (default: adaptive)")
+    bd.add_argument("--json", help="write the results as JSON here")
+    bd.set_defaults(fn=cmd_bench_decode)
+
+    sv = sub.add_parser("serve", help="OpenAI/Anthropic-compatible HTTP server")
+    _add_model_args(sv)
+    sv.add_argument("--host", default="127.0.0.1",
+                    help="bind address (default loopback; others need an API key)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", help="required from clients as 'Authorization: Bearer KEY' or "
+                                      "'x-api-key: KEY' (default: $STRATA_API_KEY)")
+    sv.add_argument("--max-queue", type=int, default=16,
+                    help="requests that may wait for the engine; more get 429 (default 16)")
+    sv.add_argument("--prefix-cache-mb", type=int, default=2048,
+                    help="memory for retained conversation states (default 2048)")
+    sv.add_argument("--max-body-mb", type=int, default=16, help="request size limit")
+    sv.add_argument("--speculative", action="store_true", help="decode with DSpark")
+    sv.add_argument("--drain-timeout", type=int, default=300,
+                    help="seconds to wait for requests in flight on shutdown")
+    sv.add_argument("--log-level", default="info")
+    sv.add_argument("--script", help="test hook: JSON rules of scripted outputs "
+                                     "(strata/serve/scripts.py)")
+    sv.set_defaults(fn=cmd_serve)
 
     m = sub.add_parser("make-tiny", help="write a deterministic random fixture checkpoint")
     m.add_argument("out")

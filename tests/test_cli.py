@@ -71,3 +71,16 @@ def test_make_tiny_and_default_model_subprocess(tmp_path):
     out = json.loads(r.stdout)
     assert out["prompt_tokens"][:2] == [0, 128803] and len(out["tokens"]) == 3
     assert (tmp_path / "cache" / "fixtures" / "real-vocab-seed0" / "config.json").exists()
+
+
+def test_bench_decode(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "decode", "--model", str(tiny_dir), "--tokens", "12", "--runs", "1",
+                 "--warmup", "0", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "plain" in text and "oracle" in text and "identical" in text
+    data = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in data["results"]}
+    assert set(rows) == {"plain", "dspark", "oracle"}
+    assert rows["oracle"]["accepted"] == rows["oracle"]["drafted"] > 0  # full acceptance
+    assert all(r["median_tok_per_s"] > 0 for r in rows.values())

@@ -90,3 +90,19 @@ def test_cuda_greedy_tokens_match_cpu(cuda, request, preset_dir):
     record(test="greedy", preset=preset_dir, cpu=out["cpu"], cuda=out["cuda"],
            cuda_bf16_vendor=out["cuda-bf16-vendor"], bf16_vendor_agreement=agree)
     assert out["cuda"] == out["cpu"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_dspark_equals_plain(cuda, tiny_dir, dtype):
+    from strata.runtime.sampling import SamplingParams
+    from strata.runtime.speculative import SpecConfig
+    model = Model.load(tiny_dir, cuda, Numerics.for_device(cuda, "vendor", dtype))
+    prompt = random_tokens(124, seed=3)
+    for params in (SamplingParams(), SamplingParams(temperature=0.9, top_p=0.9, seed=4)):
+        plain = Session(model, 256).run(prompt, 40, params, stop_ids=frozenset()).tokens
+        s = Session(model, 256, speculative=SpecConfig(length=5, low_windows=10**6))
+        spec = s.run(prompt, 40, params, stop_ids=frozenset()).tokens
+        record(test="dspark", dtype=dtype, temperature=params.temperature,
+               equal=spec == plain, windows=s.stats.windows,
+               mean_committed=s.stats.mean_committed)
+        assert spec == plain

@@ -1,0 +1,131 @@
+"""`strata bench decode`: the decode benchmark protocol users quote.
+
+A fixed coding prompt (one user turn, "Write a thread-safe LRU cache in Python.", rendered in
+V4.1 thinking mode by deepseek-recipe) is fed as tokens; prefill is excluded from decode time
+(the clock starts when the first generated token is known); greedy; 96 tokens; 1 warm-up and
+3 measured runs per mode, median reported. Modes:
+- plain:  one forward per token;
+- dspark: drafts from the DSpark head, one verify forward per window;
+- oracle: drafts taken from the plain run's own continuation — full acceptance, so the verify
+          machinery's cost is measured without a trained draft head.
+The first 96 tokens must be identical across modes; otherwise the benchmark fails.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from strata.errors import StrataError
+from strata.runtime.sampling import SamplingParams
+from strata.runtime.session import Session
+from strata.runtime.speculative import SpecConfig, measure_costs
+
+PROMPT = "Write a thread-safe LRU cache in Python."
+MODES = ("plain", "dspark", "oracle")
+
+
+def prompt_tokens(tokenizer_json: Path) -> list[int]:
+    import deepseek_recipe as dr
+    conv = dr.Conversation([dr.UserMessage(PROMPT)], thinking_mode=True)
+    tok = dr.Tokenizer.from_file(str(tokenizer_json))
+    return list(dr.DeepseekV41Encoding().with_tokenizer(tok).encode(conv))
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    tokens: list[int]
+    tok_per_s: list[float]
+    windows: int
+    mean_committed: float
+    accepted: int
+    drafted: int
+    draft_s: float
+    verify_s: float
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.tok_per_s)
+
+    def as_dict(self) -> dict:
+        return {"mode": self.mode, "median_tok_per_s": self.median, "runs_tok_per_s": self.tok_per_s,
+                "windows": self.windows, "mean_committed_per_window": self.mean_committed,
+                "accepted": self.accepted, "drafted": self.drafted,
+                "draft_s": self.draft_s, "verify_s": self.verify_s}
+
+
+def _run_once(model, prompt: list[int], n: int, mode: str, reference: list[int] | None,
+              costs, length: int | None) -> tuple[list[int], float, Session]:
+    spec = None if (mode == "plain" or model.dspark is None) else SpecConfig(length=length)
+    override = None
+    if mode == "oracle":
+        spec = SpecConfig(length=model.cfg.dspark_block_size, low_windows=10 ** 9)
+
+        def override(P, drafts):
+            i = P - len(prompt)
+            return list(reference[i + 1:i + 1 + len(drafts)])
+    cap = len(prompt) + n + model.cfg.dspark_block_size + 2
+    s = Session(model, cap, speculative=spec, draft_override=override,
+                costs=costs if mode == "dspark" else None)
+    gen = s.generate(prompt, n, SamplingParams(), stop_ids=frozenset(),
+                     mode="plain" if mode == "plain" else "dspark")
+    out = [next(gen)]
+    t0 = time.perf_counter()
+    out.extend(gen)
+    if s.state.device.type == "cuda":
+        torch.cuda.synchronize(s.state.device)
+    dt = time.perf_counter() - t0
+    return out, (len(out) - 1) / dt, s
+
+
+def bench_decode(model, prompt: list[int], modes: list[str], n: int = 96, runs: int = 3,
+                 warmup: int = 1, length: int | None = None) -> dict[str, ModeResult]:
+    for m in modes:
+        if m not in MODES:
+            raise StrataError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+        if m != "plain" and model.dspark is None:
+            raise StrataError(f"mode {m} needs a model with DSpark stages")
+    reference, _, _ = _run_once(model, prompt, n, "plain", None, None, None)
+    costs = measure_costs(model, model.cfg.dspark_block_size + 1) \
+        if ("dspark" in modes and length is None and model.dspark is not None) else None
+    results = {}
+    for mode in modes:
+        speeds, last = [], None
+        for i in range(warmup + runs):
+            toks, rate, sess = _run_once(model, prompt, n, mode, reference, costs, length)
+            if toks != reference:
+                first = next(j for j, (a, b) in enumerate(zip(toks, reference)) if a != b)
+                raise StrataError(f"mode {mode}: tokens differ from plain decoding at index "
+                                  f"{first} ({toks[first]} vs {reference[first]})")
+            if i >= warmup:
+                speeds.append(rate)
+                last = sess
+        st = last.stats
+        results[mode] = ModeResult(
+            mode, reference, speeds, st.windows if st else 0,
+            st.mean_committed if st else 1.0, st.accepted if st else 0, st.drafted if st else 0,
+            st.draft_s if st else 0.0, st.verify_s if st else 0.0)
+    return results
+
+
+def report(results: dict[str, ModeResult], prompt_len: int) -> str:
+    lines = [f"prompt {prompt_len} tokens; greedy; {len(next(iter(results.values())).tokens)} "
+             "tokens per run; median of the measured runs; tokens identical across modes",
+             f"{'mode':<8}{'tok/s':>10}{'vs plain':>10}{'windows':>9}{'committed/win':>15}"
+             f"{'accepted':>10}"]
+    base = results["plain"].median if "plain" in results else None
+    for r in results.values():
+        ratio = f"{r.median / base:.2f}x" if base else "-"
+        lines.append(f"{r.mode:<8}{r.median:>10.1f}{ratio:>10}{r.windows:>9}"
+                     f"{r.mean_committed:>15.2f}{r.accepted:>6}/{r.drafted:<4}")
+    return "\n".join(lines)
+
+
+def write_json(path: str | Path, results: dict[str, ModeResult], meta: dict) -> None:
+    Path(path).write_text(json.dumps({"meta": meta, "results": [r.as_dict() for r in
+                                                                 results.values()]}, indent=1))
