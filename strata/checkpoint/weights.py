@@ -24,6 +24,7 @@ class WeightReader:
         self.folder = folder
         self.device = torch.device(device)
         self.used: set[str] = set()
+        self._by_prefix: dict[str, set[str]] | None = None
 
     def has(self, name: str) -> bool:
         return self.folder.has(name)
@@ -53,6 +54,8 @@ class WeightReader:
         return self.tensor(name, ("BF16", "F32", "F16"), shape).float()
 
     def linear(self, prefix: str, out_features: int, in_features: int) -> Linear:
+        if self.folder.has(f"{prefix}.trellis"):
+            return self._exl3(prefix, out_features, in_features)
         name = f"{prefix}.weight"
         if not self.folder.has(name):
             raise CheckpointError(f"tensor {name} is missing from the checkpoint {self.folder.path}")
@@ -77,3 +80,48 @@ class WeightReader:
             return DenseLinear(self.tensor(name, dt, (out_features, in_features)))
         raise CheckpointError(f"{self._where(name)} has dtype {dt}; expected F8_E4M3 (+scale), "
                               "I8 packed fp4 (+scale), BF16 or F32")
+
+    def _suffixes(self) -> dict[str, set[str]]:
+        """Tensor-name suffixes by module prefix (built once, to spot stray tensors)."""
+        if self._by_prefix is None:
+            self._by_prefix = {}
+            for n in self.folder.names():
+                head, _, tail = n.rpartition(".")
+                self._by_prefix.setdefault(head, set()).add(tail)
+        return self._by_prefix
+
+    def _exl3(self, prefix: str, out_features: int, in_features: int) -> Linear:
+        """An EXL3 linear: trellis + suh + svh (+ codebook marker, + bias), padded to 128."""
+        from strata.quant.exl3 import Exl3Linear, bits_per_weight, codebook_from_marker
+        name = f"{prefix}.trellis"
+        info = self.folder.info(name)
+        kp, np_ = -(-in_features // 128) * 128, -(-out_features // 128) * 128
+        if info.dtype != "I16" or len(info.shape) != 3 or tuple(info.shape[:2]) != (kp // 16, np_ // 16):
+            raise CheckpointError(f"{self._where(name)} is {info.dtype} {list(info.shape)}; expected "
+                                  f"I16 [{kp // 16}, {np_ // 16}, 16·K] for a {in_features}→"
+                                  f"{out_features} linear padded to 128")
+        try:
+            bits_per_weight(info.shape[2])
+        except ValueError as e:
+            raise CheckpointError(f"{self._where(name)}: {e}") from None
+        for part in ("suh", "svh"):
+            if not self.folder.has(f"{prefix}.{part}"):
+                raise CheckpointError(f"EXL3 linear {prefix} in {info.file} has a trellis but no "
+                                      f".{part}")
+        suh = self.tensor(f"{prefix}.suh", ("F16",), (kp,))
+        svh = self.tensor(f"{prefix}.svh", ("F16",), (np_,))
+        markers = [m for m in ("mcg", "mul1") if self.folder.has(f"{prefix}.{m}")]
+        if len(markers) > 1:
+            raise CheckpointError(f"EXL3 linear {prefix} in {info.file} has both .mcg and .mul1")
+        unknown = sorted(self._suffixes().get(prefix, set())
+                         - {"trellis", "suh", "svh", "mcg", "mul1", "bias"})
+        if unknown:
+            raise CheckpointError(f"EXL3 linear {prefix} in {info.file}: unknown tensor(s) "
+                                  f"{', '.join(unknown)} (unknown codebook marker?)")
+        marker = markers[0] if markers else None
+        value = int(self.tensor(f"{prefix}.{marker}", ("I32",)).reshape(-1)[0]) if marker else None
+        codebook = codebook_from_marker(marker, value, f"EXL3 linear {prefix} in {info.file}")
+        bias = (self.tensor(f"{prefix}.bias", ("F16", "F32"), (out_features,))
+                if self.folder.has(f"{prefix}.bias") else None)
+        trellis = self.tensor(name, "I16")
+        return Exl3Linear(trellis, suh, svh, codebook, out_features, in_features, bias)
