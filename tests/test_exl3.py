@@ -197,3 +197,42 @@ def test_reader_errors(tmp_path, case, needle):
         r = write_linear(tmp_path, p, trellis[:, :4], suh, svh[:64])
     with pytest.raises(CheckpointError, match=needle):
         r.linear(p, 128, 256)
+
+
+@pytest.fixture(scope="module", params=["exl3", "exl3-routed"])
+def exl3_model(request, tmp_path_factory):
+    from strata.checkpoint.tiny import make_tiny
+    from strata.model.model import Model
+    d = make_tiny(tmp_path_factory.mktemp(request.param), "tiny", seed=1, fmt=request.param)
+    return request.param, Model.load(d)
+
+
+def test_exl3_fixture_uses_each_convention(exl3_model):
+    from strata.quant.linear import Fp8Block32Linear
+    fmt, m = exl3_model
+    attn = m.layers[1].attn
+    expert = m.layers[1].ffn.experts.linears["w1"][0]
+    assert isinstance(expert, Exl3Linear)
+    if fmt == "exl3":
+        assert isinstance(attn.wq_a, Exl3Linear) and isinstance(m.head, Exl3Linear)
+        assert all(isinstance(g, Exl3Linear) for g in attn.wo_a) and expert.K == 2.5
+        assert isinstance(attn.compressor.wkv, Exl3Linear) and expert.codebook == "mul1"
+    else:
+        assert isinstance(attn.wq_a, Fp8Block32Linear) and expert.K == 2
+        assert expert.codebook == "mcg"
+
+
+def test_exl3_fixture_parity_and_dspark(exl3_model):
+    from strata.runtime.session import Session
+    from strata.runtime.speculative import SpecConfig
+    from util import random_tokens
+    _, m = exl3_model
+    tokens = random_tokens(40, seed=2)
+    full, _ = m.forward(tokens, m.new_state(64))
+    state = m.new_state(64)
+    dec = torch.cat([m.forward(tokens[i:i + 1], state)[0] for i in range(40)])
+    assert torch.equal(dec, full)
+    plain = Session(m, 96).run(tokens, 20, stop_ids=frozenset()).tokens
+    spec = Session(m, 96, speculative=SpecConfig(length=4)).run(tokens, 20,
+                                                                  stop_ids=frozenset()).tokens
+    assert spec == plain

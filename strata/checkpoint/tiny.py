@@ -97,11 +97,24 @@ def _bytes_to_unicode() -> dict[int, str]:
     return out
 
 
-class _Writer:
-    """Collects tensors in their stored encodings, then writes them in shards."""
+FORMATS = ("official", "exl3", "exl3-routed")
 
-    def __init__(self, gen: torch.Generator) -> None:
-        self.gen = gen
+
+class _Writer:
+    """Collects tensors in their stored encodings, then writes them in shards.
+
+    `fmt` picks the encodings: "official" (fp8 dense, fp4 experts), "exl3" (exllamav3's own
+    convention: every linear but the router, the indexer's weights_proj, norms, mHC and the
+    embedding is EXL3 — wo_a as per-group slices, head at 6 bits, DSpark at 4, experts at 2.5,
+    the rest at 4; MUL1 codebook) or "exl3-routed" (routed experts EXL3 at 2 bits, MCG
+    codebook; everything else as published). Engram tables stay native fp8 in all three.
+    """
+
+    def __init__(self, gen: torch.Generator, fmt: str = "official") -> None:
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown fixture format {fmt!r}; choose one of {FORMATS}")
+        self.gen, self.fmt = gen, fmt
+        self.codebook = "mul1" if fmt == "exl3" else "mcg"
         self.shards: dict[str, dict[str, torch.Tensor]] = {}
         self.dtypes: dict[str, str] = {}
         self.shard = "globals"
@@ -123,18 +136,50 @@ class _Writer:
     def norm(self, name: str, n: int) -> None:
         self.bf16(name, 1.0 + self.randn(n, std=0.1))
 
+    def exl3(self, prefix: str, out: int, inp: int) -> None:
+        """Random trellis bits with suh/svh scaled so W has entries of std ≈ inp^-½."""
+        from strata.quant.exl3 import MARKERS
+        if prefix.startswith("head"):
+            K = 6.0
+        elif prefix.startswith("mtp."):
+            K = 4.0
+        elif ".experts." in prefix:
+            K = 2.5 if self.codebook == "mul1" else 2.0
+        else:
+            K = 4.0
+        kp, np_ = -(-inp // 128) * 128, -(-out // 128) * 128
+        L = int(16 * K) if K == int(K) else int(16 * (K - 0.5)) + 8
+        trellis = torch.randint(-2 ** 15, 2 ** 15, (kp // 16, np_ // 16, L), generator=self.gen,
+                                dtype=torch.int32).to(torch.int16)
+        sign = lambda n: torch.randint(0, 2, (n,), generator=self.gen).float() * 2 - 1  # noqa: E731
+        self.put(f"{prefix}.trellis", trellis)
+        self.put(f"{prefix}.suh", (sign(kp) * inp ** -0.5).half())
+        self.put(f"{prefix}.svh", sign(np_).half())
+        if self.codebook in MARKERS:
+            self.put(f"{prefix}.{self.codebook}", torch.tensor(MARKERS[self.codebook],
+                                                               dtype=torch.int32))
+
     def fp8(self, prefix: str, out: int, inp: int, std: float | None = None) -> None:
+        if self.fmt == "exl3":
+            return self.exl3(prefix, out, inp)
         w = self.randn(out, inp, std=std if std is not None else inp ** -0.5)
         q, s = quant_fp8_block(w)
         self.put(f"{prefix}.weight", q)
         self.put(f"{prefix}.scale", s, "F8_E8M0")
 
     def fp4(self, prefix: str, out: int, inp: int) -> None:
+        if self.fmt != "official":
+            return self.exl3(prefix, out, inp)
         q, s = quant_fp4_group(self.randn(out, inp, std=inp ** -0.5))
         self.put(f"{prefix}.weight", q, "I8")
         self.put(f"{prefix}.scale", s, "F8_E8M0")
 
-    def dense(self, prefix: str, out: int, inp: int, std: float | None = None) -> None:
+    def dense(self, prefix: str, out: int, inp: int, std: float | None = None,
+              quantizable: bool = False) -> None:
+        """A bf16 linear in the official layout; EXL3 in exllamav3's convention if it
+        quantizes this one (compressor, indexer wk), never for the router or weights_proj."""
+        if quantizable and self.fmt == "exl3":
+            return self.exl3(prefix, out, inp)
         self.bf16(f"{prefix}.weight", self.randn(out, inp, std=std if std is not None else inp ** -0.5))
 
 
@@ -153,20 +198,24 @@ def _block(w: _Writer, cfg: ModelConfig, layer: int, prefix: str) -> None:
     w.fp8(f"{a}.wq_b", H * hd, cfg.q_lora_rank)
     w.fp8(f"{a}.wkv", hd, D)
     w.norm(f"{a}.kv_norm.weight", hd)
-    w.fp8(f"{a}.wo_a", cfg.o_groups * cfg.o_lora_rank, H * hd // cfg.o_groups)
+    if w.fmt == "exl3":  # exllamav3 quantizes wo_a one group slice at a time
+        for g in range(cfg.o_groups):
+            w.exl3(f"{a}.wo_a.slice.{g}", cfg.o_lora_rank, H * hd // cfg.o_groups)
+    else:
+        w.fp8(f"{a}.wo_a", cfg.o_groups * cfg.o_lora_rank, H * hd // cfg.o_groups)
     w.fp8(f"{a}.wo_b", D, cfg.o_groups * cfg.o_lora_rank)
     w.f32(f"{a}.attn_sink", w.randn(H))
     if not is_stage and cfg.is_kv_source(layer):
-        w.dense(f"{a}.compressor.wkv", hd, D)
+        w.dense(f"{a}.compressor.wkv", hd, D, quantizable=True)
         if cfg.ratio(layer) > 1:
-            w.dense(f"{a}.compressor.wgate", hd, D)
+            w.dense(f"{a}.compressor.wgate", hd, D, quantizable=True)
         w.norm(f"{a}.compressor.norm.weight", hd)
     if not is_stage and cfg.is_index_source(layer):
         ih, ihd = cfg.index_n_heads, cfg.index_head_dim
         w.fp8(f"{a}.indexer.wq_b", ih * ihd, cfg.q_lora_rank)
         w.dense(f"{a}.indexer.weights_proj", ih, D)
         if cfg.is_kv_source(layer):
-            w.dense(f"{a}.indexer.wk", ihd, hd)
+            w.dense(f"{a}.indexer.wk", ihd, hd, quantizable=True)
             w.norm(f"{a}.indexer.k_norm.weight", ihd)
     E = cfg.dspark_n_routed_experts if is_stage else cfg.n_routed_experts
     I = cfg.moe_intermediate_size
@@ -194,8 +243,10 @@ def _engram(w: _Writer, cfg: ModelConfig, layer: int, rows: int, scale_dtype: st
     w.bf16(f"{p}.k_weight", 1.0 + w.randn(H, D, std=0.1))
 
 
-def make_tiny(out: str | Path, preset: str = "real-vocab", seed: int = 0) -> Path:
-    """Write the fixture checkpoint to `out` (created) and return its path."""
+def make_tiny(out: str | Path, preset: str = "real-vocab", seed: int = 0,
+              fmt: str = "official") -> Path:
+    """Write the fixture checkpoint to `out` (created) and return its path.
+    `fmt`: "official", "exl3" or "exl3-routed" (see _Writer)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {PRESETS}")
     out = Path(out)
@@ -219,10 +270,13 @@ def make_tiny(out: str | Path, preset: str = "real-vocab", seed: int = 0) -> Pat
     cfg.validate("fixture")
 
     gen = torch.Generator().manual_seed(seed)
-    w = _Writer(gen)
+    w = _Writer(gen, fmt)
     D, V = cfg.hidden_size, cfg.vocab_size
     w.bf16("embed.weight", w.randn(V, D))
-    w.bf16("head.weight", w.randn(V, D, std=D ** -0.5))
+    if fmt == "exl3":
+        w.exl3("head", V, D)
+    else:
+        w.bf16("head.weight", w.randn(V, D, std=D ** -0.5))
     w.norm("norm.weight", D)
     half = math.ceil(cfg.n_layers / 2)
     for l in range(cfg.n_layers):
@@ -256,14 +310,26 @@ def make_tiny(out: str | Path, preset: str = "real-vocab", seed: int = 0) -> Pat
             total += t.numel() * t.element_size()
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1, ensure_ascii=False))
+    hf = cfg.to_hf_dict()
+    if fmt == "exl3":
+        hf["quantization_config"] = {"quant_method": "exl3", "version": "strata-fixture",
+                                     "bits": 2.7, "head_bits": 6, "mtp_bits": 4,
+                                     "codebook": "mul1",
+                                     "original_quantization_config": hf["quantization_config"]}
+    elif fmt == "exl3-routed":
+        hf["quantization_config"] = {"quant_method": "exl3", "bits": 2, "codebook": "mcg",
+                                     "scope": "deepseek_v41_routed_experts",
+                                     "non_routed_quantization": {"quant_method": "fp8",
+                                                                 "weight_block_size": [32, 32]}}
+    (out / "config.json").write_text(json.dumps(hf, indent=1, ensure_ascii=False))
     (out / "tokenizer.json").write_text(json.dumps(tok_json, ensure_ascii=False))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "add_bos_token": False, "add_eos_token": False,
         "bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>",
         "pad_token": "<｜end▁of▁sentence｜>", "model_max_length": cfg.max_position_embeddings,
         "tokenizer_class": "PreTrainedTokenizerFast"}, indent=1, ensure_ascii=False))
-    (out / "strata_fixture.json").write_text(json.dumps({"preset": preset, "seed": seed}))
+    (out / "strata_fixture.json").write_text(json.dumps({"preset": preset, "seed": seed,
+                                                         "format": fmt}))
     return out
 
 

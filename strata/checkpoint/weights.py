@@ -81,6 +81,16 @@ class WeightReader:
         raise CheckpointError(f"{self._where(name)} has dtype {dt}; expected F8_E4M3 (+scale), "
                               "I8 packed fp4 (+scale), BF16 or F32")
 
+    def linear_groups(self, prefix: str, groups: int, out_per_group: int,
+                      in_features: int) -> list[Linear]:
+        """A row-grouped linear (wo_a): EXL3 stores one slice per group (`prefix.slice.g`),
+        the official format one tensor whose row blocks are the groups."""
+        if self.folder.has(f"{prefix}.slice.0.trellis"):
+            return [self.linear(f"{prefix}.slice.{g}", out_per_group, in_features)
+                    for g in range(groups)]
+        full = self.linear(prefix, groups * out_per_group, in_features)
+        return [full.rows(g * out_per_group, (g + 1) * out_per_group) for g in range(groups)]
+
     def _suffixes(self) -> dict[str, set[str]]:
         """Tensor-name suffixes by module prefix (built once, to spot stray tensors)."""
         if self._by_prefix is None:

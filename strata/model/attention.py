@@ -15,7 +15,7 @@ from strata.config import ModelConfig
 from strata.model.compressor import Compressor
 from strata.model.context import ForwardContext
 from strata.model.indexer import Indexer
-from strata.model.numerics import rms_norm, row_matmul, rows_bmm
+from strata.model.numerics import rms_norm, rows_bmm
 from strata.model.rope import apply_rope
 from strata.quant.qdq import fp4_qdq_e4m3_scale, fp8_act_qdq
 from strata.runtime.state import State
@@ -32,7 +32,7 @@ class Attention:
         self.wq_b = w.linear(f"{prefix}.wq_b", H * hd, cfg.q_lora_rank)
         self.wkv = w.linear(f"{prefix}.wkv", hd, D)
         self.kv_norm = w.float_tensor(f"{prefix}.kv_norm.weight", (hd,))
-        self.wo_a = w.linear(f"{prefix}.wo_a", G * ol, H * hd // G)
+        self.wo_a = w.linear_groups(f"{prefix}.wo_a", G, ol, H * hd // G)
         self.wo_b = w.linear(f"{prefix}.wo_b", D, G * ol)
         self.attn_sink = w.float_tensor(f"{prefix}.attn_sink", (H,))
         is_backbone = layer < cfg.n_layers
@@ -64,9 +64,9 @@ class Attention:
         cos, sin = ctx.rope(self.ratio)
         o = apply_rope(o, cos, sin, inverse=True).to(nx.act_dtype)
         G = cfg.o_groups
-        wo_a = self.wo_a.materialize(nx.act_dtype).view(G, cfg.o_lora_rank, -1)
         o = o.reshape(ctx.T, G, -1)
-        o = torch.cat([row_matmul(o[:, g], wo_a[g]) for g in range(G)], dim=1)
+        # The vendor runs wo_a unquantized (convert.py dequantises it): no fp8 activation point.
+        o = torch.cat([self.wo_a[g](o[:, g], nx, act_quant=False) for g in range(G)], dim=1)
         return self.wo_b(o, nx)
 
     # -- the backbone forward -----------------------------------------------------------------

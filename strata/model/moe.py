@@ -1,20 +1,19 @@
 """Mixture of experts: sqrt-softplus gate, bias-steered top-k, SwiGLU experts with clamps,
 plus the shared expert (spec §2.8).
 
-Routed experts are held stacked per layer ([E, out, in] in their stored encoding) so a step's
-selected experts are gathered by index — no Python loop over experts while decoding. Prefill
-(many token-expert pairs) instead runs each present expert once over its tokens.
+Routed experts are held as stored, one Linear each; the reference path stacks them dequantized
+([E, out, in]) so a step's selected experts are gathered by index — no Python loop over experts
+while decoding. Prefill (many token-expert pairs) instead runs each present expert once over
+its tokens.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from strata.checkpoint.encodings import dequant_fp4_group, dequant_fp8_block
 from strata.checkpoint.weights import WeightReader
 from strata.config import ModelConfig
 from strata.model.numerics import Numerics, row_matmul, rows_bmm
-from strata.quant.linear import Linear
 from strata.quant.qdq import fp8_act_qdq
 
 # Token-expert pairs up to which a step gathers expert weights instead of grouping tokens.
@@ -32,31 +31,23 @@ class ExpertStack:
     def __init__(self, cfg: ModelConfig, w: WeightReader, prefix: str, n_experts: int) -> None:
         D, I = cfg.hidden_size, cfg.moe_intermediate_size
         self.n_experts, self.limit = n_experts, cfg.swiglu_limit
-        lins = {name: [w.linear(f"{prefix}.{e}.{name}", *shape) for e in range(n_experts)]
-                for name, shape in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I)))}
-        # Stack the stored encodings so weights can be gathered per selected expert.
-        self.stored = {name: _stack(ls) for name, ls in lins.items()}
+        # Each expert as stored (fp4, fp8, EXL3 or dense), behind the Linear interface.
+        self.linears = {name: [w.linear(f"{prefix}.{e}.{name}", *shape) for e in range(n_experts)]
+                        for name, shape in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I)))}
         self._dense: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
     def dense(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """All experts' `name` weights dequantized, [E, out, in] (reference path)."""
+        """All experts' `name` weights dequantized and stacked, [E, out, in] (reference path:
+        the selected experts are gathered from it by index)."""
         key = (name, dtype)
         if key not in self._dense:
-            kind, tensors = self.stored[name]
-            if kind == "fp4":
-                wq, sc = tensors
-                d = torch.stack([dequant_fp4_group(wq[e], sc[e]) for e in range(self.n_experts)])
-            elif kind == "fp8":
-                wq, sc = tensors
-                d = torch.stack([dequant_fp8_block(wq[e], sc[e]) for e in range(self.n_experts)])
-            else:
-                d = tensors[0].float()
-            self._dense[key] = d.to(dtype)
+            self._dense[key] = torch.stack([l.dequantize(dtype) for l in self.linears[name]])
         return self._dense[key]
 
     @property
     def quantized(self) -> bool:
-        return self.stored["w1"][0] != "dense"
+        """Whether vendor numerics put the fp8 activation point before these GEMMs."""
+        return self.linears["w1"][0].quantized_activations
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
                 nx: Numerics) -> torch.Tensor:
@@ -90,15 +81,6 @@ class ExpertStack:
         for s in range(1, k):
             out = out + ys[:, s]
         return out
-
-
-def _stack(lins: list[Linear]) -> tuple[str, tuple[torch.Tensor, ...]]:
-    first = lins[0]
-    if hasattr(first, "scale") and first.weight.dtype == torch.int8:
-        return "fp4", (torch.stack([l.weight for l in lins]), torch.stack([l.scale for l in lins]))
-    if hasattr(first, "scale"):
-        return "fp8", (torch.stack([l.weight for l in lins]), torch.stack([l.scale for l in lins]))
-    return "dense", (torch.stack([l.weight for l in lins]),)
 
 
 class SharedExpert:

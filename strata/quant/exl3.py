@@ -182,8 +182,9 @@ class Exl3Linear(Linear):
         w = w * self.svh.float()[None, :]
         return w[:self.in_features, :self.out_features].T.contiguous().to(dtype)
 
-    def forward(self, x: torch.Tensor, nx: Numerics, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        kp = self.suh.numel()
+    def forward(self, x: torch.Tensor, nx: Numerics, out_dtype: torch.dtype | None = None,
+                act_quant: bool = True) -> torch.Tensor:
+        kp = self.suh.numel()  # (EXL3 takes fp16 activations: no fp8 point to skip)
         xf = x.float()
         if xf.shape[-1] < kp:  # zero-extend to the padded input width
             xf = torch.nn.functional.pad(xf, (0, kp - xf.shape[-1]))

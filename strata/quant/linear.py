@@ -35,8 +35,14 @@ class Linear:
             self._dense[dtype] = w
         return w
 
-    def forward(self, x: torch.Tensor, nx: Numerics, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        if nx.quantize and self.quantized_activations:
+    def rows(self, lo: int, hi: int) -> "Linear":
+        """The linear of output rows lo..hi-1 (e.g. one group of the grouped wo_a)."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, nx: Numerics, out_dtype: torch.dtype | None = None,
+                act_quant: bool = True) -> torch.Tensor:
+        """`act_quant=False` skips the vendor fp8 activation point (wo_a runs unquantized)."""
+        if nx.quantize and self.quantized_activations and act_quant:
             x = fp8_act_qdq(x)
         # An fp32 output (gate, head, compressor) is also computed in fp32.
         cd = torch.float32 if out_dtype == torch.float32 else nx.act_dtype
@@ -60,6 +66,9 @@ class DenseLinear(Linear):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.weight.to(dtype)
 
+    def rows(self, lo: int, hi: int) -> Linear:
+        return DenseLinear(self.weight[lo:hi])
+
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
 
@@ -76,6 +85,11 @@ class Fp8Block32Linear(Linear):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequant_fp8_block(self.weight, self.scale).to(dtype)
 
+    def rows(self, lo: int, hi: int) -> Linear:
+        if lo % 32 or (hi % 32 and hi != self.out_features):
+            raise ValueError(f"fp8 rows {lo}..{hi} do not fall on 32-row tiles")
+        return Fp8Block32Linear(self.weight[lo:hi], self.scale[lo // 32:(hi + 31) // 32])
+
     def nbytes(self) -> int:
         return self.weight.numel() + self.scale.numel()
 
@@ -91,6 +105,9 @@ class Fp4Group32Linear(Linear):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequant_fp4_group(self.weight, self.scale).to(dtype)
+
+    def rows(self, lo: int, hi: int) -> Linear:
+        return Fp4Group32Linear(self.weight[lo:hi], self.scale[lo:hi])
 
     def nbytes(self) -> int:
         return self.weight.numel() + self.scale.numel()
