@@ -236,3 +236,16 @@ def test_exl3_fixture_parity_and_dspark(exl3_model):
     spec = Session(m, 96, speculative=SpecConfig(length=4)).run(tokens, 20,
                                                                   stop_ids=frozenset()).tokens
     assert spec == plain
+
+
+def test_inspect_reports_exl3_bits(tmp_path, capsys):
+    from strata.checkpoint.tiny import make_tiny
+    from strata.cli import main
+    d = make_tiny(tmp_path / "x", "tiny", seed=0, fmt="exl3")
+    assert main(["inspect", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert ": EXL3;" in out
+    experts = next(line for line in out.splitlines() if "routed experts" in line)
+    assert "2.5: 192" in experts  # 8 layers × 8 experts × (w1, w2, w3) at K = 2.5
+    head = next(line for line in out.splitlines() if "embed/head" in line)
+    assert "6: 1" in head
