@@ -3,6 +3,7 @@
   strata generate  [--model DIR] (--prompt TEXT | --tokens IDS) --max-tokens N ...
   strata score     [--model DIR] --tokens IDS --mode prefill|decode|chunk:N [--start K] --save F.npz
   strata inspect   DIR
+  strata plan      DIR --devices cuda:0,cuda:1 --budget 96GB [--context N] [--reserve 4GiB]
   strata make-tiny OUT [--preset tiny|real-vocab] [--seed N]
   strata serve     [--model DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY] ...
 
@@ -47,7 +48,11 @@ def _load(args) -> "Model":  # noqa: F821
         raise StrataError(f"--device {args.device!r}: expected cpu, cuda or cuda:N")
     mode = args.numerics or ("vendor" if device.type == "cuda" else "reference")
     nx = Numerics.for_device(device, mode, args.dtype, args.vendor_stale_index_k)
-    return Model.load(_model_dir(args.model), device, nx)
+    from strata.checkpoint.loader import TensorLoader
+    # Progress bar (bytes, GB/s) on stderr when it is a terminal, unless --quiet.
+    loader = TensorLoader(device, buffer_bytes=args.load_buffer_mb << 20,
+                          progress=False if args.quiet else None)
+    return Model.load(_model_dir(args.model), device, nx, loader=loader)
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -73,6 +78,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="reproduce the vendor's stale index-key quirk (spec §2.6)")
     p.add_argument("--capacity", type=int, default=None,
                    help="context capacity in tokens (default: prompt + max tokens)")
+    p.add_argument("--load-buffer-mb", type=int, default=256,
+                   help="size of each of the 4 host staging buffers weights stream through "
+                        "while loading (default 256: 1 GiB in all)")
+    p.add_argument("--quiet", action="store_true", help="no loading progress bar")
 
 
 def cmd_generate(args) -> int:
@@ -199,10 +208,34 @@ def cmd_inspect(args) -> int:
     print(f"  engram layers {list(cfg.engram_layer_ids)} rows {list(cfg.engram_num_embeddings)}; "
           f"DSpark stages {cfg.num_nextn_predict_layers} targets "
           f"{list(cfg.dspark_target_layer_ids)}")
-    print(f"  {'group':<20}{'tensors':>9}{'bytes':>16}")
+    # EXL3: bits per weight from each trellis shape, per tensor group
+    from strata.quant.exl3 import bits_per_weight
+    kbits: dict[str, dict[float, int]] = defaultdict(lambda: defaultdict(int))
+    for name in ckpt.names():
+        if name.endswith(".trellis"):
+            kbits[_group(name)][bits_per_weight(ckpt.info(name).shape[-1])] += 1
+    print(f"  {'group':<20}{'tensors':>9}{'bytes':>16}   EXL3 K (linears)")
     for g, (n, b) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
-        print(f"  {g:<20}{n:>9}{b:>16,}")
+        ks = ", ".join(f"{k:g}: {c}" for k, c in sorted(kbits[g].items())) if g in kbits else ""
+        print(f"  {g:<20}{n:>9}{b:>16,}   {ks}")
     print("  by dtype: " + ", ".join(f"{k} {v:,}" for k, v in sorted(dtypes.items())))
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from strata.checkpoint.safetensors_io import CheckpointFolder
+    from strata.config import ModelConfig
+    from strata.runtime.placement import parse_bytes, plan_placement, tensor_bytes_of
+    folder = Path(args.dir)
+    cfg = ModelConfig.from_model_dir(folder)
+    with CheckpointFolder(folder) as ckpt:
+        sizes = tensor_bytes_of(ckpt)  # headers only: the plan fails before any weight is read
+    devices = [d.strip() for d in args.devices.split(",") if d.strip()]
+    budgets = [parse_bytes(b) for b in args.budget.split(",")]
+    plan = plan_placement(cfg, sizes, devices, budgets, args.context,
+                          reserve_bytes=parse_bytes(args.reserve), kv_format=args.kv_format,
+                          engram_on_device=args.engram_on_device)
+    print(plan.format())
     return 0
 
 
@@ -235,8 +268,8 @@ def cmd_serve(args) -> int:
 
 def cmd_make_tiny(args) -> int:
     from strata.checkpoint.tiny import make_tiny
-    out = make_tiny(args.out, args.preset, args.seed)
-    print(f"wrote {args.preset} fixture (seed {args.seed}) to {out}")
+    out = make_tiny(args.out, args.preset, args.seed, args.format)
+    print(f"wrote {args.preset} {args.format} fixture (seed {args.seed}) to {out}")
     return 0
 
 
@@ -268,6 +301,21 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="describe a checkpoint folder")
     i.add_argument("dir")
     i.set_defaults(fn=cmd_inspect)
+
+    pl = sub.add_parser("plan", help="place layers on devices within memory budgets "
+                                     "(reads only the checkpoint headers)")
+    pl.add_argument("dir")
+    pl.add_argument("--devices", default="cuda:0", help="comma-separated, in layer order")
+    pl.add_argument("--budget", required=True,
+                    help="memory per device (96GB, 80GiB, ...): one for all, or one per device")
+    pl.add_argument("--context", type=int, default=65536, help="context length to size caches")
+    pl.add_argument("--reserve", default="4GiB",
+                    help="per-device room for activations, CUDA graphs and the CUDA context")
+    pl.add_argument("--kv-format", default="bf16", choices=["bf16", "fp32", "fp4"],
+                    help="storage of compressed KV and index keys (fp4: spec §4 packed layout)")
+    pl.add_argument("--engram-on-device", action="store_true",
+                    help="place the Engram tables with their layers (default: on disk)")
+    pl.set_defaults(fn=cmd_plan)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
@@ -308,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("out")
     m.add_argument("--preset", default="real-vocab", choices=["tiny", "real-vocab"])
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--format", default="official", choices=["official", "exl3", "exl3-routed"],
+                   help="official fp8/fp4, exllamav3's EXL3 convention, or EXL3 routed experts "
+                        "only (random trellis data)")
     m.set_defaults(fn=cmd_make_tiny)
     return p
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from strata.checkpoint.loader import TensorLoader
 from strata.checkpoint.safetensors_io import CheckpointFolder
 from strata.errors import CheckpointError
 from strata.quant.linear import DenseLinear, Fp4Group32Linear, Fp8Block32Linear, Linear
@@ -20,9 +21,15 @@ def _ceil32(n: int) -> int:
 
 
 class WeightReader:
-    def __init__(self, folder: CheckpointFolder, device: torch.device | str = "cpu") -> None:
+    def __init__(self, folder: CheckpointFolder, device: torch.device | str = "cpu",
+                 loader: TensorLoader | None = None) -> None:
         self.folder = folder
         self.device = torch.device(device)
+        # Every tensor streams to the device through the loader's bounded staging pool (no
+        # shard and no host copy of weights kept). The caller closes a loader it passes in.
+        self.loader = loader or TensorLoader(self.device)
+        if self.loader.device != self.device:
+            raise ValueError(f"loader targets {self.loader.device}, reader {self.device}")
         self.used: set[str] = set()
         self._by_prefix: dict[str, set[str]] | None = None
 
@@ -47,7 +54,7 @@ class WeightReader:
             raise CheckpointError(f"{self._where(name)} has shape {list(info.shape)}; expected "
                                   f"{list(shape)}")
         self.used.add(name)
-        return self.folder.read(name).to(self.device)
+        return self.loader.load(info)
 
     def float_tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A BF16/F32 tensor (norm weights, biases, mHC parameters) as fp32."""

@@ -13,6 +13,7 @@ import torch
 from strata.checkpoint.encodings import dequant_engram_rows
 from strata.checkpoint.weights import WeightReader
 from strata.config import ModelConfig
+from strata.engram_store import EngramDiskWeights, EngramStore
 from strata.model.numerics import Numerics, row_mean, row_sum
 
 
@@ -36,9 +37,13 @@ class Engram:
         n_rows, hd = cfg.engram_num_embeddings[i], cfg.engram_head_dim
         n_ids = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
         D, H = cfg.hidden_size, cfg.hc_mult
-        self.table = EngramTable(
-            w.tensor(f"{prefix}.embed.weight", "F8_E4M3", (n_rows, hd)),
-            w.tensor(f"{prefix}.embed.scale", ("F8_E8M0", "U8"), (n_rows, hd // 32)))
+        self.table: EngramTable | EngramStore
+        if isinstance(w, EngramDiskWeights):  # Model.load(engram="disk"): rows stay on disk
+            self.table = w.engram_table(f"{prefix}.embed", n_rows, hd)
+        else:
+            self.table = EngramTable(
+                w.tensor(f"{prefix}.embed.weight", "F8_E4M3", (n_rows, hd)),
+                w.tensor(f"{prefix}.embed.scale", ("F8_E8M0", "U8"), (n_rows, hd // 32)))
         self.wkv = w.linear(f"{prefix}.wkv", (H + 1) * D, n_ids * hd)
         q_w = w.float_tensor(f"{prefix}.q_weight", (H, D))
         k_w = w.float_tensor(f"{prefix}.k_weight", (H, D))

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import torch
 
+from strata.checkpoint.loader import TensorLoader
 from strata.checkpoint.safetensors_io import CheckpointFolder
 from strata.checkpoint.weights import WeightReader
 from strata.config import ModelConfig
+from strata.engram_store import EngramDiskWeights, EngramStore
 from strata.errors import ConfigError
 from strata.model.block import Block
 from strata.model.context import ForwardContext
@@ -37,10 +39,23 @@ class Model:
         self.dspark = DSparkHead(cfg, w) if cfg.num_nextn_predict_layers else None
         if cfg.engram_layer_ids and hasher is None:
             raise ConfigError("the config has Engram layers but no n-gram hasher was given")
+        # Disk-resident tables, by layer: prefetch_engram starts their reads early.
+        self.engram_stores = {b.layer: b.engram.table for b in self.layers
+                              if b.engram is not None and isinstance(b.engram.table, EngramStore)}
 
     @classmethod
     def load(cls, model_dir: str | Path, device: torch.device | str = "cpu",
-             numerics: Numerics | None = None, cache_dir: Path | None = None) -> "Model":
+             numerics: Numerics | None = None, cache_dir: Path | None = None,
+             loader: TensorLoader | None = None, engram: str = "device",
+             engram_cache_bytes: int = 1 << 30, engram_options: dict | None = None) -> "Model":
+        """Load a checkpoint folder; `loader` sets the staging pool and progress bar (it is
+        closed when loading ends, successful or not).
+
+        engram="device" loads the Engram tables to `device`; "disk" leaves them on disk behind
+        strata.engram_store (engram_cache_bytes of row cache, split between the tables;
+        engram_options: further EngramStore keywords such as io_threads, direct)."""
+        if engram not in ("device", "disk"):
+            raise ValueError(f"engram={engram!r}: expected 'device' or 'disk'")
         model_dir = Path(model_dir)
         cfg = ModelConfig.from_model_dir(model_dir)
         numerics = numerics or Numerics.for_device(device)
@@ -64,8 +79,33 @@ class Model:
                     raise ConfigError(
                         f"{model_dir}: Engram layer {layer} hashes into {hasher.rows(layer)} rows "
                         f"but engram_num_embeddings says {rows}")
-        w = WeightReader(CheckpointFolder(model_dir), device)
-        return cls(cfg, w, numerics, hasher)
+        folder = CheckpointFolder(model_dir)
+        folder.validate()  # every shard header, before any weight streams (fail early)
+        loader = loader or TensorLoader(device)
+        try:
+            if engram == "disk":
+                per_table = engram_cache_bytes // max(1, len(cfg.engram_layer_ids))
+                w = EngramDiskWeights(folder, device, loader,
+                                      store_options=dict(engram_options or {},
+                                                         cache_bytes=per_table))
+            else:
+                w = WeightReader(folder, device, loader)
+            # On error nothing half-built escapes: the exception propagates, no model returns.
+            return cls(cfg, w, numerics, hasher)
+        finally:
+            loader.close()  # frees the staging buffers: no host copy of weights remains
+
+    def prefetch_engram(self, tokens: torch.Tensor, state: State) -> None:
+        """Start the disk reads for the Engram rows that forwarding `tokens` at state.position
+        will need (the next token, or a draft block), so the forward waits less; a no-op when the
+        tables are in memory. The ids hash exactly as in forward (same token history)."""
+        if not self.engram_stores or self.hasher is None:
+            return
+        start = state.position
+        hist = state.tokens[max(0, start - self.cfg.engram_max_ngram_size + 1):start]
+        ids = self.hasher.ids(tokens.to(self.device).view(-1).long(), hist)
+        for layer, store in self.engram_stores.items():
+            store.prefetch(ids[layer])
 
     def new_state(self, capacity: int) -> State:
         return State(self.cfg, capacity, self.device, kv_dtype=self.numerics.act_dtype)

@@ -6,7 +6,7 @@ The token picked at position p is `sample(logits of row p-1, p, params)`.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,17 +28,19 @@ class GenerationResult:
 class Session:
     def __init__(self, model: Model, capacity: int, prefill_chunk: int = 512,
                  speculative: SpecConfig | None = None, draft_override: DraftOverride | None = None,
-                 costs: tuple[list[float], float] | None = None) -> None:
+                 costs: tuple[list[float], float] | None = None,
+                 state: State | None = None) -> None:
         """`speculative` enables DSpark: the state then also keeps the draft stages' windows
         of every committed row (prefill included), and generate() can run mode 'dspark'.
         `costs` = (seconds per verify window of 1.. rows, seconds per draft) for the adaptive
-        length (strata.runtime.speculative.measure_costs)."""
+        length (strata.runtime.speculative.measure_costs).
+        `state`: continue an existing state (the server's prefix reuse) instead of a new one."""
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be ≥ 1")
         if speculative is not None and model.dspark is None:
             raise StrataError("speculative decoding needs a model with DSpark stages (mtp.*)")
         self.model = model
-        self.state: State = model.new_state(capacity)
+        self.state: State = state if state is not None else model.new_state(capacity)
         self.prefill_chunk = prefill_chunk
         self.speculative = speculative
         self.draft_override = draft_override
@@ -68,23 +70,29 @@ class Session:
                  params: SamplingParams = SamplingParams(),
                  stop_ids: frozenset[int] | None = None,
                  should_stop: Callable[[], bool] | None = None,
-                 mode: str | None = None) -> Iterator[int]:
+                 mode: str | None = None,
+                 scripted: Sequence[int] | None = None) -> Iterator[int]:
         """Yield up to max_tokens sampled tokens after the prompt (stops after a stop id).
 
         mode 'plain' runs one forward per token; 'dspark' (the default when the session is
         speculative) verifies drafted blocks — the tokens are the same either way.
+        `scripted` is a test hook (plain mode only): the i-th token is scripted[i] instead of
+        the sampled one while the script lasts; the model still runs every forward, on the
+        scripted tokens.
         """
         mode = mode or ("dspark" if self.speculative is not None else "plain")
         if mode not in ("plain", "dspark"):
             raise StrataError(f"decode mode {mode!r}: expected 'plain' or 'dspark'")
         if mode == "dspark" and self.speculative is None:
             raise StrataError("mode 'dspark' needs a session created with speculative=SpecConfig()")
+        if scripted is not None and mode != "plain":
+            raise StrataError("scripted tokens need mode 'plain'")
         prompt = torch.as_tensor(prompt, dtype=torch.long).view(-1)
         cfg = self.model.cfg
         stop_ids = frozenset({cfg.eos_token_id}) if stop_ids is None else stop_ids
         self.state.check_room(prompt.numel() + max(max_tokens - 1, 0))
         logits = self.prefill(prompt)
-        tok = int(sample(logits[None], torch.tensor([self.state.position]), params)[0])
+        tok = self._pick(logits, params, scripted, 0)
         if mode == "dspark":
             decoder = DSparkDecoder(self, self.speculative, self.draft_override,
                                     *(self.costs or (None, 0.0)))
@@ -101,7 +109,7 @@ class Session:
                 if self.speculative is not None:  # keep the draft windows complete
                     self.model.dspark.commit_context(self.model.dspark.main_hidden(ctx), start,
                                                      self.state, self.model.numerics)
-                tok = int(sample(logits, torch.tensor([self.state.position]), params)[0])
+                tok = self._pick(logits, params, scripted, emitted)
                 continue
             more = decoder.step(tok, params, max_tokens - emitted)
             for t in more[:-1]:
@@ -110,6 +118,13 @@ class Session:
                 if t in stop_ids or (should_stop and should_stop()):
                     return
             tok = more[-1]
+
+    def _pick(self, logits: torch.Tensor, params: SamplingParams,
+              scripted: Sequence[int] | None, i: int) -> int:
+        """The i-th token, at the state's position: sampled, or the test script's."""
+        if scripted is not None and i < len(scripted):
+            return int(scripted[i])
+        return int(sample(logits.view(1, -1), torch.tensor([self.state.position]), params)[0])
 
     def run(self, prompt: torch.Tensor | list[int], max_tokens: int,
             params: SamplingParams = SamplingParams(),

@@ -8,6 +8,8 @@ Everything a forward writes lives here, preallocated on the model's device:
 - `comp_kv[l]`, `index_k[l]`: compressed KV and index keys of kv-source layers, at absolute
   entry indices (entry j ↔ tokens [j·r, (j+1)·r)); entries past the committed position are
   invisible by construction and overwritten when recomputed;
+- `dspark[k]`: each DSpark stage's window of keys projected from committed main rows (written
+  only for committed positions, so verification never has to undo them);
 - `tokens`: the committed token ids (Engram history, prefix matching);
 - `position`: the number of committed tokens.
 
@@ -35,11 +37,6 @@ class PositionRing:
         self.keep = keep  # rows before the current position that later reads may need
         self.rows = torch.zeros((size,) + row_shape, dtype=dtype, device=device)
         self.tags = torch.full((size,), -1, dtype=torch.long, device=device)
-
-    def read_before(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """All rows with their tags; rows not strictly before `start` get tag -1 (invalid)."""
-        tags = torch.where(self.tags < start, self.tags, torch.full_like(self.tags, -1))
-        return self.rows, tags
 
     def gather(self, positions: torch.Tensor) -> torch.Tensor:
         """Rows of the given positions (the caller guarantees they are present)."""
@@ -226,6 +223,8 @@ class State:
         if not 0 <= to <= self.position:
             return False
         for ring in self._rings():
+            if not bool((ring.tags >= 0).any()):
+                continue  # never written (DSpark's windows without speculative decoding)
             need = torch.arange(max(0, to - ring.keep), to, device=ring.tags.device)
             if need.numel() and not bool((ring.tags[need % ring.size] == need).all()):
                 return False

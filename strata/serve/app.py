@@ -1,0 +1,320 @@
+"""The HTTP app: OpenAI- and Anthropic-compatible endpoints over one engine.
+
+  GET  /health                 liveness and queue depth
+  GET  /metrics                Prometheus text format
+  GET  /v1/models              the served model
+  POST /v1/chat/completions    OpenAI Chat Completions (deepseek-recipe)
+  POST /v1/messages            Anthropic Messages (deepseek-recipe)
+  POST /v1/responses           OpenAI Responses (deepseek-recipe)
+  POST /v1/completions         raw prompt completions (serve/completions.py)
+
+A chat request goes: size limit → JSON → model name → recipe conversion → V4.1 prompt
+encoding → tool-call turns re-rendered as emitted (serve/replay.py) → context check with the
+numbers → engine queue (429 when full) → streamed or collected answer. Every error is a JSON
+body in the API's own shape; nothing a client sends stops the server.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import deepseek_recipe as dr
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from strata.errors import StrataError
+from strata.runtime.engine import Engine, GenRequest
+from strata.runtime.sampling import SamplingParams
+from strata.serve import completions
+from strata.serve.errors import ApiError, from_conversion_error
+from strata.serve.generation import KEEPALIVE, Generation, Output, RecipeOutput
+from strata.serve.metrics import Metrics
+from strata.serve.protocols import PROTOCOLS, Protocol
+from strata.serve.replay import ToolTurns
+from strata.serve.scripts import Scripts
+from strata.tokenizer import load_tokenizer, tokenizer_path
+
+log = logging.getLogger("strata.serve")
+
+MODEL_NAME = "DeepSeek-V4.1-Flash"
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model_name: str = MODEL_NAME
+    api_key: str | None = None
+    max_body_bytes: int = 16 << 20
+    keepalive_s: float = 5.0        # SSE comment when nothing was sent for this long
+    disconnect_poll_s: float = 0.25  # how often a non-streamed request checks its client
+
+
+def _style(path: str) -> str:
+    return "anthropic" if path.startswith("/v1/messages") else "openai"
+
+
+class Server:
+    """Everything the routes share: engine, tokenizers, recipe encoder, stores, metrics."""
+
+    def __init__(self, engine: Engine, model_dir: str | Path, config: ServeConfig,
+                 scripts: Scripts | list[dict] | None = None) -> None:
+        self.engine, self.config = engine, config
+        path = str(tokenizer_path(model_dir))
+        self.rtok = dr.Tokenizer.from_file(path)          # recipe: prompt encoding, parsing
+        self.htok = load_tokenizer(model_dir)             # raw completions: text in and out
+        self.encoder = dr.DeepseekV41Encoding().with_tokenizer(self.rtok)
+        # Only the model we serve; the recipe would also accept DeepSeek-V4-Pro.
+        self.options = dr.ConversionOptions().with_model_versions_by_name(
+            {config.model_name: dr.ModelVersion.DeepseekV41Flash})
+        cfg = engine.model.cfg
+        self.eos_id, self.vocab_size = cfg.eos_token_id, cfg.vocab_size
+        self.tool_turns = ToolTurns(self.eos_id)
+        self.scripts = Scripts(scripts, self.rtok) if isinstance(scripts, list) else scripts
+        self.metrics = Metrics(lambda: engine.queue_depth, engine.speculative is not None)
+
+    # ---- request guards ----------------------------------------------------------------------
+    def authorize(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        given = request.headers.get("x-api-key")
+        auth = request.headers.get("authorization", "")
+        if given is None and auth.lower().startswith("bearer "):
+            given = auth[7:].strip()
+        if given is None or not hmac.compare_digest(given.encode(), key.encode()):
+            raise ApiError("authentication", "missing or invalid API key (send it as "
+                           "'Authorization: Bearer KEY' or 'x-api-key: KEY')")
+
+    async def read_json(self, request: Request) -> dict:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise ApiError("invalid_request", "malformed Content-Length header")
+            if int(declared) > limit:
+                raise ApiError("too_large", f"request body of {declared} bytes exceeds the "
+                               f"limit of {limit} bytes")
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > limit:
+                raise ApiError("too_large", f"request body exceeds the limit of {limit} bytes")
+        try:
+            data = json.loads(body)
+        except ValueError as e:
+            raise ApiError("invalid_request", f"malformed JSON in the request body: {e}") \
+                from None
+        if not isinstance(data, dict):
+            raise ApiError("invalid_request", "the request body must be a JSON object")
+        return data
+
+    def check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model is not None and model != self.config.model_name:
+            raise ApiError("not_found", f"the model {model!r} does not exist; this server "
+                           f"serves {self.config.model_name!r}", param="model")
+
+    def context_error(self, prompt: int, completion: int) -> ApiError:
+        cap = self.engine.capacity
+        return ApiError("invalid_request", f"This model's maximum context length is {cap} "
+                        f"tokens. However, you requested {prompt + completion} tokens "
+                        f"({prompt} in the messages, {completion} in the completion). Please "
+                        "reduce the length of the messages or completion.", param="messages",
+                        code="context_length_exceeded")
+
+    # ---- running a generation ------------------------------------------------------------------
+    async def respond(self, request: Request, gen: Generation, stream: bool,
+                      after=None) -> Response:
+        gen.submit()
+        if stream:
+            return StreamingResponse(self._sse(gen, after), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache",
+                                              "X-Accel-Buffering": "no"})
+
+        async def watch() -> None:  # a non-streamed request has no writes to fail on
+            while not await request.is_disconnected():
+                await asyncio.sleep(self.config.disconnect_poll_s)
+            gen.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            async for _ in gen.events():
+                pass
+        finally:
+            watcher.cancel()
+        if gen.started is None:  # cancelled before it ran: only a gone client gets here
+            raise ApiError("unavailable", "the request was cancelled before it started")
+        if after is not None:
+            after(gen)
+        return JSONResponse(gen.output.result())
+
+    async def _sse(self, gen: Generation, after) -> AsyncIterator[bytes]:
+        try:
+            async for ev in gen.events():
+                yield KEEPALIVE if ev is None else ev.encode()
+        except ApiError as e:
+            yield gen.output.error(e).encode()
+            return
+        except Exception as e:  # the status line is sent: report in the stream, then end it
+            log.exception("streaming failed")
+            yield gen.output.error(ApiError("server", f"internal error: {type(e).__name__}: "
+                                                      f"{e}")).encode()
+            return
+        if after is not None:
+            after(gen)
+        done = gen.output.done_data()
+        if done is not None:
+            yield f"data: {done}\n\n".encode()
+
+    async def recipe_request(self, request: Request, protocol: Protocol) -> Response:
+        arrived = time.perf_counter()
+        self.authorize(request)
+        body = await self.read_json(request)
+        self.check_model(body)
+        model = self.config.model_name
+        try:
+            conv = protocol.convert(body, self.options, model)
+        except dr.ConversionError as e:
+            raise from_conversion_error(e) from None
+        except (ValueError, TypeError) as e:
+            raise ApiError("invalid_request", str(e)) from None
+        creq = conv.request
+        opts = creq.inference_options
+        if opts.logprobs:
+            raise ApiError("invalid_request", "logprobs are not supported", param="logprobs")
+        if any(m.image_sources for m in creq.conversation.messages):
+            raise ApiError("invalid_request", "image inputs are not supported by this server "
+                           "(the vision tower is not implemented)", param="messages")
+        try:
+            ids = list(self.encoder.encode(creq.conversation))
+        except (RuntimeError, ValueError) as e:
+            raise ApiError("invalid_request", f"cannot encode the conversation: {e}") from None
+        ids, _ = self.tool_turns.apply(creq.conversation, ids)
+        try:
+            max_tokens = creq.resolve_max_tokens(len(ids), self.engine.capacity)
+        except dr.ConversionError as e:
+            err = from_conversion_error(e)
+            err.code = "context_length_exceeded"
+            raise err from None
+        try:
+            params = SamplingParams(
+                temperature=opts.temperature if opts.temperature is not None else 1.0,
+                top_p=opts.top_p if opts.top_p is not None else 1.0,
+                seed=opts.seed if opts.seed is not None else secrets.randbits(63))
+        except StrataError as e:
+            raise ApiError("invalid_request", str(e)) from None
+        scripted = None
+        if self.scripts is not None:
+            scripted = self.scripts.pick(
+                dr.DeepseekV41Encoding().render_conversation(creq.conversation).prompt)
+        output = RecipeOutput(protocol, conv, self.rtok, model, self.eos_id)
+        gen = Generation(self.engine, self.metrics, output,
+                         GenRequest(ids, max_tokens, params, scripted=scripted),
+                         protocol.name, arrived, self.config.keepalive_s)
+
+        def remember(g: Generation) -> None:
+            if g.finished is not None and g.finished.reason == "stop":
+                self.tool_turns.remember(ids, g.emitted, protocol.turn(g.output.result()))
+
+        return await self.respond(request, gen, creq.stream, remember)
+
+    async def completion_request(self, request: Request) -> Response:
+        arrived = time.perf_counter()
+        self.authorize(request)
+        body = await self.read_json(request)
+        if "model" not in body:
+            raise ApiError("invalid_request", "'model' is required", param="model")
+        self.check_model(body)
+        req = completions.parse(body, self.htok, self.vocab_size)
+        if len(req.prompt) + req.max_tokens > self.engine.capacity:
+            raise self.context_error(len(req.prompt), req.max_tokens)
+        params = SamplingParams(req.temperature, req.top_p,
+                                req.seed if req.seed is not None else secrets.randbits(63))
+        output: Output = completions.TextOutput(req, self.htok, self.config.model_name,
+                                                self.eos_id)
+        gen = Generation(self.engine, self.metrics, output,
+                         GenRequest(req.prompt, req.max_tokens, params), "completions",
+                         arrived, self.config.keepalive_s)
+        return await self.respond(request, gen, req.stream)
+
+
+def create_app(engine: Engine, model_dir: str | Path, config: ServeConfig = ServeConfig(),
+               scripts: Scripts | list[dict] | None = None) -> FastAPI:
+    """The app; its lifespan starts the engine and, on shutdown, drains and stops it."""
+    server = Server(engine, model_dir, config, scripts)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            # uvicorn has already waited for in-flight requests; nothing is queued.
+            await asyncio.to_thread(engine.stop, True)
+
+    app = FastAPI(title="strata", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.server = server
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(_style(request.url.path)), status_code=e.status_code,
+                            headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = {401: "authentication", 404: "not_found", 413: "too_large",
+                429: "rate_limit"}.get(e.status_code, "invalid_request")
+        err = ApiError(kind, str(e.detail), status=e.status_code)
+        if e.status_code == 404:
+            err.code = "not_found"
+        return JSONResponse(err.body(_style(request.url.path)), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unexpected error in %s", request.url.path)
+        err = ApiError("server", f"internal error: {type(e).__name__}: {e}")
+        return JSONResponse(err.body(_style(request.url.path)), status_code=500)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": config.model_name, "queue_depth": engine.queue_depth}
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        server.authorize(request)
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        server.authorize(request)
+        return {"object": "list", "data": [{
+            "id": config.model_name, "object": "model", "created": 0, "owned_by": "strata",
+            "context_length": engine.capacity}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await server.recipe_request(request, PROTOCOLS["chat"])
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await server.recipe_request(request, PROTOCOLS["messages"])
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await server.recipe_request(request, PROTOCOLS["responses"])
+
+    @app.post("/v1/completions")
+    async def completion(request: Request) -> Response:
+        return await server.completion_request(request)
+
+    return app

@@ -1,0 +1,173 @@
+"""POST /v1/completions: a raw prompt in, raw text out (OpenAI's legacy Completions API).
+
+deepseek-recipe has no conversion for this API (there is no chat format to apply), so the
+request is read here: the prompt is a string (encoded with the full vocabulary, so special
+tokens written in it count as special) or a list of token ids.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+from strata.serve.errors import ApiError
+from strata.serve.generation import Sse
+
+MAX_STOPS = 4
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompt: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+def _number(body: dict, key: str, default, kind, lo=None, hi=None):
+    v = body.get(key, default)
+    if v is None:
+        v = default
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) if kind is float \
+        else isinstance(v, int) and not isinstance(v, bool)
+    if not ok:
+        raise ApiError("invalid_request", f"'{key}' must be {'a number' if kind is float else 'an integer'}",
+                       param=key)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ApiError("invalid_request", f"'{key}' must be in [{lo}, {hi}], got {v}", param=key)
+    return kind(v)
+
+
+def parse(body: dict, tokenizer: Tokenizer, vocab_size: int) -> CompletionRequest:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(0 <= t < vocab_size for t in prompt):
+            raise ApiError("invalid_request", f"token ids must be in 0..{vocab_size - 1}",
+                           param="prompt")
+        ids = list(prompt)
+    else:
+        raise ApiError("invalid_request", "'prompt' must be a string or a list of token ids "
+                       "(one prompt per request)", param="prompt")
+    if not ids:
+        raise ApiError("invalid_request", "the prompt is empty", param="prompt")
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > MAX_STOPS or \
+            not all(isinstance(s, str) and s for s in stop):
+        raise ApiError("invalid_request", f"'stop' must be a non-empty string or a list of up "
+                       f"to {MAX_STOPS} of them", param="stop")
+    for key in ("n", "best_of"):
+        if body.get(key, 1) not in (1, None):
+            raise ApiError("invalid_request", f"'{key}' other than 1 is not supported", param=key)
+    if body.get("logprobs") not in (None, 0) or body.get("echo"):
+        raise ApiError("invalid_request", "'logprobs' and 'echo' are not supported")
+    opts = body.get("stream_options") or {}
+    seed = body.get("seed")
+    if seed is not None:
+        seed = _number(body, "seed", None, int, 0, 2 ** 63 - 1)
+    return CompletionRequest(
+        prompt=ids,
+        max_tokens=_number(body, "max_tokens", 16, int, 1),
+        temperature=_number(body, "temperature", 1.0, float, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, float, 1e-6, 1.0),
+        seed=seed, stop=tuple(stop), stream=bool(body.get("stream", False)),
+        include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")))
+
+
+class TextOutput:
+    """Incremental detokenisation with stop strings, as Completions chunks."""
+
+    def __init__(self, req: CompletionRequest, tokenizer: Tokenizer, model: str,
+                 eos_id: int) -> None:
+        self.req, self.tok, self.model, self.eos_id = req, tokenizer, model, eos_id
+        self.id = "cmpl-" + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.ids: list[int] = []
+        self.sent = ""            # text already sent
+        self.text = ""            # the whole answer so far (cut at a stop string)
+        self.finish_reason: str | None = None
+        self.usage: dict = {}
+
+    def _chunk(self, text: str, finish: str | None = None, usage: dict | None = None) -> Sse:
+        body = {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model, "choices": [{"index": 0, "text": text, "logprobs": None,
+                                                  "finish_reason": finish}]}
+        if usage is not None:
+            body["usage"] = usage
+        return Sse(None, json.dumps(body, ensure_ascii=False))
+
+    def ready(self, prompt_tokens: int, cached_tokens: int) -> list[Sse]:
+        self.usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
+                      "total_tokens": prompt_tokens,
+                      "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+        return []
+
+    def token(self, token_id: int) -> list[Sse]:
+        if self.finish_reason is not None:
+            return []
+        self.usage["completion_tokens"] += 1
+        self.usage["total_tokens"] += 1
+        if token_id == self.eos_id:
+            return []
+        self.ids.append(token_id)
+        text = self.tok.decode(self.ids, skip_special_tokens=False)
+        hits = [text.find(s) for s in self.req.stop if s in text]
+        if hits:
+            text, self.finish_reason = text[:min(hits)], "stop"
+        self.text = text
+        # Hold back a partial UTF-8 sequence and anything that may begin a stop string.
+        safe = len(text)
+        if self.finish_reason is None:
+            if text.endswith("\ufffd"):
+                safe = len(text.rstrip("\ufffd"))
+            for s in self.req.stop:
+                for k in range(min(len(s) - 1, len(text)), 0, -1):
+                    if text.endswith(s[:k]):
+                        safe = min(safe, len(text) - k)
+                        break
+        delta, self.sent = text[len(self.sent):safe], text[:safe]
+        return [self._chunk(delta)] if delta and self.req.stream else []
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def finish(self, reason: str) -> list[Sse]:
+        self.finish_reason = self.finish_reason or ("length" if reason == "length" else "stop")
+        if not self.req.stream:
+            return []
+        out = [self._chunk(self.text[len(self.sent):], self.finish_reason)]
+        self.sent = self.text
+        if self.req.include_usage:
+            body = {"id": self.id, "object": "text_completion", "created": self.created,
+                    "model": self.model, "choices": [], "usage": self.usage}
+            out.append(Sse(None, json.dumps(body)))
+        return out
+
+    def result(self) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model,
+                "choices": [{"index": 0, "text": self.text, "logprobs": None,
+                             "finish_reason": self.finish_reason}],
+                "usage": self.usage}
+
+    def error(self, err: ApiError) -> Sse:
+        return Sse(None, json.dumps(err.body("openai")))
+
+    def done_data(self) -> str | None:
+        return "[DONE]"
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,214 @@
+"""One request's generation, from engine events to protocol events.
+
+`Generation` submits the job to the engine, moves the worker thread's events onto the
+request's event loop, records metrics, emits keep-alive ticks while nothing else happens
+(queue wait, long prefills) and cancels the job when the client goes away or the output
+format says the answer is over (a stop sequence). What the events look like on the wire is
+the business of an `Output`:
+- `RecipeOutput` feeds token ids to deepseek-recipe's StreamProcessor (Chat Completions,
+  Messages, Responses: content / reasoning / DSML tool-call deltas, usage) and accumulates
+  the final response object;
+- `strata.serve.completions.TextOutput` writes raw-text completions.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol as Interface
+
+import deepseek_recipe as dr
+
+from strata.runtime.engine import (Engine, EngineStopped, Failed, Finished, GenRequest, Job,
+                                   QueueFull, Started, Token)
+from strata.serve.errors import ApiError
+from strata.serve.metrics import Metrics
+from strata.serve.protocols import Converted, Protocol
+
+
+@dataclass(frozen=True)
+class Sse:
+    """One server-sent event: an optional event name and its data line."""
+
+    event: str | None
+    data: str
+
+    def encode(self) -> bytes:
+        head = f"event: {self.event}\n" if self.event else ""
+        return f"{head}data: {self.data}\n\n".encode()
+
+
+KEEPALIVE = b": keep-alive\n\n"
+_TICK = object()  # the keep-alive timer's queue entry
+
+
+class Output(Interface):
+    """The wire format of one generation (see the module docstring)."""
+
+    def ready(self, prompt_tokens: int, cached_tokens: int) -> list[Sse]: ...
+    def token(self, token_id: int) -> list[Sse]: ...
+    @property
+    def done(self) -> bool: ...  # the format ended the answer (a stop sequence)
+    def finish(self, reason: str) -> list[Sse]: ...
+    def result(self) -> dict: ...
+    def error(self, err: ApiError) -> Sse: ...
+    def done_data(self) -> str | None: ...
+    def close(self) -> None: ...
+
+
+class RecipeOutput:
+    """deepseek-recipe's stream processing and response accumulation for one request."""
+
+    def __init__(self, protocol: Protocol, conv: Converted, tokenizer: dr.Tokenizer,
+                 model: str, eos_id: int) -> None:
+        self.protocol, self.conv, self.model, self.eos_id = protocol, conv, model, eos_id
+        self.sp = dr.StreamProcessor(conv.generator, conv.request.parsing_options, tokenizer)
+        self.response: Any = None
+        self._final: dict | None = None
+
+    def _emit(self, chunks: list) -> list[Sse]:
+        out = []
+        for c in chunks:
+            # to_json first: accumulate() consumes the chunk.
+            out.append(Sse(self.protocol.sse_event_name(c), c.to_json()))
+            self.response.accumulate(c)
+        return out
+
+    def ready(self, prompt_tokens: int, cached_tokens: int) -> list[Sse]:
+        self.response = self.protocol.response(self.conv.response_id, self.model,
+                                               int(time.time()), prompt_tokens, cached_tokens)
+        usage = dr.PromptUsage(prompt_tokens=prompt_tokens, prompt_cache_hit_tokens=cached_tokens)
+        return self._emit(self.sp.push(dr.InferenceChunk.ready(prompt_usage=usage)))
+
+    def token(self, token_id: int) -> list[Sse]:
+        # The end-of-sentence token ends the turn; the recipe would pass it on as text.
+        if self.sp.finished or token_id == self.eos_id:
+            return []
+        return self._emit(self.sp.push(dr.InferenceChunk.tokens([token_id])))
+
+    @property
+    def done(self) -> bool:
+        return self.sp.finished
+
+    def finish(self, reason: str) -> list[Sse]:
+        out = []
+        if not self.sp.finished:
+            why = dr.InferenceFinishReason.Length if reason == "length" \
+                else dr.InferenceFinishReason.Stop
+            out = self._emit(self.sp.push(dr.InferenceChunk.finish(why)))
+        out += self._emit(self.sp.finish())
+        self._final = json.loads(self.response.to_json())
+        return out
+
+    def result(self) -> dict:
+        assert self._final is not None, "result() before finish()"
+        return self._final
+
+    def error(self, err: ApiError) -> Sse:
+        body = err.body(self.protocol.error_style)
+        if self.protocol.name == "chat":
+            return Sse(None, json.dumps(body))
+        if self.protocol.name == "responses":
+            e = body["error"]
+            return Sse("error", json.dumps({"type": "error", "code": e["code"] or e["type"],
+                                            "message": e["message"], "param": e["param"]}))
+        return Sse("error", json.dumps(body))
+
+    def done_data(self) -> str | None:
+        return self.protocol.sse_done_data()
+
+    def close(self) -> None:
+        if not self.sp.finished:
+            self.sp.close()
+
+
+class Generation:
+    def __init__(self, engine: Engine, metrics: Metrics, output: Output, request: GenRequest,
+                 endpoint: str, arrived: float, keepalive_s: float) -> None:
+        self.engine, self.metrics, self.output, self.request = engine, metrics, output, request
+        self.endpoint, self.arrived, self.keepalive_s = endpoint, arrived, keepalive_s
+        self.emitted: list[int] = []
+        self.started: Started | None = None
+        self.finished: Finished | None = None
+        self.job: Job | None = None
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+
+    def submit(self) -> None:
+        """Queue the job (before any response byte is sent, so a full queue can be a 429)."""
+        try:
+            self.job = self.engine.submit(self.request, self._deliver)
+        except QueueFull as e:
+            self.metrics.requests.labels(self.endpoint, "rejected").inc()
+            raise ApiError("rate_limit", f"the server is busy ({e}); retry shortly",
+                           headers={"Retry-After": "1"}) from None
+        except EngineStopped as e:
+            raise ApiError("unavailable", str(e)) from None
+
+    def _deliver(self, ev: Any) -> None:  # on the engine's worker thread
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, ev)
+        except RuntimeError:
+            pass  # the event loop is closed: nobody is listening any more
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.keepalive_s)
+            self._queue.put_nowait(_TICK)
+
+    def cancel(self) -> None:
+        if self.job is not None and self.finished is None:
+            self.engine.cancel(self.job)
+
+    async def events(self) -> AsyncIterator[Sse | None]:
+        """Wire events of the generation; None is a keep-alive tick. Raises ApiError if the
+        engine fails the job. Cancels the job if the consumer stops early."""
+        out = self.output
+        ticker = asyncio.create_task(self._tick())
+        quiet = True  # nothing sent since the last tick
+        try:
+            while True:
+                ev = await self._queue.get()
+                if ev is _TICK:
+                    if quiet:
+                        yield None
+                    quiet = True
+                    continue
+                quiet = False
+                if isinstance(ev, Token):
+                    if not self.emitted:
+                        self.metrics.ttft.observe(time.perf_counter() - self.arrived)
+                    self.emitted.append(ev.id)
+                    for s in out.token(ev.id):
+                        yield s
+                    if out.done:  # a stop sequence: the answer is over, free the worker
+                        self.cancel()
+                elif isinstance(ev, Started):
+                    self.started = ev
+                    self.metrics.started(ev.prompt_tokens, ev.cached_tokens)
+                    for s in out.ready(ev.prompt_tokens, ev.cached_tokens):
+                        yield s
+                elif isinstance(ev, Finished):
+                    self.finished = ev
+                    self.metrics.finished(ev)
+                    if self.started is None:  # cancelled while waiting
+                        return
+                    for s in out.finish(ev.reason):
+                        yield s
+                    self.metrics.requests.labels(self.endpoint, "ok").inc()
+                    return
+                elif isinstance(ev, Failed):
+                    self.finished = Finished("error", len(self.emitted), 0.0, 0.0)
+                    self.metrics.requests.labels(self.endpoint, "error").inc()
+                    # A request too long for the context is the client's to fix; the app
+                    # checks that before queueing, so this is only a second line of defence.
+                    kind = "invalid_request" if ev.error_type == "CapacityError" else "server"
+                    raise ApiError(kind, f"generation failed: {ev.error_type}: {ev.message}")
+        finally:
+            ticker.cancel()
+            if self.finished is None:
+                self.metrics.requests.labels(self.endpoint, "cancelled").inc()
+                self.cancel()
+            out.close()

@@ -1,0 +1,120 @@
+"""The three request protocols deepseek-recipe converts, behind one small interface.
+
+Each protocol names its recipe request and response classes, how to build the stream
+generator, its error shape and id prefix, and how to read an assistant turn (reasoning,
+content, tool calls) back out of a finished response — the server keeps that to re-render
+tool-call turns exactly (serve/replay.py).
+"""
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import deepseek_recipe as dr
+
+
+@dataclass(frozen=True)
+class ToolCallOut:
+    id: str
+    name: str
+    arguments: Any  # the parsed JSON arguments
+
+
+@dataclass(frozen=True)
+class TurnOut:
+    reasoning: str
+    content: str
+    tool_calls: tuple[ToolCallOut, ...]
+
+
+@dataclass
+class Converted:
+    """A converted request and everything needed to stream its response."""
+
+    request: dr.ConversationRequest
+    generator: Any  # a recipe chunk generator (consumed by one StreamProcessor)
+    response_id: str
+
+
+class Protocol:
+    name: str
+    error_style: str = "openai"
+    id_prefix: str
+    request_cls: Any
+    response_cls: Any
+
+    def convert(self, body: dict, options: dr.ConversionOptions, model: str) -> Converted:
+        rid = self.id_prefix + secrets.token_hex(12)
+        creq = self.request_cls(body).convert(options)
+        return Converted(creq, self.request_cls.chunk_generator(creq, rid, model), rid)
+
+    def response(self, rid: str, model: str, created: int, prompt_tokens: int,
+                 cached_tokens: int) -> Any:
+        return self.response_cls(rid, model, created, prompt_tokens, cached_tokens)
+
+    def sse_event_name(self, chunk: Any) -> str | None:
+        return self.response_cls.sse_event_name(chunk)
+
+    def sse_done_data(self) -> str | None:
+        return self.response_cls.sse_done_data()
+
+    def turn(self, response: dict) -> TurnOut:
+        raise NotImplementedError
+
+
+class ChatCompletions(Protocol):
+    name, id_prefix = "chat", "chatcmpl-"
+    request_cls, response_cls = dr.ChatCompletionRequest, dr.ChatCompletionResponse
+
+    def turn(self, response: dict) -> TurnOut:
+        msg = response["choices"][0]["message"]
+        calls = tuple(ToolCallOut(c["id"], c["function"]["name"],
+                                  json.loads(c["function"]["arguments"] or "{}"))
+                      for c in msg.get("tool_calls") or [])
+        return TurnOut(msg.get("reasoning_content") or "", msg.get("content") or "", calls)
+
+
+class Messages(Protocol):
+    name, id_prefix, error_style = "messages", "msg_", "anthropic"
+    request_cls, response_cls = dr.MessagesRequest, dr.MessagesResponse
+
+    def turn(self, response: dict) -> TurnOut:
+        blocks = response.get("content") or []
+        reasoning = "".join(b.get("thinking", "") for b in blocks if b["type"] == "thinking")
+        content = "".join(b.get("text", "") for b in blocks if b["type"] == "text")
+        calls = tuple(ToolCallOut(b["id"], b["name"], b.get("input"))
+                      for b in blocks if b["type"] == "tool_use")
+        return TurnOut(reasoning, content, calls)
+
+
+class Responses(Protocol):
+    name, id_prefix = "responses", "resp_"
+    request_cls, response_cls = dr.ResponsesRequest, dr.ResponsesResponse
+
+    def convert(self, body: dict, options: dr.ConversionOptions, model: str) -> Converted:
+        rid = self.id_prefix + secrets.token_hex(12)
+        req = self.request_cls(body)
+        # Read before convert() consumes the request.
+        echo, ns_map = req.echo(), req.namespace_tool_map(options)
+        creq = req.convert(options)
+        gen = self.request_cls.chunk_generator(creq, rid, model).with_namespace_tool_map(
+            ns_map).with_echo(echo)
+        return Converted(creq, gen, rid)
+
+    def turn(self, response: dict) -> TurnOut:
+        reasoning, content, calls = [], [], []
+        for item in response.get("output") or []:
+            if item["type"] == "reasoning":
+                reasoning += [c.get("text", "") for c in item.get("content") or []]
+            elif item["type"] == "message":
+                content += [c.get("text", "") for c in item.get("content") or []
+                            if c.get("type") == "output_text"]
+            elif item["type"] == "function_call":
+                calls.append(ToolCallOut(item["call_id"], item["name"],
+                                         json.loads(item.get("arguments") or "{}")))
+        return TurnOut("".join(reasoning), "".join(content), tuple(calls))
+
+
+PROTOCOLS = {p.name: p for p in (ChatCompletions(), Messages(), Responses())}

@@ -1,0 +1,74 @@
+"""`strata serve`: the engine and the HTTP app under uvicorn.
+
+Binding to anything but loopback requires an API key. On SIGTERM/SIGINT uvicorn stops
+accepting connections and waits for the requests in flight (up to --drain-timeout seconds);
+then the app's lifespan stops the engine.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import sys
+from pathlib import Path
+
+from strata.errors import StrataError
+from strata.model.model import Model
+
+DEFAULT_CAPACITY = 32768
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def api_key(arg: str | None) -> str | None:
+    return arg or os.environ.get("STRATA_API_KEY") or None
+
+
+def check_bind(host: str, key: str | None) -> None:
+    if not is_loopback(host) and not key:
+        raise StrataError(f"--host {host} is not a loopback address: clients from other "
+                          "machines could reach the server, so an API key is required "
+                          "(--api-key KEY or STRATA_API_KEY)")
+
+
+def serve(model: Model, model_dir: Path, args) -> int:
+    import uvicorn
+
+    from strata.runtime.engine import Engine
+    from strata.runtime.speculative import SpecConfig
+    from strata.serve.app import ServeConfig, create_app
+    from strata.serve.scripts import load_rules
+
+    key = api_key(args.api_key)
+    check_bind(args.host, key)
+    capacity = args.capacity or min(DEFAULT_CAPACITY, model.cfg.max_position_embeddings)
+    for name in ("max_queue", "prefix_cache_mb", "max_body_mb"):
+        if getattr(args, name) < 0:
+            raise StrataError(f"--{name.replace('_', '-')} must be ≥ 0")
+    if capacity < 2:
+        raise StrataError("--capacity must be ≥ 2 tokens")
+    engine = Engine(model, capacity, max_queue=args.max_queue,
+                    prefix_cache_bytes=args.prefix_cache_mb << 20,
+                    speculative=SpecConfig() if args.speculative else None)
+    rules = load_rules(args.script) if args.script else None
+    config = ServeConfig(api_key=key, max_body_bytes=args.max_body_mb << 20)
+    app = create_app(engine, model_dir, config, rules)
+    print(f"strata: serving {config.model_name} from {model_dir} on "
+          f"http://{args.host}:{args.port}/v1 (context {capacity} tokens"
+          f"{', DSpark' if args.speculative else ''}{', API key required' if key else ''})",
+          file=sys.stderr, flush=True)
+    # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal under the handler that was
+    # installed before it started; with this no-op one, a drained server exits with status 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.drain_timeout)
+    print("strata: drained and stopped", file=sys.stderr, flush=True)
+    return 0

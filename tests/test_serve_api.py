@@ -1,0 +1,289 @@
+"""The server over real HTTP on loopback with the fixture model: the official openai and
+anthropic SDKs as clients, the raw endpoints, errors in each API's shape, queueing."""
+from __future__ import annotations
+
+import json
+import threading
+
+import anthropic
+import deepseek_recipe as dr
+import httpx
+import openai
+import pytest
+
+from strata.model.model import Model
+from strata.runtime.sampling import SamplingParams
+from strata.runtime.session import Session
+from tests.serve_helpers import M, LiveServer, recipe_prompt_ids
+
+CAP = 4096
+
+
+@pytest.fixture(scope="module")
+def model(real_vocab_dir):
+    return Model.load(real_vocab_dir)
+
+
+@pytest.fixture(scope="module")
+def live(model, real_vocab_dir):
+    with LiveServer(model, real_vocab_dir, capacity=CAP) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def oa(live):
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def an(live):
+    return anthropic.Anthropic(base_url=live.url, api_key="unused", max_retries=0)
+
+
+def direct(model, prompt: list[int], n: int, params=SamplingParams()) -> list[int]:
+    """What the engine must produce: a cold Session run of the same prompt."""
+    return Session(model, CAP).run(prompt, n, params).tokens
+
+
+CHAT = [{"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a prime number."}]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+
+
+def test_health_and_models(live, oa):
+    assert httpx.get(live.url + "/health").json()["status"] == "ok"
+    assert [m.id for m in oa.models.list().data] == [M]
+
+
+def test_openai_chat_plain_matches_a_direct_run(live, oa, model, real_vocab_dir):
+    r = oa.chat.completions.create(model=M, messages=CHAT, max_tokens=6, temperature=0,
+                                   reasoning_effort="none")
+    body = {"model": M, "messages": CHAT, "reasoning_effort": "none"}
+    prompt = recipe_prompt_ids(real_vocab_dir, body)
+    want = direct(model, prompt, 6)
+    assert r.usage.prompt_tokens == len(prompt)
+    assert r.usage.completion_tokens == len(want) == 6
+    assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].message.content == live.server.htok.decode(want, skip_special_tokens=False)
+
+
+def test_openai_chat_streamed_equals_plain(oa):
+    kw = dict(model=M, messages=CHAT, max_tokens=6, seed=11)  # thinking mode: temperature 1
+    plain = oa.chat.completions.create(**kw)
+    chunks = list(oa.chat.completions.create(**kw, stream=True,
+                                             stream_options={"include_usage": True}))
+    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or ""
+                        for c in chunks if c.choices)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    msg = plain.choices[0].message
+    assert reasoning == (msg.model_extra.get("reasoning_content") or "")
+    assert content == (msg.content or "")
+    assert reasoning + content  # the fixture model said something
+    usage = [c.usage for c in chunks if c.usage]
+    assert usage and usage[-1].completion_tokens == plain.usage.completion_tokens
+    assert usage[-1].prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_openai_tools_render_into_the_prompt(oa, real_vocab_dir):
+    r = oa.chat.completions.create(model=M, messages=CHAT, tools=TOOLS, tool_choice="auto",
+                                   max_tokens=3, seed=1)
+    want = recipe_prompt_ids(real_vocab_dir, {"model": M, "messages": CHAT, "tools": TOOLS})
+    bare = recipe_prompt_ids(real_vocab_dir, {"model": M, "messages": CHAT})
+    assert r.usage.prompt_tokens == len(want)
+    assert len(want) > len(bare) + 200  # the V4.1 tool instructions and schemas are there
+
+
+def test_openai_json_response_format_renders_into_the_prompt(oa, real_vocab_dir):
+    msgs = CHAT[:1] + [{"role": "user", "content": "Name a prime number, as JSON."}]
+    body = {"model": M, "messages": msgs, "response_format": {"type": "json_object"},
+            "reasoning_effort": "none"}
+    r = oa.chat.completions.create(**body, max_tokens=2, temperature=0)
+    want = recipe_prompt_ids(real_vocab_dir, body)
+    assert r.usage.prompt_tokens == len(want)
+    assert len(want) > len(recipe_prompt_ids(real_vocab_dir, {**body, "response_format":
+                                                              {"type": "text"}}))
+
+
+def test_openai_stop_string_ends_the_answer(oa):
+    kw = dict(model=M, messages=CHAT, max_tokens=8, temperature=0, reasoning_effort="none")
+    full = oa.chat.completions.create(**kw).choices[0].message.content
+    stop = full[3:6]
+    assert stop and stop not in full[:5]
+    r = oa.chat.completions.create(**kw, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == full[:full.index(stop)]
+
+
+def test_anthropic_plain_and_streamed(an, real_vocab_dir):
+    kw = dict(model=M, max_tokens=6, system="You are terse.",
+              messages=[{"role": "user", "content": "Name a prime number."}],
+              thinking={"type": "disabled"}, extra_body={"temperature": 0.0})
+    msg = an.messages.create(**kw)
+    assert msg.role == "assistant" and msg.stop_reason == "max_tokens"
+    text = "".join(b.text for b in msg.content if b.type == "text")
+    assert text
+    with an.messages.stream(**kw) as stream:
+        deltas = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert deltas == text
+    assert final.usage.output_tokens == msg.usage.output_tokens
+    body = {k: v for k, v in kw.items() if k != "extra_body"}
+    prompt = recipe_prompt_ids(real_vocab_dir, body, cls=dr.MessagesRequest)
+    assert msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0) == len(prompt)
+
+
+def test_anthropic_thinking_blocks(an):
+    msg = an.messages.create(model=M, max_tokens=5, thinking={"type": "enabled", "budget_tokens": 1024},
+                             messages=[{"role": "user", "content": "hi"}])
+    assert msg.content and msg.content[0].type == "thinking"
+
+
+def test_responses_api(oa):
+    r = oa.responses.create(model=M, input="Name a prime number.", max_output_tokens=5,
+                            reasoning={"effort": "none"}, temperature=0)
+    assert r.status == "incomplete" and r.output_text
+    assert r.usage.input_tokens > 0
+
+
+def test_completions_raw_prompt(live, model):
+    body = {"model": M, "prompt": "def fib(n):", "max_tokens": 5, "temperature": 0}
+    r = live.post("/v1/completions", body).json()
+    ids = live.server.htok.encode("def fib(n):", add_special_tokens=False).ids
+    want = direct(model, ids, 5)
+    assert r["choices"][0]["text"] == live.server.htok.decode(want, skip_special_tokens=False)
+    assert r["usage"]["prompt_tokens"] == len(ids) and r["usage"]["completion_tokens"] == 5
+    with httpx.stream("POST", live.url + "/v1/completions", json=dict(body, stream=True),
+                      timeout=60) as s:
+        datas = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ")]
+    assert datas[-1] == "[DONE]"
+    streamed = "".join(json.loads(d)["choices"][0]["text"] for d in datas[:-1])
+    assert streamed == r["choices"][0]["text"]
+
+
+# ---- errors: each in the API's own shape, and the server keeps serving ---------------------------
+def _oa_error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"] and "type" in err
+    return err
+
+
+def _an_error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["message"]
+    return body["error"]
+
+
+def test_malformed_json(live):
+    _oa_error(live.post("/v1/chat/completions", b'{"model": '), 400)
+    _an_error(live.post("/v1/messages", b"[1, 2"), 400)
+    _oa_error(live.post("/v1/chat/completions", b"[]"), 400)
+
+
+def test_wrong_schema(live):
+    err = _oa_error(live.post("/v1/chat/completions", {"model": M, "messages": "hi"}), 400)
+    assert "messages" in err["message"] or "sequence" in err["message"]
+    _oa_error(live.post("/v1/chat/completions", {"model": M, "messages": CHAT,
+                                                  "temperature": "hot"}), 400)
+    _an_error(live.post("/v1/messages", {"model": M, "messages": [{"role": "user"}],
+                                         "max_tokens": 5}), 400)
+    _oa_error(live.post("/v1/completions", {"model": M, "prompt": 5}), 400)
+    _oa_error(live.post("/v1/completions", {"model": M, "prompt": "x", "max_tokens": -1}), 400)
+
+
+def test_unknown_model(live, oa, an):
+    with pytest.raises(openai.NotFoundError) as e:
+        oa.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=2)
+    assert "gpt-4o" in str(e.value)
+    with pytest.raises(anthropic.NotFoundError) as e:
+        an.messages.create(model="claude-x", max_tokens=2,
+                           messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["error"]["type"] == "not_found_error"
+    # The recipe also knows DeepSeek-V4-Pro, which this server does not serve.
+    _oa_error(live.post("/v1/chat/completions", {"model": "DeepSeek-V4-Pro", "messages": CHAT}), 404)
+
+
+def test_oversized_body(live):
+    big = {"model": M, "messages": [{"role": "user", "content": "x" * (17 << 20)}]}
+    err = _oa_error(live.post("/v1/chat/completions", big), 413)
+    assert "limit" in err["message"]
+    _an_error(live.post("/v1/messages", dict(big, max_tokens=4)), 413)
+
+
+def test_context_overflow_reports_the_numbers(live, real_vocab_dir):
+    long = " ".join(["word"] * CAP)
+    body = {"model": M, "messages": [{"role": "user", "content": long}], "max_tokens": 10,
+            "reasoning_effort": "none"}
+    n = len(recipe_prompt_ids(real_vocab_dir, body))
+    err = _oa_error(live.post("/v1/chat/completions", body), 400)
+    assert str(CAP) in err["message"] and str(n) in err["message"], err
+    err = _an_error(live.post("/v1/messages", {"model": M, "max_tokens": 10, "messages":
+                                              [{"role": "user", "content": long}]}), 400)
+    assert str(CAP) in err["message"]
+    err = _oa_error(live.post("/v1/completions", {"model": M, "prompt": long, "max_tokens": 10}),
+                    400)
+    assert str(CAP) in err["message"]
+
+
+def test_unknown_route_and_unsupported_features(live):
+    _oa_error(httpx.get(live.url + "/v1/nothing"), 404)
+    _oa_error(live.post("/v1/chat/completions", {"model": M, "messages": CHAT, "logprobs": True}),
+              400)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    err = _oa_error(live.post("/v1/chat/completions", {"model": M, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]}), 400)
+    assert "image" in err["message"]
+
+
+def test_still_serving_after_errors(oa):
+    r = oa.chat.completions.create(model=M, messages=CHAT, max_tokens=2, temperature=0,
+                                   reasoning_effort="none")
+    assert r.usage.completion_tokens == 2
+
+
+def test_concurrent_requests_queue_and_all_finish(oa, live):
+    prompts = [f"Count to {i}." for i in range(5)]
+
+    def ask(p):
+        return oa.chat.completions.create(model=M, messages=[{"role": "user", "content": p}],
+                                          max_tokens=4, temperature=0, reasoning_effort="none")
+
+    alone = [ask(p).choices[0].message.content for p in prompts]
+    results: dict[int, str] = {}
+
+    def worker(i):
+        results[i] = ask(prompts[i]).choices[0].message.content
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [results.get(i) for i in range(len(prompts))] == alone
+
+
+def test_api_key_required_when_set(model, real_vocab_dir):
+    with LiveServer(model, real_vocab_dir, capacity=512, api_key="sekrit") as srv:
+        body = {"model": M, "messages": CHAT, "max_tokens": 1, "reasoning_effort": "none"}
+        _oa_error(srv.post("/v1/chat/completions", body), 401)
+        _an_error(srv.post("/v1/messages", dict(body, max_tokens=1), headers={"x-api-key": "no"}),
+                  401)
+        assert srv.post("/v1/chat/completions", body,
+                        headers={"Authorization": "Bearer sekrit"}).status_code == 200
+        assert srv.post("/v1/chat/completions", body,
+                        headers={"x-api-key": "sekrit"}).status_code == 200
+        assert httpx.get(srv.url + "/health").status_code == 200  # liveness stays open
+
+
+def test_non_loopback_bind_needs_a_key():
+    from strata.errors import StrataError
+    from strata.serve.server import check_bind
+    check_bind("127.0.0.1", None)
+    check_bind("::1", None)
+    check_bind("0.0.0.0", "k")
+    with pytest.raises(StrataError, match="API key"):
+        check_bind("0.0.0.0", None)

@@ -1,0 +1,183 @@
+"""DSML tool calls end to end: the scripted-token hook makes the fixture model emit a DSML call
+through the real decode path; clients get tool_calls / tool_use blocks (streamed and not), and
+the follow-up with the tool result renders as deepseek-recipe renders it, hitting the cache for
+the whole previous turn — also when the client drops the reasoning, re-serialises the
+arguments, or the model's tokens are not the canonical encoding of its text."""
+from __future__ import annotations
+
+import json
+
+import anthropic
+import deepseek_recipe as dr
+import openai
+import pytest
+
+from strata.model.model import Model
+from tests.serve_helpers import EOS, M, LiveServer, recipe_prompt_ids, recipe_tokenizer
+
+CALL = ('Need it.</think>\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n'
+        '<｜DSML｜ parameter name="city" string="true">Paris</｜DSML｜ parameter>\n'
+        '<｜DSML｜ parameter name="days" string="false">3</｜DSML｜ parameter>\n'
+        '</｜DSML｜ invoke>\n</｜DSML｜ calls>' + EOS)
+ANSWER = "Got it.</think>It is sunny in Paris." + EOS
+RULES = [{"match": "<tool_result>", "text": ANSWER}, {"match": "", "text": CALL}]
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "days": {"type": "integer"}}}}}]
+ASK = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+
+
+@pytest.fixture(scope="module")
+def live(real_vocab_dir):
+    with LiveServer(Model.load(real_vocab_dir), real_vocab_dir, capacity=4096,
+                    scripts=RULES) as srv:
+        yield srv
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache(live):
+    """Each test starts without retained conversations or tool-call turns."""
+    live.wait_idle()
+    live.engine.cache.clear()
+    live.script(RULES)
+    yield
+
+
+@pytest.fixture(scope="module")
+def oa(live):
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tok(real_vocab_dir):
+    return recipe_tokenizer(real_vocab_dir)
+
+
+def _followup(msg: dict) -> list[dict]:
+    return ASK + [msg, {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"],
+                        "content": "sunny, 21 C"}]
+
+
+def test_chat_tool_call_and_followup(oa, tok, real_vocab_dir):
+    r = oa.chat.completions.create(model=M, messages=ASK, tools=TOOLS, seed=3, max_tokens=200)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls"
+    assert ch.message.model_extra["reasoning_content"] == "Need it."
+    call = ch.message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 3}
+    emitted = tok.encode(CALL)
+    p1 = recipe_prompt_ids(real_vocab_dir, {"model": M, "messages": ASK, "tools": TOOLS})
+    assert r.usage.prompt_tokens == len(p1)
+    assert r.usage.completion_tokens == len(emitted) - 1  # the end-of-sentence is not output
+
+    msg = ch.message.model_dump(exclude_none=True)
+    body = {"model": M, "messages": _followup(msg), "tools": TOOLS}
+    r2 = oa.chat.completions.create(**body, seed=3, max_tokens=200)
+    # Rendered as the recipe renders it, and the whole first turn came from the cache.
+    assert r2.usage.prompt_tokens == len(recipe_prompt_ids(real_vocab_dir, body))
+    assert r2.usage.prompt_tokens_details.cached_tokens == len(p1) + len(emitted) - 1
+    assert r2.choices[0].message.content == "It is sunny in Paris."
+    assert r2.choices[0].message.model_extra["reasoning_content"] == "Got it."
+    assert r2.choices[0].finish_reason == "stop"
+
+
+def test_chat_tool_call_streamed(oa):
+    plain = oa.chat.completions.create(model=M, messages=ASK, tools=TOOLS, max_tokens=200)
+    chunks = list(oa.chat.completions.create(model=M, messages=ASK, tools=TOOLS, max_tokens=200,
+                                             stream=True, stream_options={"include_usage": True}))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    first, rest = deltas[0], deltas[1:]
+    assert first.id and first.function.name == "get_weather"  # id and name first ...
+    assert rest and all(d.id is None and d.function.name is None for d in rest)  # ... then args
+    args = (first.function.arguments or "") + "".join(d.function.arguments for d in rest)
+    assert args == plain.choices[0].message.tool_calls[0].function.arguments
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_followup_without_reasoning_and_compact_arguments_hits_the_cache(oa, tok,
+                                                                         real_vocab_dir):
+    """What agents (OpenCode) send back: no reasoning_content, arguments as compact JSON."""
+    r = oa.chat.completions.create(model=M, messages=ASK, tools=TOOLS, max_tokens=200)
+    call = r.choices[0].message.tool_calls[0]
+    compact = json.dumps(json.loads(call.function.arguments), separators=(",", ":"))
+    assert compact != call.function.arguments
+    msg = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": call.id, "type": "function",
+         "function": {"name": call.function.name, "arguments": compact}}]}
+    r2 = oa.chat.completions.create(model=M, messages=_followup(msg), tools=TOOLS,
+                                    max_tokens=200)
+    p1 = recipe_prompt_ids(real_vocab_dir, {"model": M, "messages": ASK, "tools": TOOLS})
+    full = dict(msg, reasoning_content="Need it.")
+    oracle = recipe_prompt_ids(real_vocab_dir, {"model": M, "messages": _followup(full),
+                                                "tools": TOOLS})
+    assert r2.usage.prompt_tokens_details.cached_tokens == len(p1) + len(tok.encode(CALL)) - 1
+    assert r2.usage.prompt_tokens == len(oracle)
+    # Without the substitution the recipe renders an empty reasoning: a shorter prompt.
+    bare = recipe_prompt_ids(real_vocab_dir, {"model": M, "messages": _followup(msg),
+                                              "tools": TOOLS})
+    assert len(bare) < len(oracle)
+
+
+def test_edited_tool_call_is_rendered_as_sent(oa, real_vocab_dir):
+    """A client that changes the call's arguments gets its own message rendered."""
+    r = oa.chat.completions.create(model=M, messages=ASK, tools=TOOLS, max_tokens=200)
+    call = r.choices[0].message.tool_calls[0]
+    msg = {"role": "assistant", "content": "", "reasoning_content": "Need it.", "tool_calls": [
+        {"id": call.id, "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Lyon", "days": 3}'}}]}
+    body = {"model": M, "messages": _followup(msg), "tools": TOOLS}
+    r2 = oa.chat.completions.create(**body, max_tokens=200)
+    assert r2.usage.prompt_tokens == len(recipe_prompt_ids(real_vocab_dir, body))
+
+
+def test_non_canonical_model_tokens_are_replayed_exactly(live, oa, tok, real_vocab_dir):
+    """The model may spell a text with other tokens than the tokenizer would; the next
+    prompt must hold the model's own tokens, or the cache misses from there on."""
+    canonical = tok.encode(CALL)
+    at = CALL.index("Paris")
+    odd = tok.encode(CALL[:at]) + tok.encode("Par") + tok.encode("is") + \
+        tok.encode(CALL[at + len("Paris"):])
+    assert odd != canonical and tok.encode("Paris") != tok.encode("Par") + tok.encode("is")
+    live.script([{"match": "<tool_result>", "text": ANSWER}, {"match": "", "tokens": odd}])
+    r = oa.chat.completions.create(model=M, messages=ASK, tools=TOOLS, max_tokens=200)
+    msg = r.choices[0].message.model_dump(exclude_none=True)
+    assert json.loads(msg["tool_calls"][0]["function"]["arguments"])["city"] == "Paris"
+    body = {"model": M, "messages": _followup(msg), "tools": TOOLS}
+    r2 = oa.chat.completions.create(**body, max_tokens=200)
+    p1 = recipe_prompt_ids(real_vocab_dir, {"model": M, "messages": ASK, "tools": TOOLS})
+    oracle = recipe_prompt_ids(real_vocab_dir, body)  # canonical spelling of the same text
+    assert r2.usage.prompt_tokens_details.cached_tokens == len(p1) + len(odd) - 1
+    assert r2.usage.prompt_tokens == len(oracle) + len(odd) - len(canonical)
+
+
+def test_anthropic_tool_use_round_trip(live, tok, real_vocab_dir):
+    an = anthropic.Anthropic(base_url=live.url, api_key="unused", max_retries=0)
+    tools = [{"name": "get_weather", "description": "Weather of a city",
+              "input_schema": TOOLS[0]["function"]["parameters"]}]
+    kw = dict(model=M, max_tokens=200, tools=tools,
+              thinking={"type": "enabled", "budget_tokens": 1024}, messages=ASK)
+    msg = an.messages.create(**kw)
+    assert msg.stop_reason == "tool_use"
+    assert [b.type for b in msg.content] == ["thinking", "tool_use"]
+    use = msg.content[1]
+    assert use.name == "get_weather" and use.input == {"city": "Paris", "days": 3}
+    with an.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    assert final.content[1].input == use.input and final.stop_reason == "tool_use"
+
+    history = ASK + [{"role": "assistant", "content": [b.model_dump(exclude_none=True)
+                                                       for b in msg.content]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                   "content": "sunny, 21 C"}]}]
+    r2 = an.messages.create(**dict(kw, messages=history))
+    body = {k: v for k, v in dict(kw, messages=history).items()}
+    oracle = recipe_prompt_ids(real_vocab_dir, body, cls=dr.MessagesRequest)
+    p1 = recipe_prompt_ids(real_vocab_dir, kw, cls=dr.MessagesRequest)
+    assert r2.usage.cache_read_input_tokens == len(p1) + len(tok.encode(CALL)) - 1
+    assert r2.usage.input_tokens + r2.usage.cache_read_input_tokens == len(oracle)
+    assert [b.type for b in r2.content] == ["thinking", "text"]
+    assert r2.content[1].text == "It is sunny in Paris."
