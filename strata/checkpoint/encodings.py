@@ -115,24 +115,27 @@ def _unpack_fp4(w: torch.Tensor) -> torch.Tensor:
     return torch.stack((lo, hi), dim=-1).flatten(-2)
 
 
+def _scale_groups(values: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype,
+                  what: str) -> torch.Tensor:
+    """values [n, d] fp32 × 2^(scale[n, d/group] − 127) per `group` along each row."""
+    n, d = values.shape
+    if d % group:
+        raise CheckpointError(f"{what}: width {d} is not a multiple of group {group}")
+    if tuple(scale.shape) != (n, d // group):
+        raise CheckpointError(f"{what}: values [{n}, {d}] need scale shape {(n, d // group)}, "
+                              f"got {tuple(scale.shape)}")
+    q = values.view(n, d // group, group)
+    return (q * e8m0_to_float(scale).unsqueeze(-1)).view(n, d).to(dtype)
+
+
 def dequant_fp4_group(
     w: torch.Tensor, scale: torch.Tensor, group: int = 32, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """Packed fp4 expert weight int8 [out, in/2] + ue8m0 scale [out, in/group] -> `dtype` [out, in]."""
     if w.dim() != 2:
         raise ValueError(f"dequant_fp4_group: weight must be 2-D, got shape {tuple(w.shape)}")
-    out_dim, half = w.shape
-    in_dim = 2 * half
-    if in_dim % group:
-        raise CheckpointError(f"dequant_fp4_group: unpacked width {in_dim} is not a multiple of group {group}")
-    if tuple(scale.shape) != (out_dim, in_dim // group):
-        raise CheckpointError(
-            f"dequant_fp4_group: weight {tuple(w.shape)} (unpacked [{out_dim}, {in_dim}]) needs scale "
-            f"shape {(out_dim, in_dim // group)}, got {tuple(scale.shape)}"
-        )
-    q = _unpack_fp4(w).view(out_dim, in_dim // group, group)
-    s = e8m0_to_float(scale).unsqueeze(-1)
-    return (q * s).view(out_dim, in_dim).to(dtype)
+    return _scale_groups(_unpack_fp4(w).view(w.shape[0], -1), scale, group, dtype,
+                         f"dequant_fp4_group (packed weight {tuple(w.shape)})")
 
 
 def dequant_engram_rows(
@@ -141,16 +144,7 @@ def dequant_engram_rows(
     """Engram table rows e4m3 [n, d] + ue8m0 scale [n, d/group] (per-row groups) -> `dtype` [n, d]."""
     if rows.dim() != 2:
         raise ValueError(f"dequant_engram_rows: rows must be 2-D, got shape {tuple(rows.shape)}")
-    n, d = rows.shape
-    if d % group:
-        raise CheckpointError(f"dequant_engram_rows: row width {d} is not a multiple of group {group}")
-    if tuple(scale.shape) != (n, d // group):
-        raise CheckpointError(
-            f"dequant_engram_rows: rows {tuple(rows.shape)} need scale shape {(n, d // group)}, "
-            f"got {tuple(scale.shape)}"
-        )
-    q = e4m3_to_float(rows).view(n, d // group, group)
-    return (q * e8m0_to_float(scale).unsqueeze(-1)).view(n, d).to(dtype)
+    return _scale_groups(e4m3_to_float(rows), scale, group, dtype, "dequant_engram_rows")
 
 
 # ------------------------------------------------------------------------------------ quantisers
