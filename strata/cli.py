@@ -52,7 +52,10 @@ def _load(args) -> "Model":  # noqa: F821
     # Progress bar (bytes, GB/s) on stderr when it is a terminal, unless --quiet.
     loader = TensorLoader(device, buffer_bytes=args.load_buffer_mb << 20,
                           progress=False if args.quiet else None)
-    return Model.load(_model_dir(args.model), device, nx, loader=loader)
+    if args.engram_cache_mb < 1:
+        raise StrataError(f"--engram-cache-mb {args.engram_cache_mb}: must be ≥ 1")
+    return Model.load(_model_dir(args.model), device, nx, loader=loader, engram=args.engram,
+                      engram_cache_bytes=args.engram_cache_mb << 20)
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -82,6 +85,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="size of each of the 4 host staging buffers weights stream through "
                         "while loading (default 256: 1 GiB in all)")
     p.add_argument("--quiet", action="store_true", help="no loading progress bar")
+    p.add_argument("--engram", choices=["device", "disk"], default="device",
+                   help="device: load the Engram tables into device memory; disk: leave them on "
+                        "disk, read per token behind an LRU row cache with prefetch (the ~203 GB "
+                        "tables of V4.1 need this)")
+    p.add_argument("--engram-cache-mb", type=int, default=1024,
+                   help="with --engram disk: host RAM for cached Engram rows, all tables "
+                        "together (default 1024)")
 
 
 def cmd_generate(args) -> int:

@@ -20,6 +20,15 @@ def test_generate_tokens_json(tiny_dir, capsys):
     assert out["finish_reason"] in ("stop", "length")
 
 
+def test_generate_with_engram_on_disk(tiny_dir, capsys):
+    args = ["generate", "--model", str(tiny_dir), "--tokens", "5,6,7,8", "--max-tokens", "6",
+            "--json"]
+    assert main(args) == 0
+    want = json.loads(capsys.readouterr().out)["tokens"]
+    assert main(args + ["--engram", "disk", "--engram-cache-mb", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == want
+
+
 def test_generate_prompt_is_rendered_with_the_chat_format(tiny_dir, capsys):
     assert main(["generate", "--model", str(tiny_dir), "--prompt", "hi", "--max-tokens", "2",
                  "--json"]) == 0
@@ -55,6 +64,8 @@ def test_inspect(tiny_dir, capsys):
     (["score", "--tokens", "1 2", "--mode", "chunk:0", "--save", "o.npz"], "--mode"),
     (["generate", "--tokens", "1", "--device", "cuda:99"], "CUDA"),
     (["generate", "--tokens", "1", "--device", "tpu"], "--device"),
+    (["generate", "--tokens", "1", "--engram", "disk", "--engram-cache-mb", "0"],
+     "--engram-cache-mb"),
 ])
 def test_bad_arguments_are_reported(tiny_dir, capsys, argv, needle):
     assert main(argv[:1] + ["--model", str(tiny_dir)] + argv[1:]) == 2

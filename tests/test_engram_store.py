@@ -341,6 +341,27 @@ def test_model_with_disk_engram_is_bit_identical(tiny_dir, tiny_reference):
         store.close()
 
 
+@pytest.mark.parametrize("mode", ["plain", "dspark"])
+def test_sessions_prefetch_every_row_before_it_is_needed(tiny_dir, tiny_reference, mode):
+    """Generation over disk tables: same tokens as in-memory tables, and no lookup ever
+    misses — each token's rows were requested (prefetch) before the layer asked for them:
+    when the token was sampled, when drafts were known, or at the start of the forward."""
+    from strata.runtime.session import Session
+    from strata.runtime.speculative import SpecConfig
+    disk = Model.load(tiny_dir, "cpu", Numerics(mode="reference"), engram="disk",
+                      engram_cache_bytes=2 * cache_bytes(400), engram_options={"io_threads": 2})
+    prompt = torch.randint(3, 320, (9,), generator=torch.Generator().manual_seed(5))
+    spec = SpecConfig(length=3) if mode == "dspark" else None
+    run = dict(max_tokens=12, stop_ids=frozenset(), mode=mode)  # no early stop
+    want = Session(tiny_reference, 64, speculative=spec).run(prompt, **run).tokens
+    got = Session(disk, 64, speculative=spec).run(prompt, **run).tokens
+    assert got == want and len(got) == 12
+    for layer, store in disk.engram_stores.items():
+        st = store.stats()
+        assert st.misses == 0 and st.prefetch_rows > 0 and st.rows_read > 0, (layer, st)
+        store.close()
+
+
 @pytest.mark.parametrize("layout", ["packed", "official"])
 def test_bench_runs_small(tmp_path, layout):
     """The benchmark end to end at a CI size: both layouts hold the same record count, and a

@@ -156,6 +156,11 @@ class Model:
         if self.hasher is not None:
             hist = state.tokens[max(0, start - cfg.engram_max_ngram_size + 1):start]
             ctx.engram_ids = self.hasher.ids(tokens, hist)
+            # Disk tables: start every Engram layer's reads now, so a later layer's rows
+            # arrive while the layers before it compute (a no-op for rows already cached or
+            # in flight from an earlier prefetch_engram).
+            for layer, store in self.engram_stores.items():
+                store.prefetch(ctx.engram_ids[layer])
 
         h = self.embed[tokens].to(nx.act_dtype)
         h = h[:, None, :].expand(T, cfg.hc_mult, cfg.hidden_size).contiguous()

@@ -99,6 +99,9 @@ class Session:
             self.stats = decoder.stats
         emitted = 0
         while True:
+            # The next forward consumes tok: its Engram rows start reading from disk while
+            # the caller handles the token (detokenize, stream).
+            self.model.prefetch_engram(torch.tensor([tok]), self.state)
             yield tok
             emitted += 1
             if tok in stop_ids or emitted >= max_tokens or (should_stop and should_stop()):

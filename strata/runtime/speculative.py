@@ -127,6 +127,7 @@ class DSparkDecoder:
             self._plain_left -= 1
         elif budget > 1:
             t0 = time.perf_counter()
+            model.prefetch_engram(torch.tensor([anchor]), state)  # read while drafting
             draft = model.dspark.draft(model.embed, model.head, anchor, state, nx,
                                        lambda lg, pos: sample(lg, torch.tensor([pos]), params)[0])
             self.stats.draft_s += time.perf_counter() - t0
@@ -143,6 +144,7 @@ class DSparkDecoder:
 
         t0 = time.perf_counter()
         window = torch.tensor([anchor] + drafts)
+        model.prefetch_engram(window, state)  # the drafts' rows, as soon as they are known
         state.begin()
         try:
             logits, ctx = model.forward(window, state, logits="all")

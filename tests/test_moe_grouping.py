@@ -1,0 +1,31 @@
+"""group_by_expert: every pair lands in exactly one tile of its own expert, in pair order."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata.kernels.moe_grouping import group_by_expert, max_tiles
+
+
+@pytest.mark.parametrize("T,k,E,bm,seed", [(1, 6, 384, 16, 0), (5, 6, 16, 4, 1), (37, 2, 5, 8, 2),
+                                           (64, 8, 3, 16, 3)])
+def test_tiles_cover_each_pair_once(T, k, E, bm, seed):
+    idx = torch.randint(0, E, (T, k), generator=torch.Generator().manual_seed(seed))
+    g = group_by_expert(idx, E, bm)
+    assert g.tile_rows.shape == (max_tiles(T * k, E, bm), bm)
+    seen = []
+    for j in range(g.tile_rows.shape[0]):
+        rows = [int(r) for r in g.tile_rows[j] if r >= 0]
+        if int(g.tile_expert[j]) < 0:
+            assert rows == []
+            continue
+        assert rows, "a used tile holds at least one pair"
+        assert all(int(idx.view(-1)[r]) == int(g.tile_expert[j]) for r in rows)
+        assert rows == sorted(rows)  # stable: pair order within an expert
+        seen += rows
+    assert sorted(seen) == list(range(T * k))
+    # Each expert's pairs fill its tiles densely: only its last tile may be partial.
+    for e in idx.unique().tolist():
+        tiles = (g.tile_expert == e).nonzero().view(-1).tolist()
+        counts = [int((g.tile_rows[j] >= 0).sum()) for j in tiles]
+        assert all(c == bm for c in counts[:-1]) and 0 < counts[-1] <= bm
