@@ -270,6 +270,27 @@ def cmd_bench_decode(args) -> int:
     return 0
 
 
+def cmd_passkey(args) -> int:
+    from strata.bench.passkey import as_json, parse_length, report, run_passkey
+    from strata.tokenizer import tokenizer_path
+    lengths = [parse_length(t) for t in args.lengths.split(",") if t.strip()]
+    if not lengths:
+        raise StrataError("--lengths: no lengths given")
+    if args.chunk < 1 or args.max_tokens < 1:
+        raise StrataError("--chunk and --max-tokens must be ≥ 1")
+    model = _load(args)
+    results = run_passkey(model, tokenizer_path(_model_dir(args.model)), lengths,
+                          depth=args.depth, chunk=args.chunk, max_tokens=args.max_tokens,
+                          seed=args.seed)
+    print(report(results))
+    if args.json:
+        meta = {"command": "strata " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
+                "model": str(_model_dir(args.model)), "device": str(model.device)}
+        Path(args.json).write_text(json.dumps({"meta": meta, "results": as_json(results)},
+                                              indent=2))
+    return 0
+
+
 def cmd_serve(args) -> int:
     from strata.serve.server import api_key, check_bind, serve
     check_bind(args.host, api_key(args.api_key))  # before the (long) model load
@@ -341,6 +362,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fixed verify length for dspark (default: adaptive)")
     bd.add_argument("--json", help="write the results as JSON here")
     bd.set_defaults(fn=cmd_bench_decode)
+
+    pk = sub.add_parser("passkey", help="long-context retrieval: a pass key at the start, "
+                                        "filler, the question at the end")
+    _add_model_args(pk)
+    pk.add_argument("--lengths", default="32K,128K,262K,524K",
+                    help="comma-separated prompt lengths in tokens (K = 1024)")
+    pk.add_argument("--depth", type=float, default=0.0,
+                    help="where the key sits in the filler, 0 = start .. 1 = end")
+    pk.add_argument("--chunk", type=int, default=2048, help="prefill chunk in tokens")
+    pk.add_argument("--max-tokens", type=int, default=16, help="answer length")
+    pk.add_argument("--seed", type=int, default=0, help="picks the keys")
+    pk.add_argument("--json", help="write the results as JSON here")
+    pk.set_defaults(fn=cmd_passkey)
 
     sv = sub.add_parser("serve", help="OpenAI/Anthropic-compatible HTTP server")
     _add_model_args(sv)
