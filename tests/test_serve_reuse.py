@@ -211,6 +211,24 @@ def test_metrics(live):
     assert values['strata_requests_total{endpoint="chat",outcome="ok"}'] >= 2
 
 
+def test_metrics_report_disk_engram_rows(real_vocab_dir):
+    """With the Engram tables on disk, /metrics shows each table's rows by how they were
+    served, and the bytes read."""
+    disk = Model.load(real_vocab_dir, engram="disk", engram_cache_bytes=1 << 20)
+    with LiveServer(disk, real_vocab_dir, capacity=2048) as srv:
+        chat(srv, [{"role": "user", "content": "rows from disk"}], n=3)
+        text_ = httpx.get(srv.url + "/metrics").text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text_.splitlines()
+              if line and not line.startswith("#")}
+    for layer in disk.cfg.engram_layer_ids:
+        served = [values[f'strata_engram_rows_total{{layer="{layer}",outcome="{o}"}}']
+                  for o in ("cache_hits", "prefetch_hits", "misses")]
+        assert sum(served) > 0, (layer, served)
+        assert values[f'strata_engram_read_bytes_total{{layer="{layer}"}}'] > 0
+    for store in disk.engram_stores.values():
+        store.close()
+
+
 # ---- the prefix cache and engine directly (small-vocabulary fixture) ----------------------------
 def _run(engine: Engine, prompt, n=6, params=SamplingParams(1.0, 0.9, 3)):
     done, events = threading.Event(), []

@@ -79,7 +79,8 @@ class Server:
         self.eos_id, self.vocab_size = cfg.eos_token_id, cfg.vocab_size
         self.tool_turns = ToolTurns(self.eos_id)
         self.scripts = Scripts(scripts, self.rtok) if isinstance(scripts, list) else scripts
-        self.metrics = Metrics(lambda: engine.queue_depth, engine.speculative is not None)
+        self.metrics = Metrics(lambda: engine.queue_depth, engine.speculative is not None,
+                               engine.model.engram_stores)
 
     # ---- request guards ----------------------------------------------------------------------
     def authorize(self, request: Request) -> None:

@@ -1,16 +1,43 @@
 """Prometheus metrics of one server (its own registry, so several apps can share a process)."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from strata.runtime.engine import Finished
 
 
+class EngramCollector:
+    """Row counts of the disk-resident Engram tables, read from the stores at scrape time."""
+
+    OUTCOMES = ("cache_hits", "prefetch_hits", "misses")
+
+    def __init__(self, stores: Mapping) -> None:
+        self.stores = stores  # layer -> strata.engram_store.EngramStore
+
+    def collect(self):
+        rows = CounterMetricFamily("strata_engram_rows", "Engram rows looked up, by how they "
+                                   "were served (cached, read ahead by prefetch, read on "
+                                   "demand)", labels=["layer", "outcome"])
+        read = CounterMetricFamily("strata_engram_read_bytes", "Bytes read from the Engram "
+                                   "table files", labels=["layer"])
+        for layer, store in sorted(self.stores.items()):
+            st = store.stats()
+            for outcome in self.OUTCOMES:
+                rows.add_metric([str(layer), outcome], getattr(st, outcome))
+            read.add_metric([str(layer)], st.bytes_read)
+        yield rows
+        yield read
+
+
 class Metrics:
-    def __init__(self, queue_depth: Callable[[], int], speculative: bool) -> None:
+    def __init__(self, queue_depth: Callable[[], int], speculative: bool,
+                 engram_stores: Mapping | None = None) -> None:
         r = self.registry = CollectorRegistry()
+        if engram_stores:  # --engram disk
+            r.register(EngramCollector(engram_stores))
         self.requests = Counter("strata_requests", "Requests by endpoint and outcome",
                                 ["endpoint", "outcome"], registry=r)
         self.prompt_tokens = Counter("strata_prompt_tokens", "Prompt tokens of started "
