@@ -230,6 +230,8 @@ class EngramStore:
     are at most this far apart are fetched with one read (one larger IO beats two on NVMe).
     """
 
+    prefetches = True  # the model starts its reads ahead of the lookups (Model.prefetch_engram)
+
     def __init__(self, source: RowSource, device: torch.device | str = "cpu", *,
                  cache_bytes: int = 1 << 30, io_threads: int = 8, direct: bool | None = None,
                  merge_gap_bytes: int = ALIGN, max_read_bytes: int = 256 * 1024) -> None:
@@ -530,8 +532,18 @@ class EngramDiskWeights(WeightReader):
         self.stores: list[EngramStore] = []
 
     def engram_table(self, prefix: str, n_rows: int, dim: int) -> EngramStore:
-        """The store of `<prefix>.weight` / `<prefix>.scale`, checked against [n_rows, dim]."""
-        store = EngramStore.from_checkpoint(self.folder, prefix, self.device, **self.store_options)
+        """The store of `<prefix>.weight` / `<prefix>.scale`, checked against [n_rows, dim]:
+        from a runtime pack its record file (one read per row), else the two tensors."""
+        packed = getattr(self.folder, "engram_tables", {}).get(prefix)
+        if packed is not None:
+            if packed.record_bytes != record_bytes(packed.dim):
+                raise CheckpointError(f"{packed.path}: Engram records of {packed.record_bytes} B "
+                                      f"do not hold rows of {packed.dim} values + scales")
+            store = EngramStore(RowSource.packed(packed.path, packed.rows, packed.dim),
+                                self.device, **self.store_options)
+        else:
+            store = EngramStore.from_checkpoint(self.folder, prefix, self.device,
+                                                **self.store_options)
         if (store.source.n_rows, store.dim) != (n_rows, dim):
             store.close()
             info = self.folder.info(f"{prefix}.weight")

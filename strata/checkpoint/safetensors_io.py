@@ -320,6 +320,35 @@ class SafetensorsFile:
             pass
 
 
+def encode_header(entries: Sequence[tuple[str, str, Sequence[int]]],
+                  metadata: dict[str, str] | None = None,
+                  where: str | os.PathLike[str] = "safetensors file") -> tuple[bytes, list[int]]:
+    """The header block (8-byte length + JSON padded to 8 bytes) for tensors written back to
+    back in the given order, and each tensor's data size. `entries`: (name, st dtype, shape).
+
+    Shared by `write_safetensors` and the pack writer (strata.checkpoint.pack), which streams
+    the data after this header without ever holding a tensor."""
+    header: dict[str, object] = {}
+    if metadata:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise CheckpointError(f"{where}: metadata must map strings to strings")
+        header["__metadata__"] = dict(metadata)
+    sizes: list[int] = []
+    cursor = 0
+    for name, st, shape in entries:
+        if not isinstance(name, str) or name == "__metadata__" or not name or name in header:
+            raise CheckpointError(f"{where}: invalid or repeated tensor name {name!r}")
+        if st not in ST_DTYPES:
+            raise CheckpointError(f"{where}: tensor {name!r}: unknown safetensors dtype {st!r}")
+        nbytes = math.prod(shape) * ST_DTYPES[st][1]
+        header[name] = {"dtype": st, "shape": list(shape), "data_offsets": [cursor, cursor + nbytes]}
+        sizes.append(nbytes)
+        cursor += nbytes
+    hbytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    hbytes += b" " * ((-(8 + len(hbytes))) % _ALIGN)
+    return struct.pack("<Q", len(hbytes)) + hbytes, sizes
+
+
 def write_safetensors(
     path: str | os.PathLike[str],
     tensors: dict[str, torch.Tensor],
@@ -340,14 +369,9 @@ def write_safetensors(
     for name in dtypes:
         if name not in tensors:
             raise CheckpointError(f"{path}: dtypes names tensor {name!r} which is not being written")
-    header: dict[str, object] = {}
-    if metadata:
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-            raise CheckpointError(f"{path}: metadata must map strings to strings")
-        header["__metadata__"] = dict(metadata)
 
     blobs: list[torch.Tensor] = []
-    cursor = 0
+    entries: list[tuple[str, str, list[int]]] = []
     for name, t in tensors.items():
         if not isinstance(name, str) or name == "__metadata__" or not name:
             raise CheckpointError(f"{path}: invalid tensor name {name!r}")
@@ -363,17 +387,13 @@ def write_safetensors(
         if mapped != t.dtype and not raw_bytes:
             raise CheckpointError(f"{path}: tensor {name!r}: cannot store torch {t.dtype} as {st}")
         t = t.detach().to("cpu").contiguous()
-        nbytes = t.numel() * itemsize
-        header[name] = {"dtype": st, "shape": list(t.shape), "data_offsets": [cursor, cursor + nbytes]}
+        entries.append((name, st, list(t.shape)))
         blobs.append(t)
-        cursor += nbytes
 
-    hbytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    hbytes += b" " * ((-(8 + len(hbytes))) % _ALIGN)
+    head, _ = encode_header(entries, metadata, path)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(hbytes)))
-        f.write(hbytes)
+        f.write(head)
         for t in blobs:
             if t.numel():
                 f.write(_byte_view(t))
@@ -399,6 +419,9 @@ class CheckpointFolder:
             shard = SafetensorsFile(single_path)
             self._shards[SINGLE_NAME] = shard
             self._weight_map = {name: SINGLE_NAME for name in shard.names()}
+        elif (self.path / "strata-pack.json").is_file() or (self.path / "strata-pack.partial.json").is_file():
+            raise CheckpointError(f"{self.path}: this is a strata pack, not a safetensors checkpoint "
+                                  "folder; open it with strata.checkpoint.pack.open_checkpoint")
         else:
             raise CheckpointError(f"{self.path}: neither {INDEX_NAME} nor {SINGLE_NAME} found in this folder")
 

@@ -3,13 +3,20 @@
 `WeightReader` is the vocabulary the model code loads with: `tensor(name, dtype, shape)` and
 `linear(prefix, out, in)`, which picks the Linear backend from the stored dtype (fp8 + tile
 scales, packed fp4 + group scales, or plain bf16/fp32). Every mismatch names the tensor and file.
+
+The folder may be a checkpoint folder or a runtime pack (strata.checkpoint.pack.PackFolder),
+which answers by the same names. `stacked(prefix, name, E)` gives the routed experts' tensors
+as one [E, ...] device tensor — one read from a pack, which stores them stacked
+(`is_stacked`), E reads into one allocation from a checkpoint folder. Engram record columns
+of a pack are read in whole-record chunks, both columns in one pass.
 """
 from __future__ import annotations
 
 import torch
 
 from strata.checkpoint.loader import TensorLoader
-from strata.checkpoint.safetensors_io import CheckpointFolder
+from strata.checkpoint.pack import RecordColumnInfo
+from strata.checkpoint.safetensors_io import ST_DTYPES, CheckpointFolder, TensorInfo
 from strata.errors import CheckpointError
 from strata.quant.linear import DenseLinear, Fp4Group32Linear, Fp8Block32Linear, Linear
 
@@ -32,6 +39,8 @@ class WeightReader:
             raise ValueError(f"loader targets {self.loader.device}, reader {self.device}")
         self.used: set[str] = set()
         self._by_prefix: dict[str, set[str]] | None = None
+        # The other column of an Engram record file read in the same pass, until asked for.
+        self._spare_columns: dict[str, torch.Tensor] = {}
 
     def has(self, name: str) -> bool:
         return self.folder.has(name)
@@ -54,7 +63,75 @@ class WeightReader:
             raise CheckpointError(f"{self._where(name)} has shape {list(info.shape)}; expected "
                                   f"{list(shape)}")
         self.used.add(name)
+        if isinstance(info, RecordColumnInfo):  # an Engram table in a pack's record file
+            return self._record_column(info)
         return self.loader.load(info)
+
+    def _record_column(self, info: RecordColumnInfo) -> torch.Tensor:
+        """A column (values or scales) of a packed record file, on the device: whole records
+        stream through the loader in chunks of about one staging buffer, and every column of
+        the table is cut out of them in the same pass (the other is kept until asked for)."""
+        spare = self._spare_columns.pop(info.name, None)
+        if spare is not None:
+            return spare
+        cols = [self.folder.info(f"{info.table}.{part}") for part in ("weight", "scale")]
+        if not all(isinstance(c, RecordColumnInfo) and c.file == info.file for c in cols):
+            raise CheckpointError(f"{info.file}: Engram table {info.table} is not one record file")
+        n, stride = info.shape[0], info.row_stride
+        outs = [torch.empty(c.shape, dtype=ST_DTYPES[c.dtype][0], device=self.device)
+                for c in cols]
+        per = max(1, self.loader.buffer_bytes // stride)
+        tmp = torch.empty(min(per, n) * stride, dtype=torch.uint8, device=self.device)
+        for r0 in range(0, n, per):
+            r1 = min(n, r0 + per)
+            piece = TensorInfo(f"{info.table} records {r0}..{r1 - 1}", "U8",
+                               ((r1 - r0) * stride,), info.file, info.base + r0 * stride,
+                               (r1 - r0) * stride)
+            recs = self.loader.load_into(piece, tmp[:(r1 - r0) * stride]).view(r1 - r0, stride)
+            for c, out in zip(cols, outs):
+                width = c.nbytes // n
+                out.view(torch.uint8).view(n, width)[r0:r1].copy_(
+                    recs[:, c.column:c.column + width])
+        for c, out in zip(cols, outs):
+            if c.name != info.name:
+                self._spare_columns[c.name] = out
+        return outs[[c.name for c in cols].index(info.name)]
+
+    def is_stacked(self, prefix: str, name: str) -> bool:
+        """Whether the folder stores `<prefix>.{e}.<name>` stacked over e (a pack does)."""
+        stacked_info = getattr(self.folder, "stacked_info", None)
+        return stacked_info is not None and stacked_info(f"{prefix}.{name}") is not None
+
+    def stacked(self, prefix: str, name: str, n_experts: int,
+                dtype: str | tuple[str, ...] | None = None,
+                shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """`<prefix>.{e}.<name>` for e < n_experts as one [E, ...] tensor on the device, e.g.
+        stacked("layers.3.ffn.experts", "w1.trellis", 256); `shape` is one expert's. Bytes as
+        stored: from a pack one read of the stacked tensor, else one read per expert into it."""
+        names = [f"{prefix}.{e}.{name}" for e in range(n_experts)]
+        for n in names:
+            if not self.folder.has(n):
+                raise CheckpointError(f"tensor {n} is missing from the checkpoint "
+                                      f"{self.folder.path}")
+        infos = [self.folder.info(n) for n in names]
+        allowed = None if dtype is None else ((dtype,) if isinstance(dtype, str) else dtype)
+        for i in infos:
+            if (allowed is not None and i.dtype not in allowed) or i.dtype != infos[0].dtype:
+                raise CheckpointError(f"{self._where(i.name)} has dtype {i.dtype}; expected "
+                                      f"{' or '.join(allowed or (infos[0].dtype,))}")
+            want = tuple(shape) if shape is not None else infos[0].shape
+            if tuple(i.shape) != want:
+                raise CheckpointError(f"{self._where(i.name)} has shape {list(i.shape)}; "
+                                      f"expected {list(want)}")
+        self.used.update(names)
+        whole = getattr(self.folder, "stacked_info", lambda _: None)(f"{prefix}.{name}")
+        if whole is not None and whole.shape[0] == n_experts:
+            return self.loader.load(whole)
+        out = torch.empty((n_experts, *infos[0].shape), dtype=ST_DTYPES[infos[0].dtype][0],
+                          device=self.device)
+        for e, i in enumerate(infos):
+            self.loader.load_into(i, out[e])
+        return out
 
     def float_tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A BF16/F32 tensor (norm weights, biases, mHC parameters) as fp32."""
