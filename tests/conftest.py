@@ -4,9 +4,13 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("ATEN_CPU_CAPABILITY", "default")  # before torch: see strata/__init__.py
-
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in the interpreter; triton.jit reads this when a kernel
+# is defined, so it must be set before any strata.kernels module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from strata.checkpoint.tiny import make_tiny
 from strata.model.model import Model

@@ -38,7 +38,10 @@ def group_by_expert(idx: torch.Tensor, n_experts: int, block_m: int) -> ExpertGr
     dev = flat.device
     n_tiles = max_tiles(P, n_experts, block_m)
     order = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=n_experts)                # [E]
+    # scatter_add, not bincount: bincount reads its size on the host, which would stop
+    # a CUDA graph capture of the step.
+    counts = torch.zeros(n_experts, dtype=torch.long, device=dev).scatter_add_(
+        0, flat, torch.ones_like(flat))                               # [E]
     tiles_per = (counts + block_m - 1) // block_m                     # [E]
     tile_start = torch.cumsum(tiles_per, 0) - tiles_per               # first tile of expert e
     pair_start = torch.cumsum(counts, 0) - counts                     # first slot in `order`

@@ -4,7 +4,9 @@ plus the shared expert (spec §2.8).
 Routed experts are held as stored, one Linear each; the reference path stacks them dequantized
 ([E, out, in]) so a step's selected experts are gathered by index — no Python loop over experts
 while decoding. Prefill (many token-expert pairs) instead runs each present expert once over
-its tokens.
+its tokens. On CUDA, fp4/fp8 and EXL3 experts instead run the grouped kernels of
+strata.kernels.moe / strata.kernels.exl3 on the stacked stored tensors (no dense copy), chosen
+by format at `ExpertStack._fast_forward`.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from strata.checkpoint.weights import WeightReader
 from strata.config import ModelConfig
 from strata.model.numerics import Numerics, row_matmul, rows_bmm
+from strata.quant.linear import Linear
 from strata.quant.qdq import fp8_act_qdq
 
 # Token-expert pairs up to which a step gathers expert weights instead of grouping tokens.
@@ -25,16 +28,73 @@ def swiglu(g: torch.Tensor, v: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(g.float().clamp(max=limit)) * v.float().clamp(-limit, limit)
 
 
+def expert_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(out, in) of each routed expert projection."""
+    D, I = cfg.hidden_size, cfg.moe_intermediate_size
+    return {"w1": (I, D), "w3": (I, D), "w2": (D, I)}
+
+
 class ExpertStack:
     """The routed experts of one layer, each w1/w3 [I, D] and w2 [D, I], stacked."""
 
     def __init__(self, cfg: ModelConfig, w: WeightReader, prefix: str, n_experts: int) -> None:
-        D, I = cfg.hidden_size, cfg.moe_intermediate_size
-        self.n_experts, self.limit = n_experts, cfg.swiglu_limit
         # Each expert as stored (fp4, fp8, EXL3 or dense), behind the Linear interface.
-        self.linears = {name: [w.linear(f"{prefix}.{e}.{name}", *shape) for e in range(n_experts)]
-                        for name, shape in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I)))}
+        self._init({name: [w.linear(f"{prefix}.{e}.{name}", *shape) for e in range(n_experts)]
+                    for name, shape in expert_shapes(cfg).items()}, cfg.swiglu_limit)
+        first = self.linears["w1"][0]
+        if (self.format in ("fp4", "fp8") and first.weight.is_cuda) or \
+                (self.format == "exl3" and first.trellis.is_cuda):
+            self.stored()  # stacked once at load
+
+    @classmethod
+    def of_linears(cls, linears: dict[str, list[Linear]], limit: float) -> "ExpertStack":
+        """A transient stack over given experts (e.g. the cached draft experts of one step):
+        the same forward, bit for bit, as the full stack restricted to them; its stacks are
+        copies (the Linears stay as they are)."""
+        stack = cls.__new__(cls)
+        stack._init(linears, limit, rebind=False)
+        return stack
+
+    def _init(self, linears: dict[str, list[Linear]], limit: float, rebind: bool = True) -> None:
+        self.linears, self.limit = linears, limit
+        self.n_experts = len(linears["w1"])
         self._dense: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        from strata.kernels.moe import expert_format
+        # 'fp4' | 'fp8' | 'exl3' | 'dense' | 'mixed': picks the fast path (_fast_forward).
+        self.format = expert_format([l for ls in self.linears.values() for l in ls])
+        self._stored: dict | None = None
+        self._rebind = rebind
+
+    def stored(self) -> dict:
+        """Per projection the stacked stored tensors, built once — the single place that
+        stacks (a pack loader handing in stacks would replace it): fp4/fp8 bytes + scales
+        (kernels.moe.StoredExperts) or EXL3 trellis/suh/svh (kernels.moe.Exl3Experts), never
+        dequantized; each expert's Linear then views its slice, so nothing is held twice."""
+        if self._stored is None:
+            from strata.kernels.moe import stack_exl3, stack_stored
+            stack = stack_exl3 if self.format == "exl3" else stack_stored
+            self._stored = {n: stack(self.linears[n], self._rebind) for n in ("w1", "w3", "w2")}
+        return self._stored
+
+    def _fast_forward(self, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
+                      nx: Numerics) -> torch.Tensor | None:
+        """The one dispatch point of the kernel paths, by expert format (CUDA, or forced on
+        CPU for tests); None means the reference path below (dense/mixed experts)."""
+        if self.format in ("fp4", "fp8"):
+            from strata.kernels import fp8fp4
+            if not fp8fp4.kernels_enabled(x):
+                return None
+            from strata.kernels.moe import moe_grouped
+            s = self.stored()
+            return moe_grouped(x, idx, weight, s["w1"], s["w3"], s["w2"], self.limit, nx)
+        if self.format == "exl3":
+            from strata.quant import exl3 as qexl3
+            if not qexl3._use_kernels(x):  # the EXL3 kernels' own switch (KERNELS)
+                return None
+            from strata.kernels.moe import exl3_moe_forward
+            s = self.stored()
+            return exl3_moe_forward(x, idx, weight, s["w1"], s["w3"], s["w2"], self.limit, nx)
+        return None
 
     def dense(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """All experts' `name` weights dequantized and stacked, [E, out, in] (reference path:
@@ -56,6 +116,9 @@ class ExpertStack:
         Each (token, slot) pair is computed by the same per-row products in both paths and
         the slots are summed in slot order, so a token's output does not depend on the batch.
         """
+        fast = self._fast_forward(x, idx, weight, nx)
+        if fast is not None:
+            return fast
         T, k = idx.shape
         dt = nx.act_dtype
         quant = nx.quantize and self.quantized
@@ -105,7 +168,11 @@ class MoE:
         self.bias = w.float_tensor(f"{prefix}.gate.bias", (n_experts,))
         self.bias_vl = (w.float_tensor(f"{prefix}.gate.bias_vl", (n_experts,))
                         if w.has(f"{prefix}.gate.bias_vl") else None)
-        self.experts = ExpertStack(cfg, w, f"{prefix}.experts", n_experts)
+        # A reader may keep some experts off the device behind a cache (the DSpark stages',
+        # runtime.expert_cache); the backbone's are always an ExpertStack.
+        cached = getattr(w, "cached_experts", None)
+        self.experts = (cached and cached(cfg, f"{prefix}.experts", n_experts)) or \
+            ExpertStack(cfg, w, f"{prefix}.experts", n_experts)
         self.shared = SharedExpert(cfg, w, f"{prefix}.shared_experts") \
             if cfg.n_shared_experts else None
 

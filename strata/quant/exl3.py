@@ -32,6 +32,17 @@ def _as_int32(v: int) -> int:
 
 MARKERS = {"mcg": _as_int32(MCG_MULT), "mul1": _as_int32(MUL1_MULT)}
 
+# Which forward Exl3Linear runs: "auto" = the Triton kernels (strata.kernels.exl3) when x is on
+# CUDA, the torch reference below on CPU; "always" = the kernels everywhere (CPU tests under
+# TRITON_INTERPRET=1); "never" = the reference everywhere.
+KERNELS = "auto"
+
+
+def _use_kernels(x: torch.Tensor) -> bool:
+    if KERNELS not in ("auto", "always", "never"):
+        raise ValueError(f"strata.quant.exl3.KERNELS = {KERNELS!r}: expected auto, always, never")
+    return KERNELS == "always" or (KERNELS == "auto" and x.is_cuda)
+
 
 def _f16_halves_sum(x: np.ndarray) -> np.ndarray:
     """fp16(low half) + fp16(high half), one fp16 rounding (the sum is exact in fp32)."""
@@ -184,6 +195,10 @@ class Exl3Linear(Linear):
 
     def forward(self, x: torch.Tensor, nx: Numerics, out_dtype: torch.dtype | None = None,
                 act_quant: bool = True) -> torch.Tensor:
+        if _use_kernels(x):  # fixed-order kernels: batch-invariant, fused == reconstruct+GEMM
+            from strata.kernels.exl3 import exl3_linear
+            return exl3_linear(x, self.trellis, self.suh, self.svh, self.codebook,
+                               self.out_features, self.bias, out_dtype or nx.act_dtype)
         kp = self.suh.numel()  # (EXL3 takes fp16 activations: no fp8 point to skip)
         xf = x.float()
         if xf.shape[-1] < kp:  # zero-extend to the padded input width

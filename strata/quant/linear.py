@@ -2,8 +2,9 @@
 
 Backends hold the checkpoint's stored tensors unchanged (fp8 bytes + ue8m0 tile scales, packed
 fp4 + per-32 scales, or plain bf16/fp32) and expose `forward(x, numerics)` and `dequantize()`.
-This torch reference dequantizes once and keeps the dense copy (`materialize`); fast kernels
-(Triton, issue 5) replace `forward` behind the same interface without a dense copy.
+This torch reference dequantizes once and keeps the dense copy (`materialize`); on CUDA the
+fp8/fp4 backends' `forward` runs the Triton kernels of strata.kernels.fp8fp4 on the stored bytes
+instead (no dense copy; CPU keeps the reference unless the kernels are forced for tests).
 In vendor numerics, fp8/fp4 GEMMs first quantise the activation to fp8 per 32 along K.
 """
 from __future__ import annotations
@@ -50,7 +51,8 @@ class Linear:
         y = row_matmul(x.to(cd), w)
         return y.to(out_dtype or nx.act_dtype)
 
-    __call__ = forward
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        return self.forward(*args, **kwargs)  # the subclass's forward, always
 
     def nbytes(self) -> int:
         raise NotImplementedError
@@ -85,6 +87,16 @@ class Fp8Block32Linear(Linear):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequant_fp8_block(self.weight, self.scale).to(dtype)
 
+    def forward(self, x: torch.Tensor, nx: Numerics, out_dtype: torch.dtype | None = None,
+                act_quant: bool = True) -> torch.Tensor:
+        """On CUDA (or forced): the Triton kernel on the stored bytes (strata.kernels.fp8fp4);
+        on CPU the reference above."""
+        from strata.kernels import fp8fp4
+        if fp8fp4.kernels_enabled(x):
+            return fp8fp4.linear_forward(self.weight, self.scale, "fp8", x, nx, out_dtype,
+                                         act_quant)
+        return super().forward(x, nx, out_dtype, act_quant)
+
     def rows(self, lo: int, hi: int) -> Linear:
         if lo % 32 or (hi % 32 and hi != self.out_features):
             raise ValueError(f"fp8 rows {lo}..{hi} do not fall on 32-row tiles")
@@ -105,6 +117,16 @@ class Fp4Group32Linear(Linear):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequant_fp4_group(self.weight, self.scale).to(dtype)
+
+    def forward(self, x: torch.Tensor, nx: Numerics, out_dtype: torch.dtype | None = None,
+                act_quant: bool = True) -> torch.Tensor:
+        """On CUDA (or forced): the Triton kernel on the stored bytes (strata.kernels.fp8fp4);
+        on CPU the reference above."""
+        from strata.kernels import fp8fp4
+        if fp8fp4.kernels_enabled(x):
+            return fp8fp4.linear_forward(self.weight, self.scale, "fp4", x, nx, out_dtype,
+                                         act_quant)
+        return super().forward(x, nx, out_dtype, act_quant)
 
     def rows(self, lo: int, hi: int) -> Linear:
         return Fp4Group32Linear(self.weight[lo:hi], self.scale[lo:hi])

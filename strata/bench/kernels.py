@@ -1,0 +1,388 @@
+"""`strata bench kernels` (or python -m strata.bench.kernels): the EXL3 kernels at V4.1 shapes.
+
+On a CUDA device, for random trellises (and suh/svh) at each shape × K × rows:
+- `mm`: y' = x'·Ŵ alone (fused decode kernel at rows ≤ FUSED_MAX_ROWS, else reconstruct +
+  GEMM), and `linear`: the whole linear (rotate_in → mm → rotate_out);
+- time (triton.testing.do_bench median, warm-up, L2 flushed between runs), weights decoded
+  per second (k·n / t), effective GB/s of trellis bytes (k·n·K/8 / t) and that as a fraction
+  of a device-to-device copy measured in the same run (bytes read + written / t);
+- when `exllamav3` imports (its extension JIT-builds with nvcc; EXL3_INT8_GEMV=0 is set so its
+  mul1 GEMV stays fp16 and comparable), the same for its kernels on the same tensors —
+  `ext.exl3_gemm` without suh/svh for mm, `LinearEXL3.forward` (its own rows dispatch) for
+  linear — the speed-up peer/ours, and a bit-exactness check of our reconstructed Ŵ against
+  `ext.reconstruct`; without it, Ŵ is checked against strata.quant.exl3.decode_trellis on a
+  slice.
+Targets (issue): ours ≥ exllamav3's rate at 1 row, ≥ 1.5× at 6 rows (reported per shape/K).
+
+`--smoke`: tiny shapes, CPU under TRITON_INTERPRET=1 (the harness logic, for the test suite).
+Output: a markdown table on stdout, JSON (--json) with a .md beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# (name, in, out): in×out is Ŵ's (k, n)
+SHAPES = {
+    "expert_w13": (5120, 2304),   # routed/shared expert gate and up
+    "expert_w2": (2304, 5120),    # expert down
+    "wq_b": (1280, 32768),
+    "wo_b": (8192, 5120),
+    "head": (5120, 129280),
+}
+SMOKE_SHAPES = {"smoke": (128, 128)}
+KS = (2.0, 2.5, 3.0, 4.0)
+ROWS = (1, 2, 6, 512, 2048)
+TARGETS = {1: 1.0, 6: 1.5}  # rows → required speed-up over exllamav3 (peer time / ours)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny shapes; on CPU under TRITON_INTERPRET=1 (harness check)")
+    p.add_argument("--shapes", default=None,
+                   help=f"comma-separated names of {', '.join(SHAPES)} (default: all)")
+    p.add_argument("--ks", default=None, help="bits per weight, e.g. 2,2.5,3,4 (default)")
+    p.add_argument("--codebook", default="mul1", choices=["mul1", "mcg", "3inst"],
+                   help="codebook for integer K (half-integer K is always mul1)")
+    p.add_argument("--rows", default=None, help="activation rows, e.g. 1,2,6,512,2048 (default)")
+    p.add_argument("--paths", default="auto",
+                   help="auto (fused ≤ FUSED_MAX_ROWS rows, else gemm) or a list: fused,gemm")
+    p.add_argument("--moe", action="store_true",
+                   help="also time the grouped MoE kernel (gate+up, 6 pairs per token)")
+    p.add_argument("--no-peer", action="store_true", help="skip exllamav3 even if it imports")
+    p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms)")
+    p.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
+    p.add_argument("--eager", action="store_true",
+                   help="time eager launches instead of CUDA-graph replays")
+    p.add_argument("--target-programs", type=int, default=None,
+                   help="override strata.kernels.exl3.TARGET_PROGRAMS (split-K schedule) to "
+                        "tune it; the engine must keep one fixed value (it sets the order)")
+    p.add_argument("--fused-max-rows", type=int, default=None,
+                   help="override FUSED_MAX_ROWS (auto path switch; exactness unaffected)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--json", help="write results here (and a .md table beside it)")
+
+
+def _csv(s: str | None, conv, default):
+    return tuple(conv(v) for v in s.split(",") if v.strip()) if s else default
+
+
+class Timer:
+    """Median time of fn in µs: on CUDA triton.testing.do_bench (L2 flushed between runs) of a
+    CUDA-graph replay of fn (GPU time, as the engine's graphed decode sees it; eager if the
+    capture fails, counted in `eager_fallbacks`), perf_counter on CPU."""
+
+    def __init__(self, device: torch.device, warmup: int, rep: int, smoke: bool,
+                 graph: bool = True) -> None:
+        self.device, self.warmup, self.rep, self.smoke = device, warmup, rep, smoke
+        self.graph = graph and device.type == "cuda"
+        self.eager_fallbacks = 0
+
+    def _graphed(self, fn):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return g.replay
+
+    def __call__(self, fn) -> float:
+        if self.device.type == "cuda":
+            import triton.testing
+            run = fn
+            if self.graph:
+                try:
+                    run = self._graphed(fn)
+                except Exception:
+                    self.eager_fallbacks += 1
+                    torch.cuda.synchronize()
+            return 1e3 * float(triton.testing.do_bench(run, warmup=self.warmup, rep=self.rep,
+                                                       return_mode="median"))
+        if not self.smoke:
+            fn()  # warm-up
+        runs = []
+        for _ in range(1 if self.smoke else 3):
+            t = time.perf_counter()
+            fn()
+            runs.append(time.perf_counter() - t)
+        return 1e6 * statistics.median(runs)
+
+
+def copy_bandwidth(device: torch.device, timer: Timer, nbytes: int) -> float:
+    """GB/s of a device-to-device copy (bytes read + written)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    us = timer(lambda: dst.copy_(src))
+    return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+class Peer:
+    """exllamav3's kernels through a small adapter; `error` says why they are unavailable."""
+
+    def __init__(self) -> None:
+        self.ext = self.LinearEXL3 = None
+        self.error = None
+        self.version = None
+        os.environ.setdefault("EXL3_INT8_GEMV", "0")  # its mul1 int8-activation GEMV: off
+        try:
+            import exllamav3
+            from exllamav3.ext import exllamav3_ext as ext
+            from exllamav3.modules.quant.exl3 import LinearEXL3
+            self.ext, self.LinearEXL3 = ext, LinearEXL3
+            self.version = getattr(exllamav3, "__version__", None)
+        except Exception as e:  # ImportError, or its nvcc JIT build failing
+            self.error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+
+    @property
+    def ok(self) -> bool:
+        return self.ext is not None
+
+    @staticmethod
+    def _flags(codebook: str) -> tuple[bool, bool]:
+        return codebook == "mcg", codebook == "mul1"
+
+    def reconstruct(self, trellis, codebook: str, K: float) -> torch.Tensor:
+        kt, nt, _ = trellis.shape
+        w = torch.empty((16 * kt, 16 * nt), dtype=torch.float16, device=trellis.device)
+        self.ext.reconstruct(w, trellis, float(K), *self._flags(codebook))
+        return w
+
+    def mm(self, trellis, codebook: str, xr: torch.Tensor):
+        """y' = x'·Ŵ (fp32) with x' already rotated: exl3_gemm without suh/svh."""
+        n = 16 * trellis.shape[1]
+        y = torch.empty((xr.shape[0], n), dtype=torch.float32, device=xr.device)
+        mcg, mul1 = self._flags(codebook)
+        return lambda: self.ext.exl3_gemm(xr, trellis, y, None, None, None, -1, mcg, mul1, 0), y
+
+    def linear(self, trellis, suh, svh, codebook: str, x16: torch.Tensor):
+        from strata.quant.exl3 import MARKERS
+        k, n = 16 * trellis.shape[0], 16 * trellis.shape[1]
+        marker = {c: torch.tensor(MARKERS[c], dtype=torch.int32) for c in ("mcg", "mul1")}
+        lin = self.LinearEXL3(None, k, n, suh=suh, svh=svh, trellis=trellis,
+                              mcg=marker["mcg"] if codebook == "mcg" else None,
+                              mul1=marker["mul1"] if codebook == "mul1" else None,
+                              out_dtype=torch.float32)
+        return lambda: lin.forward(x16, {})
+
+
+def random_linear(k: int, n: int, K: float, device, seed: int):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    L = int(16 * K) if K == int(K) else int(16 * (K - 0.5)) + 8
+    trellis = torch.randint(-2**15, 2**15, (k // 16, n // 16, L), generator=g,
+                            dtype=torch.int32).to(torch.int16).to(device)
+    suh = (torch.randn(k, generator=g) / k ** 0.5).half().to(device)
+    svh = (torch.randn(n, generator=g) * 0.05).half().to(device)
+    return trellis, suh, svh
+
+
+def _row(name, k, n, K, cb, M, path, us, copy_gbs):
+    tb = k * n * K / 8
+    return {"shape": name, "k": k, "n": n, "K": K, "codebook": cb, "rows": M, "path": path,
+            "median_us": us, "gweights_per_s": k * n / (us * 1e-6) / 1e9,
+            "trellis_gb_per_s": tb / (us * 1e-6) / 1e9,
+            "hbm_fraction": (tb / (us * 1e-6) / 1e9) / copy_gbs if copy_gbs else None}
+
+
+def run(args) -> dict:
+    smoke = args.smoke
+    dev = torch.device(args.device if torch.cuda.is_available() else "cpu")
+    if dev.type != "cuda":
+        if not smoke:
+            raise SystemExit("strata bench kernels: no CUDA device (use --smoke on CPU)")
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first defined
+    from strata.kernels import exl3 as X
+    from strata.quant.exl3 import decode_trellis
+
+    if args.target_programs:
+        X.TARGET_PROGRAMS = args.target_programs
+    if args.fused_max_rows is not None:
+        X.FUSED_MAX_ROWS = args.fused_max_rows
+    shapes = SMOKE_SHAPES if smoke else SHAPES
+    if args.shapes:
+        shapes = {s: shapes[s] for s in args.shapes.split(",") if s.strip()}
+    ks = _csv(args.ks, float, (2.5,) if smoke else KS)
+    rows_list = _csv(args.rows, int, (1,) if smoke else ROWS)
+    paths = None if args.paths == "auto" else _csv(args.paths, str, ())
+    timer = Timer(dev, args.warmup, args.rep, smoke, graph=not args.eager)
+    copy_gbs = copy_bandwidth(dev, timer, (1 << 20) if smoke else (1 << 30))
+    peer = None if (args.no_peer or smoke or dev.type != "cuda") else Peer()
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "smoke": smoke, "device": (
+        torch.cuda.get_device_name(dev) if dev.type == "cuda"
+        else platform.processor() or platform.machine()),
+        "torch": torch.__version__, "copy_gb_per_s": copy_gbs,
+        "command": " ".join(sys.argv), "fused_max_rows": X.FUSED_MAX_ROWS,
+        "config": {"BLOCK_M": X.BLOCK_M, "BLOCK_N": X.BLOCK_N, "BLOCK_K": X.BLOCK_K,
+                   "GEMM_BLOCK_M": X.GEMM_BLOCK_M, "GEMM_BLOCK_N": X.GEMM_BLOCK_N,
+                   "TARGET_PROGRAMS": X.TARGET_PROGRAMS},
+        "peer": ("skipped" if peer is None else
+                 f"exllamav3 {peer.version}" if peer.ok else f"unavailable: {peer.error}"),
+        "targets": "speed-up over exllamav3 (its time / ours): ≥ 1.0 at 1 row, ≥ 1.5 at 6 rows"}
+    try:
+        import triton
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    rows, checks = [], {"reconstruct_bit_exact": True, "details": []}
+    seed = 0
+    for name, (k, n) in shapes.items():
+        for K in ks:
+            cb = "mul1" if K != int(K) else args.codebook
+            seed += 1
+            trellis, suh, svh = random_linear(k, n, K, dev, seed)
+            # bit-exactness of Ŵ: against exllamav3's reconstruct, else the torch decoder
+            ours_w = X.reconstruct(trellis, cb)
+            if peer is not None and peer.ok:
+                ref_w, against = peer.reconstruct(trellis, cb, K), "exllamav3 ext.reconstruct"
+                exact = torch.equal(ours_w.view(torch.int16), ref_w.view(torch.int16))
+            else:
+                kt_ = min(trellis.shape[0], 16)
+                ref_w = decode_trellis(trellis[:kt_].cpu(), cb)
+                against = f"strata decode_trellis (first {16 * kt_} rows)"
+                exact = torch.equal(ours_w[:16 * kt_].cpu().view(torch.int16),
+                                    ref_w.view(torch.int16))
+            del ours_w, ref_w
+            checks["reconstruct_bit_exact"] &= exact
+            checks["details"].append({"shape": name, "K": K, "codebook": cb, "against": against,
+                                      "bit_exact": exact})
+            for M in rows_list:
+                g = torch.Generator(device="cpu").manual_seed(1000 + M)
+                x = torch.randn(M, k, generator=g).to(dev, torch.bfloat16)
+                xr = X.rotate_in(x, suh)
+                mpaths = paths or (("fused" if M <= X.FUSED_MAX_ROWS else "gemm"),)
+                for path in mpaths:
+                    us = timer(lambda: X.exl3_partials(xr, trellis, cb, path))
+                    r = _row(name, k, n, K, cb, M, path, us, copy_gbs)
+                    r["linear_us"] = timer(lambda: X.exl3_linear(x, trellis, suh, svh, cb,
+                                                                 path=path))
+                    if peer is not None and peer.ok:
+                        try:
+                            fn, y_peer = peer.mm(trellis, cb, xr)
+                            r["peer_mm_us"] = timer(fn)
+                            ours = X.exl3_matmul(xr, trellis, cb, path)
+                            r["mm_max_rel_diff_vs_peer"] = float(
+                                (ours - y_peer).abs().max() / y_peer.abs().max().clamp(min=1e-30))
+                            r["peer_linear_us"] = timer(peer.linear(trellis, suh, svh, cb,
+                                                                    x.half()))
+                            r["speedup_mm"] = r["peer_mm_us"] / us
+                            r["speedup_linear"] = r["peer_linear_us"] / r["linear_us"]
+                        except Exception as e:  # report, keep benchmarking our side
+                            r["peer_error"] = f"{type(e).__name__}: {e}"[:300]
+                    rows.append(r)
+                    print(_md_line(r), flush=True)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    moe = _bench_moe(X, dev, timer, copy_gbs, smoke, args.codebook) if args.moe or smoke else []
+    meta["timing"] = ("cuda-graph replay" if timer.graph else "eager") + (
+        f" ({timer.eager_fallbacks} eager fallbacks)" if timer.eager_fallbacks else "")
+    return {"meta": meta, "rows": rows, "moe": moe, "checks": checks,
+            "targets": _targets(rows)}
+
+
+def _bench_moe(X, dev, timer, copy_gbs, smoke, cb) -> list[dict]:
+    """Gate + up (two weight sets) for T tokens × 6 slots over E stacked experts, one launch."""
+    k, n, E, K = (128, 128, 2, 2.0) if smoke else (5120, 2304, 32, 2.0)
+    out = []
+    sets = [random_linear(k, n, K, dev, 50 + w) for w in range(2)]
+    stacks = []
+    for w in range(2):  # E experts: repeat one random expert's tensors (values do not matter)
+        tr, suh, svh = sets[w]
+        stacks.append((tr.unsqueeze(0).repeat(E, 1, 1, 1), suh.unsqueeze(0).repeat(E, 1),
+                       svh.unsqueeze(0).repeat(E, 1)))
+    for T in ((1,) if smoke else (1, 2, 6)):
+        kk = min(6, E)
+        g = torch.Generator(device="cpu").manual_seed(T)
+        idx = torch.stack([torch.randperm(E, generator=g)[:kk] for _ in range(T)]).to(dev)
+        x = torch.randn(T, k, generator=g).to(dev, torch.bfloat16)
+        us = timer(lambda: X.exl3_moe_linear(x, idx, stacks, cb))
+        distinct = int(torch.unique(idx).numel())
+        w = 2 * distinct * k * n  # weights decoded at least once
+        out.append({"T": T, "slots": kk, "experts": E, "distinct": distinct, "K": K,
+                    "codebook": cb, "k": k, "n": n, "median_us": us,
+                    "gweights_per_s": w / (us * 1e-6) / 1e9,
+                    "trellis_gb_per_s": w * K / 8 / (us * 1e-6) / 1e9})
+    return out
+
+
+def _targets(rows: list[dict]) -> list[dict]:
+    out = []
+    for r in rows:
+        if r["rows"] in TARGETS and "speedup_linear" in r:
+            need = TARGETS[r["rows"]]
+            out.append({"shape": r["shape"], "K": r["K"], "rows": r["rows"], "need": need,
+                        "speedup_mm": r["speedup_mm"], "speedup_linear": r["speedup_linear"],
+                        "met_mm": r["speedup_mm"] >= need,
+                        "met_linear": r["speedup_linear"] >= need})
+    return out
+
+
+HEADER = ("| shape | k×n | K | cb | rows | path | mm µs | linear µs | Gw/s | trellis GB/s | "
+          "% copy BW | peer mm µs | peer linear µs | speed-up mm | speed-up linear |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def _f(v, fmt):
+    return "–" if v is None else format(v, fmt)
+
+
+def _md_line(r: dict) -> str:
+    return (f"| {r['shape']} | {r['k']}×{r['n']} | {r['K']:g} | {r['codebook']} | {r['rows']} | "
+            f"{r['path']} | {r['median_us']:.1f} | {_f(r.get('linear_us'), '.1f')} | "
+            f"{r['gweights_per_s']:.0f} | {r['trellis_gb_per_s']:.0f} | "
+            f"{_f(r['hbm_fraction'] and 100 * r['hbm_fraction'], '.1f')} | "
+            f"{_f(r.get('peer_mm_us'), '.1f')} | {_f(r.get('peer_linear_us'), '.1f')} | "
+            f"{_f(r.get('speedup_mm'), '.2f')} | {_f(r.get('speedup_linear'), '.2f')} |")
+
+
+def markdown(res: dict) -> str:
+    m = res["meta"]
+    lines = [HEADER] + [_md_line(r) for r in res["rows"]]
+    lines += ["", f"Device: {m['device']}; copy bandwidth {m['copy_gb_per_s']:.0f} GB/s "
+              f"(read + written); timing: {m.get('timing', '')}; peer: {m['peer']}; "
+              f"{m['targets']}. mm = y' = x'·Ŵ (ours: the split partials, summed in the output "
+              f"Hadamard step); linear = the whole layer incl. both Hadamard steps.",
+              f"Ŵ bit-exact: {res['checks']['reconstruct_bit_exact']} "
+              f"({len(res['checks']['details'])} weights checked)."]
+    if res["targets"]:
+        met = sum(t["met_linear"] for t in res["targets"])
+        lines.append(f"Targets met (linear): {met}/{len(res['targets'])}; (mm): "
+                     f"{sum(t['met_mm'] for t in res['targets'])}/{len(res['targets'])}.")
+    if res["moe"]:
+        lines += ["", "| MoE gate+up: tokens | slots | distinct experts | µs | Gw/s | GB/s |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r['T']} | {r['slots']} | {r['distinct']} | {r['median_us']:.1f} | "
+                  f"{r['gweights_per_s']:.0f} | {r['trellis_gb_per_s']:.0f} |" for r in res["moe"]]
+    return "\n".join(lines)
+
+
+def run_from_args(args) -> int:
+    res = run(args)
+    md = markdown(res)
+    print(md)
+    if args.json:
+        p = Path(args.json)
+        p.write_text(json.dumps(res, indent=1))
+        p.with_suffix(".md").write_text(md + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m strata.bench.kernels", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run_from_args(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

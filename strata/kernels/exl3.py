@@ -1,0 +1,838 @@
+"""Fast EXL3 kernels (Triton): y' = x'·Ŵ straight from the trellis, the reconstruct + GEMM path for
+long inputs, the 128-block Hadamard pre/post steps and an MoE kernel grouped by expert
+(spec exl3.md §1–§2; the torch reference is strata.quant.exl3).
+
+Entry points: `exl3_linear` (the whole layer), `exl3_moe_linear` (a step's expert pairs, one
+launch for several weight sets such as gate + up), `exl3_matmul` / `exl3_partials` (y' only),
+`reconstruct` (Ŵ fp16), `rotate_in` / `rotate_out` (the Hadamard steps).
+
+Decode (`_decode_block`). A trellis tile is 16·K int16 = 8K u32 words (little-endian pairs,
+MSB-first ring). One *unit* = 64 consecutive ring positions of a tile (p = 64u + q, u = 0..3);
+in a unit every window starts at a bit offset that does not depend on u or on the tile, because
+64 positions consume exactly 2K words (integer and half-integer K alike). So a unit reads the
+2K + 1 consecutive words [2Ku − 1, 2Ku + 2K) (the first one wraps to the tile's last word for
+u = 0) with one 32-bit load per word — never one load per weight — and extracts all 64 16-bit
+states with compile-time shifts (a funnel of two words, or a bit-field of one), then applies the
+codebook arithmetic (3INST / MCG: multiply(-add), one lop3 mask/xor, fp16 sum of the halves
+(hadd2 on pairs); MUL1: multiply, byte sum + 0x6400 (= fp16 1024) in one dp4a on CUDA, one fp16
+fma (1024 + b)·k1 + k0 — exact, then a single rounding as in the reference). Ring position bits
+are (r0, r3, c3, r1, r2, c0 | c1, c2), so unit u holds the columns with (c2 c1) = u, all 16 rows;
+the 64 values are assembled with tl.join (each thread keeps its unit in registers) and one
+permute/reshape brings them to natural [k, n] order for tl.dot (stmatrix/ldmatrix on sm_90).
+Compiled for sm_90 this is ~6.2 (MUL1) / ~7.2 (3INST, MCG) SASS lane-instructions per weight
+in the main loop, loads, MMA and layout change included.
+
+Tiles: the fused kernel computes [BLOCK_M = 16 rows] × [BLOCK_N = 64 columns] per program over
+its split's k-steps of BLOCK_K = 128 (8×4 trellis tiles = 128 units = one per thread of 4
+warps); grid (n_p/64, S, ⌈M/16⌉) or, grouped, (n_p/64, S, sets × expert tiles).
+
+Reduction order (batch invariance). Every product is tl.dot over fp16 operands with fp32
+accumulation on [BLOCK_K = 128]-deep k-steps, in ascending k, through chained tensor-core MMAs
+(mma.sync m16n8k16: an output element's value depends only on its row of x', its column of Ŵ
+and the incoming accumulator, never on the other rows of the tile). K is cut into a fixed
+number S of splits chosen from (k_p, n_p) only (`split_schedule`); each split starts from zero
+and the splits are added in ascending order from zero — by the last-arriving program of each
+128-column block in the fused kernel (an arrival counter; it reads all partials back, so which
+program arrives last does not matter), in rotate_out, or inside the GEMM kernel. Nothing
+depends on M, on which rows share a program, on the grid or on the path, so
+  - a row's output is bit-identical whatever M and whatever other rows (tokens, MoE pairs)
+    share its tile;
+  - the fused kernel (decode in registers) and the reconstruct + GEMM kernel (fp16 Ŵ from
+    memory) give the same bits, and `exl3_linear` may switch between them by M.
+Both kernels are pinned to mma.sync (BLOCK_M ≤ 32); on CUDA the compiled PTX is checked once
+per kernel variant and a wgmma (whose accumulation might round differently) raises.
+
+Hadamard steps (`rotate_in`, `rotate_out` / the fused epilogue): x·suh → fp16 (bit-identical
+to the reference), then an exact-order butterfly over each 128-block in fp32 (bits b0..b6,
+a ± b), one multiply by 1/√128, fp16. The reference multiplies by the 128×128 matrix instead,
+so the rotated values may differ from `strata.quant.exl3._rotate` in the last fp32 bits (≤ 1
+fp16 ulp after the cast, in ~1 % of elements); every CUDA forward (decode, verify, prefill,
+MoE) uses these kernels, so CUDA stays exact against itself.
+
+Arrival counters (`_counters`) are one zeroed buffer per device, zero again after every launch;
+an eager first call (the usual CUDA-graph warm-up) allocates them before a capture, and
+launches on one device must not overlap in time (one stream, as the engine runs).
+
+Everything runs on CPU under TRITON_INTERPRET=1 (tests/test_kernels_exl3.py).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from strata.kernels.moe_grouping import ExpertGroups, group_by_expert
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch reference path is used
+    triton = None
+
+CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
+
+# One fixed configuration (no autotuning): the reduction order depends on none of these except
+# BLOCK_K (k-step depth) and the split schedule, which are the same for every kernel here.
+BLOCK_K = 128          # k rows per step (8 trellis tiles)
+BLOCK_N = 64           # fused / reconstruct: columns per program (4 tiles) → 128 units = 4 warps
+BLOCK_M = 16           # fused: rows per program (one m16 MMA row block); MoE tiles use it too
+NUM_WARPS = 4
+GEMM_BLOCK_M = 32      # reconstruct path GEMM (still mma.sync: see module doc)
+GEMM_BLOCK_N = 128
+GEMM_NUM_WARPS = 8
+GEMM_NUM_STAGES = 3
+ROT_ROWS = 16          # rows per program of the Hadamard kernels
+TARGET_PROGRAMS = 512  # split schedule: aim for this many programs in a single-row launch
+FUSED_MAX_ROWS = 32    # auto path: fused decode up to this many rows, reconstruct + GEMM above
+GEMM_SLICE_BYTES = 64 << 20  # reconstructed Ŵ slice size bound (columns chunked to fit)
+MOE_SPLIT_LOOP_PAIRS = 64    # MoE: above this many pairs, programs loop over the K splits
+MOE_MAX_PAIRS = 8192         # MoE: larger steps are run in token chunks (bounded buffers)
+
+INV_SQRT128 = float(torch.tensor(1.0, dtype=torch.float32) / math.sqrt(128))
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _require_triton() -> None:
+    if triton is None:
+        raise RuntimeError("the EXL3 kernels need triton")
+
+
+def k2_of(trellis: torch.Tensor) -> int:
+    """2·K from the trellis' last dim (16·K int16, or 16·KA + 8 for K = KA + ½)."""
+    from strata.quant.exl3 import bits_per_weight
+    return int(round(2 * bits_per_weight(trellis.shape[-1])))
+
+
+def split_schedule(k_p: int, n_p: int) -> tuple[int, int]:
+    """(k-steps per split, number of splits S) for a k_p × n_p weight. A function of the shape
+    only: every path and every M use it, which fixes each output element's summation order."""
+    k_steps, n_blocks = k_p // BLOCK_K, max(1, n_p // BLOCK_N)
+    want = max(1, min(k_steps, -(-TARGET_PROGRAMS // n_blocks)))
+    per = -(-k_steps // want)
+    return per, -(-k_steps // per)
+
+
+def _check_shapes(trellis: torch.Tensor, codebook: str) -> tuple[int, int, int]:
+    if trellis.dtype != torch.int16 or trellis.dim() < 3:
+        raise ValueError(f"trellis must be int16 [.., kt, nt, 16·K], got {trellis.dtype} "
+                         f"{list(trellis.shape)}")
+    if codebook not in CODEBOOK_IDS:
+        raise ValueError(f"unknown EXL3 codebook {codebook!r}")
+    kt, nt = trellis.shape[-3], trellis.shape[-2]
+    if (16 * kt) % BLOCK_K or (16 * nt) % BLOCK_N:
+        raise ValueError(f"trellis {16 * kt}×{16 * nt}: dims must be multiples of "
+                         f"{BLOCK_K}×{BLOCK_N} (EXL3 pads both to 128)")
+    K2 = k2_of(trellis)
+    if K2 % 2 and codebook != "mul1":
+        raise ValueError(f"half-integer K = {K2 / 2} exists only with the mul1 codebook")
+    return kt, nt, K2
+
+
+if triton is not None:
+    # ---------------------------------------------------------------- trellis decode (device)
+
+    @triton.jit
+    def _unit_words(P, P0, NW: tl.constexpr):
+        """The NW (= 2K + 1) words of each unit; word 0 through the wrapped pointer P0."""
+        W = (tl.load(P0).to(tl.uint32, bitcast=True),)
+        for i in tl.static_range(1, NW):
+            W = W + (tl.load(P + i).to(tl.uint32, bitcast=True),)
+        return W
+
+    @triton.jit
+    def _state(W, Q: tl.constexpr, K2: tl.constexpr):
+        """16-bit state of ring position q of a unit: the window ending at bit E(q) (relative to
+        the unit's first position) lies at bits [E(q) + 16, E(q) + 32) of the loaded words."""
+        if K2 % 2 == 0:
+            E: tl.constexpr = (Q + 1) * (K2 // 2)
+        elif Q % 2 == 0:  # K = KA + ½: position p takes KA + (p odd) bits
+            E: tl.constexpr = (Q // 2) * K2 + K2 // 2
+        else:
+            E: tl.constexpr = (Q // 2 + 1) * K2
+        A: tl.constexpr = (E + 16) // 32
+        O: tl.constexpr = (E + 16) % 32
+        if O <= 16:
+            s = (W[A] >> (16 - O)) & 0xFFFF
+        else:
+            s = ((W[A] << (O - 16)) | (W[A + 1] >> (48 - O))) & 0xFFFF
+        return s
+
+    @triton.jit
+    def _codebook(s, CB: tl.constexpr, ASM: tl.constexpr):
+        """CB(s) as fp16 (exl3.md §1.4), bit-exact."""
+        if CB == 2:
+            x = s * 0x83DCD12D
+            # 0x6400 + Σ bytes (≤ 1020) is the fp16 bit pattern of 1024 + Σ bytes
+            if ASM:
+                b = tl.inline_asm_elementwise(  # the byte sum in one instruction
+                    "dp4a.u32.u32 $0, $1, $2, $3;", "=r,r,r,r",
+                    [x, tl.full(x.shape, 0x01010101, tl.uint32), tl.full(x.shape, 0x6400, tl.uint32)],
+                    dtype=tl.uint32, is_pure=True, pack=1)
+            else:
+                t = (x & 0x00FF00FF) + ((x >> 8) & 0x00FF00FF)
+                b = (t & 0xFFFF) + (t >> 16) + 0x6400
+            f = b.to(tl.uint16).to(tl.float16, bitcast=True)
+            # (1024 + b)·k1 + k0 exact, rounded once to fp16 (an fp16 fma, as exllamav3's hfma2)
+            v = tl.fma(f, tl.full(f.shape, 0.0067672729492187500, tl.float16),  # fp16 0x1EEE
+                       tl.full(f.shape, -10.3828125, tl.float16))  # fp16 0xC931
+        else:
+            if CB == 0:
+                x = s * 89226354 + 64248484
+            else:
+                x = s * 0xCBAC1FED
+            x = (x & 0x8FFF8FFF) ^ 0x3B603B60
+            lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+            hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+            v = lo + hi  # exact sum, one fp16 rounding
+        return v
+
+    @triton.jit
+    def _dec1(W, QP: tl.constexpr, K2: tl.constexpr, CB: tl.constexpr, ASM: tl.constexpr):
+        """Value number QP of a unit in assembly order: QP bits (b0..b5) = (r3, r2, r1, r0, c3,
+        c0), so the joined tensor reshapes to [.., 16 (row r), 2 (c3), 2 (c0)]."""
+        R: tl.constexpr = 8 * (QP & 1) + 4 * ((QP >> 1) & 1) + 2 * ((QP >> 2) & 1) + ((QP >> 3) & 1)
+        C3: tl.constexpr = (QP >> 4) & 1
+        C0: tl.constexpr = (QP >> 5) & 1
+        # ring position within the unit: bits (r0, r3, c3, r1, r2, c0)
+        Q: tl.constexpr = ((R & 1) | ((R >> 3) & 1) << 1 | C3 << 2 | ((R >> 1) & 1) << 3
+                           | ((R >> 2) & 1) << 4 | C0 << 5)
+        return _codebook(_state(W, Q, K2), CB, ASM)
+
+    @triton.jit
+    def _dec2(W, QP: tl.constexpr, K2: tl.constexpr, CB: tl.constexpr, ASM: tl.constexpr):
+        return tl.join(_dec1(W, QP, K2, CB, ASM), _dec1(W, QP + 1, K2, CB, ASM))
+
+    @triton.jit
+    def _dec4(W, QP: tl.constexpr, K2: tl.constexpr, CB: tl.constexpr, ASM: tl.constexpr):
+        return tl.join(_dec2(W, QP, K2, CB, ASM), _dec2(W, QP + 2, K2, CB, ASM))
+
+    @triton.jit
+    def _dec8(W, QP: tl.constexpr, K2: tl.constexpr, CB: tl.constexpr, ASM: tl.constexpr):
+        return tl.join(_dec4(W, QP, K2, CB, ASM), _dec4(W, QP + 4, K2, CB, ASM))
+
+    @triton.jit
+    def _dec16(W, QP: tl.constexpr, K2: tl.constexpr, CB: tl.constexpr, ASM: tl.constexpr):
+        return tl.join(_dec8(W, QP, K2, CB, ASM), _dec8(W, QP + 8, K2, CB, ASM))
+
+    @triton.jit
+    def _dec32(W, QP: tl.constexpr, K2: tl.constexpr, CB: tl.constexpr, ASM: tl.constexpr):
+        return tl.join(_dec16(W, QP, K2, CB, ASM), _dec16(W, QP + 16, K2, CB, ASM))
+
+    @triton.jit
+    def _dec64(W, K2: tl.constexpr, CB: tl.constexpr, ASM: tl.constexpr):
+        return tl.join(_dec32(W, 0, K2, CB, ASM), _dec32(W, 32, K2, CB, ASM))
+
+    @triton.jit
+    def _decode_block(tr_ptr, row_words, ks, nb, K2: tl.constexpr, CB: tl.constexpr,
+                      ASM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+        """Ŵ[ks·BK : +BK, nb·BN : +BN] as fp16 [BK, BN] in natural order, decoded in registers.
+        tr_ptr: int32 words of tile (0, 0); row_words: words between tile rows (nt·8K)."""
+        TK: tl.constexpr = BK // 16
+        TN: tl.constexpr = BN // 16
+        WT: tl.constexpr = 4 * K2  # words per tile (8K)
+        i = tl.arange(0, TK * TN * 4)
+        tk = i // (TN * 4)
+        tn = (i // 4) % TN
+        u = i % 4
+        base = ((ks * TK + tk).to(tl.int64) * row_words + (nb * TN + tn).to(tl.int64) * WT
+                + u * K2 - 1)
+        P = tr_ptr + base
+        W = _unit_words(P, P + tl.where(u == 0, WT, 0), K2 + 1)
+        v = _dec64(W, K2, CB, ASM)                       # [units, 2, 2, 2, 2, 2, 2]
+        v = tl.reshape(v, [TK, TN, 4, 16, 2, 2])         # (tk, tn, c2c1, r, c3, c0)
+        v = tl.permute(v, (0, 3, 1, 4, 2, 5))            # (tk, r, tn, c3, c2c1, c0)
+        return tl.reshape(v, [BK, BN])
+
+    # ---------------------------------------------------------------- kernels
+
+    @triton.jit
+    def _split_acc(xrow, rmask, tr, row_words, nb, k_lo, k_hi, K2: tl.constexpr,
+                   CB: tl.constexpr, ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr):
+        """Σ over k-steps [k_lo, k_hi) of tl.dot(x'[rows, step], Ŵ-decoded[step, cols]) from
+        zero, in ascending k (one split's partial)."""
+        offs_k = tl.arange(0, BK)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for ks in range(k_lo, k_hi):
+            a = tl.load(xrow[:, None] + (ks * BK + offs_k)[None, :], mask=rmask[:, None],
+                        other=0.0)
+            b = _decode_block(tr, row_words, ks, nb, K2, CB, ASM, BK, BN)
+            acc = tl.dot(a, b, acc)
+        return acc
+
+    @triton.jit
+    def _fused_kernel(x_ptr, tr_ptr, part_ptr, rows_ptr, texp_ptr,
+                      M, n_tiles, k_steps, per_split, row_words,
+                      sx_row, sx_set, str_exp, str_set,
+                      sp_set, sp_split, sp_row,
+                      cnt_ptr, svh_ptr, bias_ptr, out_ptr, n_out, ssvh_e, ssvh_set,
+                      so_set, so_row, inv,
+                      K2: tl.constexpr, CB: tl.constexpr, ASM: tl.constexpr,
+                      GROUPED: tl.constexpr, FUSE_OUT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      SPLIT_LOOP: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """Partial y' of split s for one BN column block and BM rows: Σ over the split's
+        k-steps of tl.dot(x'[rows, k-step], Ŵ-decoded[k-step, cols]) from zero.
+        GROUPED: program axis 2 = set · n_tiles + tile; the tile's rows are pair ids
+        (tile_rows, −1 padding) and its expert selects the trellis.
+        FUSE_OUT: the last of the 2·S programs writing a 128-column block (an arrival counter,
+        reset to 0 by it) finishes that block as rotate_out does, from the partials in
+        ascending split order: the same bits whichever program arrives last.
+        SPLIT_LOOP (grid axis 1 = 1): one program runs the S splits itself, each from zero,
+        adding them in ascending order from zero — the arithmetic of the GEMM kernel, so the
+        same bits — and writes only the combined y' (no [S, ...] buffer; for many rows)."""
+        nb = tl.program_id(0)
+        s = tl.program_id(1)
+        g = tl.program_id(2)
+        lanes = tl.arange(0, BM)
+        if GROUPED:
+            tile = g % n_tiles
+            wset = (g // n_tiles).to(tl.int64)
+            e = tl.load(texp_ptr + tile)
+            used = e >= 0  # unused tiles (expert -1) do nothing
+            rows = tl.load(rows_ptr + tile * BM + lanes)
+            rmask = (rows >= 0) & ((rows * 0 + e) >= 0)  # (not `& used`: interpreter dtype bug)
+            rows = tl.where(rmask, rows, 0)
+            e64 = tl.maximum(e, 0).to(tl.int64)
+            tr = tr_ptr + wset * str_set + e64 * str_exp
+            xrow = x_ptr + wset * sx_set + rows.to(tl.int64) * sx_row
+            prow = part_ptr + wset * sp_set + rows.to(tl.int64) * sp_row
+            k_hi = tl.where(used, tl.minimum((s + 1) * per_split, k_steps), 0)
+        else:
+            wset = 0
+            e64 = 0
+            rows = g * BM + lanes
+            rmask = rows < M
+            tr = tr_ptr
+            xrow = x_ptr + rows.to(tl.int64) * sx_row
+            prow = part_ptr + rows.to(tl.int64) * sp_row
+            k_hi = tl.minimum((s + 1) * per_split, k_steps)
+        offs_n = nb * BN + tl.arange(0, BN)
+        if SPLIT_LOOP:  # this program runs every split in order: the combined y' (as split 0)
+            k_end = tl.where(k_hi > 0, k_steps, 0)
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            for k0 in range(0, k_end, per_split):
+                acc = acc + _split_acc(xrow, rmask, tr, row_words, nb, k0,
+                                       tl.minimum(k0 + per_split, k_steps),
+                                       K2, CB, ASM, BM, BN, BK)
+        else:
+            acc = _split_acc(xrow, rmask, tr, row_words, nb, s * per_split, k_hi,
+                             K2, CB, ASM, BM, BN, BK)
+        tl.store(prow[:, None] + s.to(tl.int64) * sp_split + offs_n[None, :], acc,
+                 mask=rmask[:, None])
+        if FUSE_OUT:
+            n_split = tl.num_programs(1)
+            cnt = cnt_ptr + g.to(tl.int64) * (tl.num_programs(0) // 2) + nb // 2
+            tl.debug_barrier()  # every thread's partial stores before the (release) arrival
+            prev = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if prev == 2 * n_split - 1:
+                tl.debug_barrier()
+                tl.store(cnt, 0)
+                svh_rows = svh_ptr + wset * ssvh_set + e64 * ssvh_e + rows.to(tl.int64) * 0
+                orow = out_ptr + wset * so_set + rows.to(tl.int64) * so_row
+                _finish_block(prow, rmask, (nb // 2) * 128 + tl.arange(0, 128), n_split,
+                              sp_split, svh_rows, bias_ptr, orow, n_out, inv, HAS_BIAS, BM)
+
+    @triton.jit
+    def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, k_steps, per_split, sx_row, sw_row, sy_row,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """y'[rows, cols] = Σ_s (Σ_{k-steps of s} tl.dot(x', Ŵ)) with Ŵ fp16 from memory: the
+        same k-steps, dot shape and split sums as the fused kernel + rotate_out.
+        (int32 offsets from scalar bases advanced per step: a Ŵ slice is < 2³¹ elements)"""
+        mb = tl.program_id(0)
+        nb = tl.program_id(1)
+        lanes = tl.arange(0, BM)
+        rows = mb * BM + lanes
+        rmask = rows < M
+        offs_k = tl.arange(0, BK)
+        a_off = tl.where(rmask, lanes, 0)[:, None] * sx_row + offs_k[None, :]
+        b_off = offs_k[:, None] * sw_row + (nb * BN + tl.arange(0, BN))[None, :]
+        a_base = x_ptr + (mb * BM).to(tl.int64) * sx_row
+        b_base = w_ptr
+        total = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, k_steps, per_split):
+            part = tl.zeros([BM, BN], dtype=tl.float32)
+            for ks in range(k0, tl.minimum(k0 + per_split, k_steps)):
+                a = tl.load(a_base + a_off, mask=rmask[:, None], other=0.0)
+                b = tl.load(b_base + b_off)
+                part = tl.dot(a, b, part)
+                a_base += BK
+                b_base += BK * sw_row
+            total = total + part
+        tl.store(y_ptr + rows.to(tl.int64)[:, None] * sy_row + (nb * BN + tl.arange(0, BN))[None, :],
+                 total, mask=rmask[:, None])
+
+    @triton.jit
+    def _reconstruct_kernel(tr_ptr, w_ptr, row_words, sw_row, nb0,
+                            K2: tl.constexpr, CB: tl.constexpr, ASM: tl.constexpr,
+                            BN: tl.constexpr, BK: tl.constexpr):
+        """Ŵ fp16 [k_p, n] (columns from tile column nb0·BN/16 on) through _decode_block."""
+        ks = tl.program_id(0)
+        nb = tl.program_id(1)
+        b = _decode_block(tr_ptr, row_words, ks, nb0 + nb, K2, CB, ASM, BK, BN)
+        kk = ks * BK + tl.arange(0, BK)
+        nn = nb * BN + tl.arange(0, BN)
+        tl.store(w_ptr + kk.to(tl.int64)[:, None] * sw_row + nn[None, :], b)
+
+    # ---------------------------------------------------------------- Hadamard steps
+
+    @triton.jit
+    def _fwht128(x, BR: tl.constexpr):
+        """Unnormalised natural-order Sylvester H128 along dim 1 of [BR, 128] fp32: one
+        butterfly (a + b, a − b) per index bit, b0 first; after each stage the processed bit
+        moves to the top, so seven stages restore the order. A fixed expression per element."""
+        for _ in tl.static_range(7):
+            a, b = tl.split(tl.reshape(x, [BR, 64, 2]))
+            x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), [BR, 128])
+        return x
+
+    @triton.jit
+    def _rotate_in_kernel(x_ptr, suh_ptr, out_ptr, xidx_ptr, eidx_ptr,
+                          R, k_in, sx_row, ssuh_e, ssuh_set, so_set, so_row, inv,
+                          HAS_XIDX: tl.constexpr, HAS_EIDX: tl.constexpr, BR: tl.constexpr):
+        """out[set, r, blk] = fp16(H128(fp16(x[xr]·suh[set, e(r)])) · 1/√128)."""
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        cols = tl.program_id(1) * 128 + tl.arange(0, 128)
+        wset = tl.program_id(2).to(tl.int64)
+        rmask = rows < R
+        xr = rows
+        if HAS_XIDX:
+            xr = tl.load(xidx_ptr + rows, mask=rmask, other=0)
+        x = tl.load(x_ptr + xr.to(tl.int64)[:, None] * sx_row + cols[None, :],
+                    mask=rmask[:, None] & (cols < k_in)[None, :], other=0.0).to(tl.float32)
+        suh_row = suh_ptr + wset * ssuh_set
+        if HAS_EIDX:
+            e = tl.load(eidx_ptr + rows, mask=rmask, other=0)
+            suh = tl.load(suh_row + e.to(tl.int64)[:, None] * ssuh_e + cols[None, :])
+        else:
+            suh = tl.load(suh_row + cols)[None, :]
+        h = (x * suh.to(tl.float32)).to(tl.float16).to(tl.float32)
+        h = _fwht128(h, BR) * inv
+        tl.store(out_ptr + wset * so_set + rows.to(tl.int64)[:, None] * so_row + cols[None, :],
+                 h.to(tl.float16), mask=rmask[:, None])
+
+    @triton.jit
+    def _finish_block(prow, rmask, cols, S, sp_split, svh_rows, bias_ptr, orow, n_out, inv,
+                      HAS_BIAS: tl.constexpr, BR: tl.constexpr):
+        """out[r, cols] = (H128(Σ_s part[s, r, cols]) · 1/√128) · svh[r] (+ bias) for one
+        128-column block: partials summed in ascending s from zero, columns ≥ n_out dropped.
+        prow / svh_rows / orow: [BR] row pointers (partials of split 0, svh, output)."""
+        src = prow[:, None] + cols[None, :]
+        y = tl.zeros([BR, 128], dtype=tl.float32)
+        for s in range(0, S):
+            y = y + tl.load(src + s * sp_split, mask=rmask[:, None], other=0.0,
+                            cache_modifier=".cg")
+        y = _fwht128(y, BR) * inv
+        y = y * tl.load(svh_rows[:, None] + cols[None, :]).to(tl.float32)
+        cmask = cols < n_out
+        if HAS_BIAS:
+            y = y + tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(orow[:, None] + cols[None, :], y.to(orow.dtype.element_ty),
+                 mask=rmask[:, None] & cmask[None, :])
+
+    @triton.jit
+    def _rotate_out_kernel(part_ptr, svh_ptr, bias_ptr, out_ptr, eidx_ptr,
+                           R, S, n_out, sp_set, sp_split, sp_row, ssvh_e, ssvh_set,
+                           so_set, so_row, inv,
+                           HAS_BIAS: tl.constexpr, HAS_EIDX: tl.constexpr, BR: tl.constexpr):
+        """out[set, r, blk] = (H128(Σ_s part[set, s, r, blk]) · 1/√128) · svh (+ bias)."""
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        cols = tl.program_id(1) * 128 + tl.arange(0, 128)
+        wset = tl.program_id(2).to(tl.int64)
+        rmask = rows < R
+        rows64 = tl.where(rmask, rows, 0).to(tl.int64)
+        e = rows64 * 0
+        if HAS_EIDX:
+            e = tl.load(eidx_ptr + rows64, mask=rmask, other=0).to(tl.int64)
+        _finish_block(part_ptr + wset * sp_set + rows64 * sp_row, rmask, cols, S, sp_split,
+                      svh_ptr + wset * ssvh_set + e * ssvh_e, bias_ptr,
+                      out_ptr + wset * so_set + rows64 * so_row, n_out, inv, HAS_BIAS, BR)
+
+
+# -------------------------------------------------------------------- launch helpers
+
+_CHECKED: set = set()
+
+
+def _check_mma(compiled, name: str) -> None:
+    """Exactness guard: the products must run on mma.sync (see the module doc). A wgmma in a
+    compiled variant would make the fused and GEMM paths round differently: refuse it."""
+    if compiled is None or _interpreting():
+        return
+    key = (name, id(compiled))
+    if key in _CHECKED:
+        return
+    ptx = getattr(compiled, "asm", {}).get("ptx", "")
+    if "wgmma" in ptx:
+        raise RuntimeError(f"{name}: triton lowered tl.dot to wgmma; the EXL3 kernels need "
+                           "mma.sync for bit-identical fused/GEMM/MoE results (check the "
+                           "block sizes against this triton version)")
+    _CHECKED.add(key)
+
+
+def _asm(t: torch.Tensor) -> bool:
+    return t.is_cuda and not _interpreting()
+
+
+def _words(trellis: torch.Tensor) -> torch.Tensor:
+    """The trellis as little-endian u32 pairs (int32 view), contiguous."""
+    t = trellis if trellis.is_contiguous() else trellis.contiguous()
+    return t.view(torch.int32)
+
+
+def _contig_rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def rotate_in(x: torch.Tensor, suh: torch.Tensor) -> torch.Tensor:
+    """x [M, k_in] (any float dtype, k_in ≤ k_p) → x' = H128(fp16(x·suh)) [M, k_p] fp16."""
+    _require_triton()
+    x = _contig_rows(x)
+    M, k_in = x.shape
+    kp = suh.numel()
+    out = torch.empty((M, kp), dtype=torch.float16, device=x.device)
+    if M == 0:
+        return out
+    grid = (triton.cdiv(M, ROT_ROWS), kp // 128, 1)
+    _rotate_in_kernel[grid](x, suh, out, x, x, M, k_in, x.stride(0), 0, 0, 0, kp, INV_SQRT128,
+                            HAS_XIDX=False, HAS_EIDX=False, BR=ROT_ROWS, num_warps=4,
+                            enable_fp_fusion=False)
+    return out
+
+
+def rotate_out(part: torch.Tensor, svh: torch.Tensor, bias: torch.Tensor | None = None,
+               out_features: int | None = None,
+               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """part [S, M, n_p] fp32 split partials → H128(Σ_s part)·svh (+ bias) [M, out_features]."""
+    _require_triton()
+    S, M, n_p = part.shape
+    n_out = n_p if out_features is None else out_features
+    out = torch.empty((M, n_out), dtype=out_dtype, device=part.device)
+    if M == 0 or n_out == 0:
+        return out
+    grid = (triton.cdiv(M, ROT_ROWS), triton.cdiv(n_out, 128), 1)
+    _rotate_out_kernel[grid](part, svh, bias if bias is not None else svh, out, part,
+                             M, S, n_out, 0, part.stride(0), part.stride(1), 0, 0, 0,
+                             out.stride(0), INV_SQRT128, HAS_BIAS=bias is not None,
+                             HAS_EIDX=False, BR=ROT_ROWS, num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+def reconstruct(trellis: torch.Tensor, codebook: str, n_start: int = 0,
+                n_cols: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Ŵ[:, n_start : n_start + n_cols] fp16 from a trellis [kt, nt, 16·K], bit-identical to
+    strata.quant.exl3.decode_trellis (n_start, n_cols multiples of 64)."""
+    _require_triton()
+    kt, nt, K2 = _check_shapes(trellis, codebook)
+    n_cols = 16 * nt - n_start if n_cols is None else n_cols
+    if n_start % BLOCK_N or n_cols % BLOCK_N or n_start + n_cols > 16 * nt:
+        raise ValueError(f"reconstruct: columns [{n_start}, +{n_cols}) not 64-aligned in "
+                         f"{16 * nt}")
+    if out is None:
+        out = torch.empty((16 * kt, n_cols), dtype=torch.float16, device=trellis.device)
+    if n_cols == 0:
+        return out
+    words = _words(trellis)
+    grid = ((16 * kt) // BLOCK_K, n_cols // BLOCK_N)
+    _reconstruct_kernel[grid](words, out, nt * 4 * K2, out.stride(0), n_start // BLOCK_N,
+                              K2=K2, CB=CODEBOOK_IDS[codebook], ASM=_asm(trellis),
+                              BN=BLOCK_N, BK=BLOCK_K, num_warps=NUM_WARPS, num_stages=1)
+    return out
+
+
+_COUNTERS: dict = {}
+_COUNTERS_KEEP: list = []  # every counter buffer stays alive (captured graphs may hold one)
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for FUSE_OUT launches, one buffer per device; every launch
+    leaves them at zero again. Launches on one device must not overlap in time (one stream,
+    as the engine runs); a first eager call (CUDA-graph warm-up) allocates them before a
+    capture, which then reuses them."""
+    key = str(device)
+    c = _COUNTERS.get(key)
+    if c is None or c.numel() < n:
+        c = torch.zeros(max(n, 4096, 0 if c is None else 2 * c.numel()), dtype=torch.int32,
+                        device=device)
+        _COUNTERS[key] = c
+        _COUNTERS_KEEP.append(c)
+    return c
+
+
+def _fused(xr: torch.Tensor, trellis: torch.Tensor, codebook: str, svh=None, bias=None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """The fused kernel for x' [M, k_p]: split partials [S, M, n_p] (out None), or the finished
+    linear written into out [M, n_out] (svh, bias) by the last program of each column block."""
+    kt, nt, K2 = _check_shapes(trellis, codebook)
+    M = xr.shape[0]
+    kp, n_p = 16 * kt, 16 * nt
+    per, S = split_schedule(kp, n_p)
+    part = torch.empty((S, M, n_p), dtype=torch.float32, device=xr.device)
+    if M == 0:
+        return part if out is None else out
+    grid = (n_p // BLOCK_N, S, triton.cdiv(M, BLOCK_M))
+    words = _words(trellis)
+    fuse = out is not None
+    cnt = _counters(xr.device, grid[2] * (grid[0] // 2)) if fuse else part
+    c = _fused_kernel[grid](
+        xr, words, part, xr, xr, M, 1, kp // BLOCK_K, per, nt * 4 * K2,
+        xr.stride(0), 0, 0, 0, 0, part.stride(0), part.stride(1),
+        cnt, svh if fuse else part, bias if bias is not None else part, out if fuse else part,
+        out.shape[1] if fuse else 0, 0, 0, 0, out.stride(0) if fuse else 0, INV_SQRT128,
+        K2=K2, CB=CODEBOOK_IDS[codebook], ASM=_asm(xr), GROUPED=False, FUSE_OUT=fuse,
+        HAS_BIAS=bias is not None, SPLIT_LOOP=False, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
+        num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False)
+    _check_mma(c, "exl3 fused kernel")
+    return out if fuse else part
+
+
+def _gemm_partials(xr: torch.Tensor, trellis: torch.Tensor, codebook: str) -> torch.Tensor:
+    """Reconstruct Ŵ in column slices (≤ GEMM_SLICE_BYTES) and run the fixed-order GEMM; the
+    result is the combined y' as one 'split' [1, M, n_p]."""
+    kt, nt, K2 = _check_shapes(trellis, codebook)
+    M = xr.shape[0]
+    kp, n_p = 16 * kt, 16 * nt
+    per, _ = split_schedule(kp, n_p)
+    y = torch.empty((1, M, n_p), dtype=torch.float32, device=xr.device)
+    if M == 0:
+        return y
+    slice_n = max(GEMM_BLOCK_N, (GEMM_SLICE_BYTES // (2 * kp)) // GEMM_BLOCK_N * GEMM_BLOCK_N)
+    slice_n = min(slice_n, n_p)
+    buf = torch.empty((kp, slice_n), dtype=torch.float16, device=xr.device)
+    for n0 in range(0, n_p, slice_n):
+        ns = min(slice_n, n_p - n0)
+        w = reconstruct(trellis, codebook, n0, ns, out=buf[:, :ns])
+        yv = y[0, :, n0:n0 + ns]
+        grid = (triton.cdiv(M, GEMM_BLOCK_M), ns // GEMM_BLOCK_N)
+        c = _gemm_kernel[grid](xr, w, yv, M, kp // BLOCK_K, per, xr.stride(0), w.stride(0),
+                               yv.stride(0), BM=GEMM_BLOCK_M, BN=GEMM_BLOCK_N, BK=BLOCK_K,
+                               num_warps=GEMM_NUM_WARPS, num_stages=GEMM_NUM_STAGES)
+        _check_mma(c, "exl3 gemm kernel")
+    return y
+
+
+def exl3_partials(xr: torch.Tensor, trellis: torch.Tensor, codebook: str,
+                  path: str = "auto") -> torch.Tensor:
+    """Split partials of y' = x'·Ŵ: [S, M, n_p] fp32 (fused) or [1, M, n_p] (GEMM path, already
+    summed in the same order). `rotate_out` finishes either identically."""
+    _require_triton()
+    if xr.dtype != torch.float16 or xr.dim() != 2:
+        raise ValueError(f"x' must be fp16 [M, k_p], got {xr.dtype} {list(xr.shape)}")
+    xr = _contig_rows(xr)
+    if xr.shape[1] != 16 * trellis.shape[-3]:
+        raise ValueError(f"x' width {xr.shape[1]} ≠ k_p {16 * trellis.shape[-3]}")
+    if path == "auto":
+        path = "fused" if xr.shape[0] <= FUSED_MAX_ROWS else "gemm"
+    if path == "fused":
+        return _fused(xr, trellis, codebook)
+    if path == "gemm":
+        return _gemm_partials(xr, trellis, codebook)
+    raise ValueError(f"path {path!r}: expected auto, fused or gemm")
+
+
+def sum_partials(part: torch.Tensor) -> torch.Tensor:
+    """Σ_s part[s] from zero in ascending s (the order rotate_out uses)."""
+    y = torch.zeros_like(part[0])
+    for s in range(part.shape[0]):
+        y = y + part[s]
+    return y
+
+
+def exl3_matmul(xr: torch.Tensor, trellis: torch.Tensor, codebook: str,
+                path: str = "auto") -> torch.Tensor:
+    """y' = x'·Ŵ [M, n_p] fp32 for x' [M, k_p] fp16 already rotated (batch-invariant rows;
+    fused and GEMM paths bit-identical)."""
+    return sum_partials(exl3_partials(xr, trellis, codebook, path))
+
+
+def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
+                codebook: str, out_features: int | None = None,
+                bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
+                path: str = "auto") -> torch.Tensor:
+    """The EXL3 linear y = x·W (+ bias) on the kernels: x [..., k_in] → [..., out_features].
+    Fused path: rotate_in + the fused kernel finishing each column block (2 launches);
+    GEMM path: rotate_in + reconstruct + GEMM + rotate_out. Same bits either way."""
+    _require_triton()
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    M = x2.shape[0]
+    n_out = svh.numel() if out_features is None else out_features
+    if path == "auto":
+        path = "fused" if M <= FUSED_MAX_ROWS else "gemm"
+    xr = rotate_in(x2, suh)
+    if path == "fused":
+        _check_shapes(trellis, codebook)
+        y = torch.empty((M, n_out), dtype=out_dtype, device=x.device)
+        _fused(xr, trellis, codebook, _contig_rows(svh), bias, y)
+    else:
+        part = exl3_partials(xr, trellis, codebook, path)
+        y = rotate_out(part, svh, bias, n_out, out_dtype)
+    return y.reshape(*lead, n_out)
+
+
+# -------------------------------------------------------------------- MoE (grouped by expert)
+
+@dataclass
+class _Sets:
+    keep: list             # every set's tensors (kept alive through the launches)
+    trellis: torch.Tensor  # set 0's [E, kt, nt, L] (int32 word view)
+    str_set: int           # words from set 0's trellis to set w's (multiplied by w)
+    suh: torch.Tensor
+    ssuh_set: int
+    svh: torch.Tensor
+    ssvh_set: int
+
+
+def _set_stride(ts: Sequence[torch.Tensor], what: str) -> int:
+    """Element distance between consecutive stacks, which must be evenly spaced (a stacked
+    [W, E, ...] tensor, or separate stacks addressed relative to the first)."""
+    if len(ts) == 1:
+        return 0
+    es = ts[0].element_size()
+    d = [(t.data_ptr() - ts[0].data_ptr()) for t in ts]
+    if any(x % es for x in d):
+        raise ValueError(f"{what}: stacks not aligned to their element size")
+    step = d[1] // es
+    if any(d[w] // es != w * step for w in range(len(ts))):
+        return None  # not evenly spaced: caller copies
+    return step
+
+
+def _stack_sets(weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> _Sets:
+    trs = [_words(w[0]) for w in weights]
+    suhs = [_contig_rows(w[1]) for w in weights]
+    svhs = [_contig_rows(w[2]) for w in weights]
+    for group, name in ((trs, "trellis"), (suhs, "suh"), (svhs, "svh")):
+        if any(t.shape != group[0].shape or t.dtype != group[0].dtype
+               or t.device != group[0].device for t in group):
+            raise ValueError(f"exl3_moe_linear: the weight sets' {name} differ in shape/dtype")
+    strides = [_set_stride(g, n) for g, n in ((trs, "trellis"), (suhs, "suh"), (svhs, "svh"))]
+    if any(s is None for s in strides):  # unevenly spaced: one stacked copy
+        trs = [torch.stack(trs)[i] for i in range(len(trs))] if strides[0] is None else trs
+        suhs = [torch.stack(suhs)[i] for i in range(len(suhs))] if strides[1] is None else suhs
+        svhs = [torch.stack(svhs)[i] for i in range(len(svhs))] if strides[2] is None else svhs
+        strides = [_set_stride(g, n) for g, n in ((trs, "trellis"), (suhs, "suh"),
+                                                  (svhs, "svh"))]
+    return _Sets([trs, suhs, svhs], trs[0], strides[0], suhs[0], strides[1], svhs[0],
+                 strides[2])
+
+
+def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
+                    weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                    codebook: str, out_features: int | None = None,
+                    out_dtype: torch.dtype = torch.float32,
+                    groups: ExpertGroups | None = None) -> list[torch.Tensor]:
+    """EXL3 expert linears for a step's (token, slot) pairs, grouped by expert.
+
+    Contract (for the MoE wiring, strata.model.moe):
+    x: [T, k_in] (each token's input, shared by its k slots — w1/w3) or [T, k, k_in] (one input
+       per pair — w2 after the activation and routing weight); any float dtype, k_in ≤ k_p
+       (zero-extended).
+    idx: [T, k] expert ids (int, on x's device).
+    weights: W ≥ 1 weight sets of one shape/K/codebook, e.g. [w1, w3] for gate and up in one
+       launch, [w2] for down; each set is (trellis [E, kt, nt, 16·K] int16 contiguous,
+       suh [E, k_p] fp16, svh [E, n_p] fp16) — the layer's experts stacked once at load time.
+       Sets are addressed relative to the first one's storage (pointer distance), so separate
+       stacks cost nothing for W ≤ 2 (or evenly spaced ones, e.g. views of one [W, E, ...]
+       tensor); otherwise they are stacked into one copy per call.
+    codebook: '3inst' | 'mcg' | 'mul1' (shared by all sets; half-integer K needs mul1).
+    out_features: trim the outputs to this width (default n_p).
+    out_dtype: of the outputs (default fp32).
+    groups: a precomputed strata.kernels.moe_grouping.group_by_expert(idx, E, BLOCK_M)
+       (block_m must be BLOCK_M = 16); computed here when None.
+    Returns W tensors [T, k, out_features]: y[w][t, s] = x_t·W_{w, idx[t,s]} — no routing
+    weight, activation or slot sum is applied here.
+
+    Exactness: each pair's row is bit-identical to exl3_linear(x_t, trellis[e], suh[e], svh[e])
+    for its expert e (same rotations, k-steps, split schedule, MMA shape and output step),
+    whatever other pairs share its tile: batch-invariant, so decode, verify and prefill agree.
+    Cost: two launches (the grouped Hadamard-in for all sets and pairs, then the grouped decode
+    kernel, which also finishes the output Hadamard·svh); each selected expert's tiles are
+    decoded once per 16 pairs routed to it, for every set. Everything stays on the device;
+    note that group_by_expert's torch.bincount synchronises with the host on CUDA (it sizes its
+    output from the maximum), which a CUDA-graph capture of this call would trip over.
+    """
+    _require_triton()
+    W = len(weights)
+    if W == 0:
+        raise ValueError("exl3_moe_linear: no weight sets")
+    tr0, suh0, svh0 = weights[0]
+    if tr0.dim() != 4 or suh0.dim() != 2 or svh0.dim() != 2:
+        raise ValueError("exl3_moe_linear: expected trellis [E, kt, nt, L], suh [E, k_p], "
+                         "svh [E, n_p]")
+    E = tr0.shape[0]
+    kt, nt, K2 = _check_shapes(tr0, codebook)
+    kp, n_p = 16 * kt, 16 * nt
+    if suh0.shape != (E, kp) or svh0.shape != (E, n_p):
+        raise ValueError(f"exl3_moe_linear: suh {list(suh0.shape)} / svh {list(svh0.shape)} "
+                         f"do not match trellis {list(tr0.shape)}")
+    T, k = idx.shape
+    if x.shape[0] != T or (x.dim() == 3 and x.shape[1] != k) or x.dim() not in (2, 3):
+        raise ValueError(f"exl3_moe_linear: x {list(x.shape)} does not match idx {[T, k]}")
+    n_out = n_p if out_features is None else out_features
+    chunk = max(1, MOE_MAX_PAIRS // max(k, 1))
+    if T > chunk:  # bounded buffers; rows are batch-invariant, so chunking changes no bit
+        parts = [exl3_moe_linear(x[t:t + chunk], idx[t:t + chunk], weights, codebook,
+                                 out_features, out_dtype) for t in range(0, T, chunk)]
+        return [torch.cat([p[w] for p in parts]) for w in range(W)]
+    P = T * k
+    dev = x.device
+    if P == 0:
+        return [torch.empty((T, k, n_out), dtype=out_dtype, device=dev) for _ in range(W)]
+    if groups is None:
+        groups = group_by_expert(idx, E, BLOCK_M)
+    if groups.block_m != BLOCK_M:
+        raise ValueError(f"exl3_moe_linear: groups.block_m must be {BLOCK_M}")
+    sets = _stack_sets(weights)
+    eidx = idx.reshape(-1).to(torch.int32)
+    if x.dim() == 2:
+        xin = _contig_rows(x)
+        xidx = torch.div(torch.arange(P, device=dev, dtype=torch.int32), k,
+                         rounding_mode="floor")
+    else:
+        xin = _contig_rows(x.reshape(P, x.shape[-1]))
+        xidx = None
+    k_in = xin.shape[1]
+    # 1. x' per (set, pair) with the pair's expert's suh
+    xr = torch.empty((W, P, kp), dtype=torch.float16, device=dev)
+    _rotate_in_kernel[(triton.cdiv(P, ROT_ROWS), kp // 128, W)](
+        xin, sets.suh, xr, xidx if xidx is not None else eidx, eidx, P, k_in, xin.stride(0),
+        sets.suh.stride(0), sets.ssuh_set, xr.stride(0), xr.stride(1), INV_SQRT128,
+        HAS_XIDX=xidx is not None, HAS_EIDX=True, BR=ROT_ROWS, num_warps=4,
+        enable_fp_fusion=False)
+    # 2. the grouped kernel over tiles of ≤ 16 pairs sharing an expert. Few pairs (decode):
+    #    one program per split, the last of each (tile, 128 columns) finishing the block
+    #    (Σ_s, output Hadamard, the pair's expert's svh) into out. Many pairs: each program
+    #    runs its splits in order and writes y', then the grouped output step. Same bits.
+    per, S = split_schedule(kp, n_p)
+    split_loop = P > MOE_SPLIT_LOOP_PAIRS
+    part = torch.empty((W, 1 if split_loop else S, P, n_p), dtype=torch.float32, device=dev)
+    out = torch.empty((W, P, n_out), dtype=out_dtype, device=dev)
+    n_tiles = groups.tile_expert.numel()
+    grid = (n_p // BLOCK_N, 1 if split_loop else S, W * n_tiles)
+    cnt = part if split_loop else _counters(dev, grid[2] * (grid[0] // 2))
+    c = _fused_kernel[grid](
+        xr, sets.trellis, part, groups.tile_rows, groups.tile_expert,
+        P, n_tiles, kp // BLOCK_K, per, nt * 4 * K2,
+        xr.stride(1), xr.stride(0), sets.trellis.stride(0), sets.str_set,
+        part.stride(0), part.stride(1), part.stride(2),
+        cnt, sets.svh, part, out, n_out, sets.svh.stride(0), sets.ssvh_set,
+        out.stride(0), out.stride(1), INV_SQRT128,
+        K2=K2, CB=CODEBOOK_IDS[codebook], ASM=_asm(xr), GROUPED=True,
+        FUSE_OUT=not split_loop, HAS_BIAS=False, SPLIT_LOOP=split_loop,
+        BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=NUM_WARPS, num_stages=1,
+        enable_fp_fusion=False)
+    _check_mma(c, "exl3 grouped kernel")
+    if split_loop:
+        _rotate_out_kernel[(triton.cdiv(P, ROT_ROWS), triton.cdiv(n_out, 128), W)](
+            part, sets.svh, sets.svh, out, eidx, P, 1, n_out, part.stride(0), part.stride(1),
+            part.stride(2), sets.svh.stride(0), sets.ssvh_set, out.stride(0), out.stride(1),
+            INV_SQRT128, HAS_BIAS=False, HAS_EIDX=True, BR=ROT_ROWS, num_warps=4,
+            enable_fp_fusion=False)
+    return [out[w].view(T, k, n_out) for w in range(W)]

@@ -1,0 +1,200 @@
+"""GPU suite for the EXL3 kernels (pytest -m gpu tests/gpu/test_kernels_exl3_gpu.py): the CPU
+checks of tests/test_kernels_exl3.py, compiled, at the V4.1 shapes, plus the end-to-end
+decode == chunks == prefill ladder of the tiny EXL3 fixture through the kernels.
+
+Exact: Ŵ vs decode_trellis (every codebook, K = 1..8 and 1.5/2.5/3.5); fused == reconstruct +
+GEMM; rows alone == rows in M = 8 / 37 / 300; MoE pairs == single linear per pair; the ladder.
+Tolerance: the linear vs the CPU reference forward (2e-3 of the output's max).
+These fail (not skip) without CUDA.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from strata.kernels import exl3 as X
+from strata.quant.exl3 import Exl3Linear, decode_trellis
+
+pytestmark = pytest.mark.gpu
+
+RESULTS = os.environ.get("STRATA_GPU_RESULTS")  # optional JSON lines file for bench/results
+SHAPES = {"expert_w13": (5120, 2304), "expert_w2": (2304, 5120), "wq_b": (1280, 32768),
+          "wo_b": (8192, 5120)}
+ALL_K = [(K, cb) for K in (1, 2, 3, 4, 5, 6, 7, 8) for cb in ("3inst", "mcg", "mul1")] + [
+    (1.5, "mul1"), (2.5, "mul1"), (3.5, "mul1")]
+
+
+def record(**row) -> None:
+    if RESULTS:
+        with open(RESULTS, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    assert torch.cuda.is_available(), "the GPU suite needs a CUDA device"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return torch.device("cuda")
+
+
+def trellis_of(k, n, K, seed, device, E=None):
+    L = int(16 * K) if K == int(K) else int(16 * (K - 0.5)) + 8
+    g = torch.Generator().manual_seed(seed)
+    shape = (k // 16, n // 16, L) if E is None else (E, k // 16, n // 16, L)
+    return torch.randint(-2**15, 2**15, shape, generator=g, dtype=torch.int32).to(
+        torch.int16).to(device)
+
+
+def scales(n, seed, device, E=None, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn((n,) if E is None else (E, n), generator=g) * scale).half().to(device)
+
+
+def i16(t):
+    return t.view(torch.int16) if t.dtype in (torch.float16, torch.bfloat16) else t.view(torch.int32)
+
+
+@pytest.mark.parametrize("K,codebook", ALL_K)
+def test_reconstruct_bit_exact(cuda, K, codebook):
+    """5120×2304: first and last 16 tile rows against the torch decoder (CPU)."""
+    tr = trellis_of(5120, 2304, K, seed=int(K * 10), device=cuda)
+    w = X.reconstruct(tr, codebook)
+    for sl in (slice(0, 16), slice(tr.shape[0] - 16, tr.shape[0])):
+        ref = decode_trellis(tr[sl].cpu(), codebook)
+        got = w[16 * sl.start:16 * sl.stop].cpu()
+        assert torch.equal(i16(got), i16(ref)), (K, codebook, sl)
+
+
+def test_reconstruct_whole_matrix_and_head_slices(cuda):
+    tr = trellis_of(2304, 5120, 2.5, seed=1, device=cuda)
+    assert torch.equal(i16(X.reconstruct(tr, "mul1").cpu()), i16(decode_trellis(tr.cpu(), "mul1")))
+    head = trellis_of(5120, 129280, 4, seed=2, device=cuda)
+    for n0 in (0, 64 * 1000, 129280 - 128):
+        got = X.reconstruct(head, "mcg", n_start=n0, n_cols=128)
+        ref = decode_trellis(head[:, n0 // 16:n0 // 16 + 8].cpu(), "mcg")
+        assert torch.equal(i16(got.cpu()), i16(ref))
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("K", [2, 2.5, 3, 4])
+def test_fused_equals_gemm_and_product(cuda, name, K):
+    k, n = SHAPES[name]
+    cb = "mul1" if K != int(K) else ("mcg" if K == 3 else "3inst" if K == 4 else "mul1")
+    tr = trellis_of(k, n, K, seed=3, device=cuda)
+    w = X.reconstruct(tr, cb).double()
+    g = torch.Generator().manual_seed(4)
+    for M in (1, 6, 37, 300):
+        xr = torch.randn(M, k, generator=g).half().to(cuda)
+        fused = X.exl3_matmul(xr, tr, cb, "fused")
+        gemm = X.exl3_matmul(xr, tr, cb, "gemm")
+        assert torch.equal(i16(fused), i16(gemm)), (name, K, M)
+        ref = xr.double() @ w
+        bound = (xr.double().abs() @ w.abs()) * (k * 2.0 ** -22)  # fp32 sums of k terms
+        excess = float(((fused.double() - ref).abs() - bound).max())
+        record(test="exl3_fused_gemm", shape=name, K=K, M=M, bit_identical=True,
+               max_excess_over_bound=excess)
+        assert excess <= 0, (name, K, M, excess)
+
+
+def test_rows_are_batch_invariant(cuda):
+    """A row alone == inside M = 8 (fused), 37 and 300 (reconstruct + GEMM, auto path)."""
+    tr = trellis_of(5120, 2304, 2.5, seed=5, device=cuda)
+    g = torch.Generator().manual_seed(6)
+    rows = torch.randn(300, 5120, generator=g).half().to(cuda)
+    alone = {i: X.exl3_matmul(rows[i:i + 1], tr, "mul1")[0] for i in (0, 5, 36, 299)}
+    for M in (8, 37, 300):
+        full = X.exl3_matmul(rows[:M], tr, "mul1")
+        for i, a in alone.items():
+            if i < M:
+                assert torch.equal(i16(a), i16(full[i])), (M, i)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_matches_cpu_reference(cuda, dtype):
+    """Exl3Linear on CUDA (kernels, through __call__ as the model calls it) vs its torch
+    reference forward on CPU: padded dims, bias, out dtype."""
+    from strata.model.numerics import Numerics
+    k, n = 2304, 5120
+    tr = trellis_of(k, n, 3, seed=7, device="cpu")
+    suh, svh = scales(k, 8, "cpu", scale=k ** -0.5), scales(n, 9, "cpu", scale=0.05)
+    bias = scales(5000, 10, "cpu", scale=0.1)
+    cpu = Exl3Linear(tr, suh, svh, "mcg", 5000, 2300, bias)
+    gpu = Exl3Linear(tr.to(cuda), suh.to(cuda), svh.to(cuda), "mcg", 5000, 2300, bias.to(cuda))
+    x = torch.randn(4, 2300, generator=torch.Generator().manual_seed(11)).to(dtype).float()
+    ref = cpu.forward(x, Numerics())  # the same (bf16-rounded) input as the GPU gets
+    got = gpu(x.to(cuda, dtype), Numerics(act_dtype=dtype), torch.float32).cpu()
+    rel = float((got - ref).abs().max() / ref.abs().max())
+    record(test="exl3_linear_vs_cpu", dtype=str(dtype), max_rel=rel)
+    assert got.shape == (4, 5000) and rel < 2e-3, rel
+    one = gpu(x[2:3].to(cuda, dtype), Numerics(act_dtype=dtype), torch.float32).cpu()
+    assert torch.equal(one[0], got[2])
+
+
+def test_moe_grouped_equals_single_linear(cuda):
+    """Gate + up in one grouped launch (E = 8 experts 5120 → 2304, K = 2.5 mul1) for T = 5
+    tokens × 6 slots; then the down form (one input per pair, 2304 → 5120)."""
+    E, T, k = 8, 5, 6
+    sets = [(trellis_of(5120, 2304, 2.5, seed=20 + w, device=cuda, E=E),
+             scales(5120, 30 + w, cuda, E, 5120 ** -0.5), scales(2304, 40 + w, cuda, E, 0.05))
+            for w in range(2)]
+    g = torch.Generator().manual_seed(12)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(cuda)
+    x = torch.randn(T, 5120, generator=g).to(cuda, torch.bfloat16)
+    gate, up = X.exl3_moe_linear(x, idx, sets, "mul1")
+    for t in range(T):
+        for s in range(k):
+            e = int(idx[t, s])
+            for (tr, suh, svh), out in zip(sets, (gate, up)):
+                ref = X.exl3_linear(x[t:t + 1], tr[e], suh[e], svh[e], "mul1")
+                assert torch.equal(ref[0], out[t, s]), (t, s)
+    g3, u3 = X.exl3_moe_linear(x[3:4], idx[3:4], sets, "mul1")
+    assert torch.equal(g3[0], gate[3]) and torch.equal(u3[0], up[3])
+    down = (trellis_of(2304, 5120, 2.5, seed=50, device=cuda, E=E),
+            scales(2304, 51, cuda, E, 2304 ** -0.5), scales(5120, 52, cuda, E, 0.05))
+    a = torch.randn(T, k, 2304, generator=g).to(cuda, torch.bfloat16)
+    (y,) = X.exl3_moe_linear(a, idx, [down], "mul1")
+    for t, s in ((0, 0), (2, 5), (4, 3)):
+        e = int(idx[t, s])
+        ref = X.exl3_linear(a[t, s:s + 1], down[0][e], down[1][e], down[2][e], "mul1")
+        assert torch.equal(ref[0], y[t, s])
+
+
+@pytest.mark.parametrize("mode", ["reference", "vendor"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_exl3_fixture_ladder_through_kernels(cuda, tmp_path_factory, mode, dtype):
+    """The tiny EXL3 fixture on CUDA (every EXL3 linear but the routed experts through the
+    kernels): prefill == chunks of 1, 7, 129 bit for bit."""
+    from strata.checkpoint.tiny import make_tiny
+    from strata.model.model import Model
+    from strata.model.numerics import Numerics
+    from util import random_tokens
+    d = make_tiny(tmp_path_factory.mktemp("exl3gpu"), "tiny", seed=0, fmt="exl3")
+    model = Model.load(d, cuda, Numerics.for_device(cuda, mode, dtype))
+    tokens = random_tokens(300, seed=1).to(cuda)
+
+    def chunks(size):
+        state = model.new_state(1024)
+        return torch.cat([model.forward(tokens[i:i + size], state)[0]
+                          for i in range(0, tokens.numel(), size)])
+
+    full = chunks(300)
+    for size in (1, 7, 129):
+        got = chunks(size)
+        d_ = float((got - full).abs().max() / full.abs().max())
+        record(test="exl3_ladder", mode=mode, dtype=dtype, chunk=size, max_rel_diff=d_)
+        assert d_ == 0.0, (size, d_)
+
+
+def test_bench_kernels_harness(cuda, tmp_path):
+    """One shape through the benchmark (exllamav3 compared when it imports)."""
+    from strata.bench.kernels import main
+    out = tmp_path / "k.json"
+    assert main(["--shapes", "expert_w13", "--ks", "2.5", "--rows", "1,6", "--rep", "20",
+                 "--warmup", "5", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    record(test="exl3_bench_smoke", rows=res["rows"], peer=res["meta"]["peer"])
+    assert res["checks"]["reconstruct_bit_exact"]
+    assert {r["rows"] for r in res["rows"]} == {1, 6}

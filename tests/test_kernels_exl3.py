@@ -1,0 +1,291 @@
+"""The EXL3 Triton kernels (strata.kernels.exl3) against the torch reference (strata.quant.exl3),
+under TRITON_INTERPRET=1 on CPU with small shapes (tests/gpu/test_kernels_exl3_gpu.py runs the
+same checks compiled, at the V4.1 shapes).
+
+Exact (bit for bit): reconstructed Ŵ vs decode_trellis (every codebook, integer and half K);
+fused decode vs reconstruct + GEMM; a row alone vs inside M = 5 / 37 (fused and GEMM paths);
+MoE grouped pairs vs the single linear per pair; x·suh → fp16 before the Hadamard.
+Tolerance: the butterfly Hadamard vs the reference's matrix product (≤ 1 fp16 ulp after the cast
+in rotate_in; ~1e-6 relative in fp32 for rotate_out), hence the linear vs the reference
+(relative 2e-3 of the output's max, from fp16 x' ulps and fp32 summation order)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first launched
+
+pytest.importorskip("triton")
+
+import strata.quant.exl3 as qexl3  # noqa: E402
+from strata.kernels import exl3 as X  # noqa: E402
+from strata.model.numerics import Numerics  # noqa: E402
+from strata.quant.exl3 import Exl3Linear, _rotate, decode_trellis  # noqa: E402
+
+
+def trellis_of(kt: int, nt: int, K: float, seed: int, E: int | None = None) -> torch.Tensor:
+    L = int(16 * K) if K == int(K) else int(16 * (K - 0.5)) + 8
+    g = torch.Generator().manual_seed(seed)
+    shape = (kt, nt, L) if E is None else (E, kt, nt, L)
+    return torch.randint(-2**15, 2**15, shape, generator=g, dtype=torch.int32).to(torch.int16)
+
+
+def scales(n: int, seed: int, E: int | None = None, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    shape = (n,) if E is None else (E, n)
+    return (torch.randn(shape, generator=g) * scale).half()
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.dtype == torch.float16 else t.view(torch.int32)
+
+
+@pytest.mark.parametrize("K,codebook", [(1, "3inst"), (2, "mcg"), (3, "3inst"), (4, "mul1"),
+                                        (5, "mcg"), (6, "mul1"), (7, "3inst"), (8, "mcg"),
+                                        (1.5, "mul1"), (2.5, "mul1"), (3.5, "mul1")])
+def test_reconstruct_is_bit_exact(K, codebook):
+    tr = trellis_of(8, 4, K, seed=int(10 * K))
+    got = X.reconstruct(tr, codebook)
+    assert got.dtype == torch.float16 and got.shape == (128, 64)
+    assert torch.equal(bits(got), bits(decode_trellis(tr, codebook)))
+
+
+def test_reconstruct_column_slice_and_shapes():
+    tr = trellis_of(8, 8, 3, seed=5)
+    full = decode_trellis(tr, "mcg")
+    assert torch.equal(bits(X.reconstruct(tr, "mcg", n_start=64, n_cols=64)), bits(full[:, 64:]))
+    with pytest.raises(ValueError, match="64-aligned"):
+        X.reconstruct(tr, "mcg", n_start=16)
+    with pytest.raises(ValueError, match="mul1"):
+        X.reconstruct(trellis_of(8, 4, 2.5, seed=1), "mcg")
+    with pytest.raises(ValueError, match="multiples"):
+        X.reconstruct(trellis_of(4, 4, 2, seed=1), "mcg")
+
+
+def test_split_schedule_is_a_function_of_the_shape():
+    for kp, n_p in [(128, 128), (256, 128), (5120, 2304), (2304, 5120), (1280, 32768),
+                    (8192, 5120), (5120, 129280)]:
+        per, S = X.split_schedule(kp, n_p)
+        steps = kp // X.BLOCK_K
+        assert 1 <= per <= steps and S == -(-steps // per) and (S - 1) * per < steps
+    assert X.split_schedule(256, 128) == (1, 2)  # the small shapes below do split K
+
+
+@pytest.mark.parametrize("K,codebook", [(2, "mcg"), (2.5, "mul1"), (4, "3inst")])
+def test_fused_equals_gemm_and_the_product(K, codebook):
+    """Two k-splits (256 × 128); the fused and reconstruct+GEMM paths give the same bits, and
+    both equal x'·Ŵ up to fp32 summation order."""
+    tr = trellis_of(16, 8, K, seed=3)
+    g = torch.Generator().manual_seed(4)
+    xr = torch.randn(5, 256, generator=g).half()
+    fused = X.exl3_matmul(xr, tr, codebook, "fused")
+    gemm = X.exl3_matmul(xr, tr, codebook, "gemm")
+    assert torch.equal(bits(fused), bits(gemm))
+    w = decode_trellis(tr, codebook).double()
+    ref = xr.double() @ w
+    bound = (xr.double().abs() @ w.abs()) * (256 * 2.0 ** -22)  # fp32 sums of exact products
+    assert bool(((fused.double() - ref).abs() <= bound).all())
+
+
+def test_rows_are_batch_invariant():
+    """A row alone (M = 1) == the same row inside M = 5 and M = 37, fused and GEMM paths alike
+    (auto picks fused at ≤ FUSED_MAX_ROWS, GEMM above: 37 rows cross the switch)."""
+    tr = trellis_of(8, 16, 3, seed=7)
+    g = torch.Generator().manual_seed(8)
+    rows = torch.randn(37, 128, generator=g).half()
+    alone = X.exl3_matmul(rows[20:21], tr, "mcg")
+    in5 = X.exl3_matmul(torch.cat([rows[:2], rows[20:21], rows[30:32]]), tr, "mcg")
+    assert X.FUSED_MAX_ROWS < 37
+    in37_gemm = X.exl3_matmul(rows, tr, "mcg")
+    in37_fused = X.exl3_matmul(rows, tr, "mcg", "fused")
+    for other in (in5[2], in37_gemm[20], in37_fused[20]):
+        assert torch.equal(bits(alone[0]), bits(other))
+    assert torch.equal(bits(in37_gemm), bits(in37_fused))
+
+
+def test_linear_paths_are_bit_identical():
+    """The whole linear: fused kernel finishing its column blocks (arrival counters) == the
+    reconstruct + GEMM + rotate_out path, with bias and a trimmed output; rows alone == in M=37."""
+    tr = trellis_of(16, 8, 2.5, seed=70)
+    suh, svh, bias = scales(256, 71, scale=0.1), scales(128, 72), scales(100, 73)
+    x = torch.randn(37, 250, generator=torch.Generator().manual_seed(74))
+    fused = X.exl3_linear(x[:5], tr, suh, svh, "mul1", 100, bias, path="fused")
+    gemm = X.exl3_linear(x[:5], tr, suh, svh, "mul1", 100, bias, path="gemm")
+    assert fused.shape == (5, 100) and torch.equal(bits(fused), bits(gemm))
+    auto37 = X.exl3_linear(x, tr, suh, svh, "mul1", 100, bias)  # > FUSED_MAX_ROWS: GEMM
+    assert torch.equal(bits(auto37[:5]), bits(fused))
+    again = X.exl3_linear(x[3:4], tr, suh, svh, "mul1", 100, bias)  # counters were reset
+    assert torch.equal(bits(again[0]), bits(fused[3]))
+
+
+def test_rotate_in_matches_the_reference():
+    """fp16(x·suh) is bit-identical; the butterfly Hadamard then differs from the reference's
+    matrix product by at most one fp16 ulp, in few elements."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(7, 256, generator=g) * 3
+    suh = scales(256, 10, scale=0.5)
+    got = X.rotate_in(x, suh)
+    ref = _rotate((x * suh.float()).half().float()).half()
+    diff = (got.float() - ref.float()).abs()
+    ulp = torch.finfo(torch.float16).eps * ref.float().abs().clamp(min=2**-14)
+    assert bool((diff <= ulp).all())
+    assert (diff > 0).float().mean() < 0.02
+    # batch invariance, and a narrower input is zero-extended
+    assert torch.equal(bits(X.rotate_in(x[3:4], suh)[0]), bits(got[3]))
+    narrow = X.rotate_in(x[:, :200], suh)
+    xz = torch.nn.functional.pad(x[:, :200], (0, 56))
+    assert torch.equal(bits(narrow), bits(X.rotate_in(xz, suh)))
+
+
+def test_rotate_out_matches_the_reference():
+    g = torch.Generator().manual_seed(11)
+    part = torch.randn(3, 6, 256, generator=g)
+    svh = scales(256, 12)
+    bias = torch.randn(200, generator=g).half()
+    got = X.rotate_out(part, svh, bias, out_features=200, out_dtype=torch.float32)
+    y = X.sum_partials(part)
+    ref = (_rotate(y) * svh.float())[:, :200] + bias.float()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    alone = X.rotate_out(part[:, 4:5], svh, bias, out_features=200)
+    assert torch.equal(bits(alone[0]), bits(got[4]))
+    bf = X.rotate_out(part, svh, None, out_dtype=torch.bfloat16)
+    assert bf.dtype == torch.bfloat16 and bf.shape == (6, 256)
+
+
+@pytest.fixture
+def kernels_on_cpu():
+    old = qexl3.KERNELS
+    qexl3.KERNELS = "always"
+    yield
+    qexl3.KERNELS = old
+
+
+def test_exl3_linear_forward_uses_the_kernels(kernels_on_cpu):
+    """Exl3Linear.forward with KERNELS='always' (CPU, interpreter) vs the reference path:
+    padded input/output, bias, dtypes; rows batch-invariant through the module."""
+    tr = trellis_of(8, 16, 2.5, seed=13)
+    lin = Exl3Linear(tr, scales(128, 14, scale=0.2), scales(256, 15), "mul1",
+                     out_features=200, in_features=100, bias=scales(200, 16))
+    g = torch.Generator().manual_seed(17)
+    x = torch.randn(3, 100, generator=g)
+    nx = Numerics()
+    got = lin.forward(x, nx)
+    qexl3.KERNELS = "never"
+    ref = lin.forward(x, nx)
+    qexl3.KERNELS = "always"
+    assert got.shape == ref.shape == (3, 200) and got.dtype == torch.float32
+    assert float((got - ref).abs().max()) <= 2e-3 * float(ref.abs().max())
+    assert torch.equal(bits(lin.forward(x[1:2], nx)[0]), bits(got[1]))
+    y16 = lin.forward(x.bfloat16(), nx, out_dtype=torch.bfloat16)
+    assert y16.dtype == torch.bfloat16 and y16.shape == (3, 200)
+    assert lin.forward(x[:0], nx).shape == (0, 200)
+
+
+def test_model_calls_dispatch(kernels_on_cpu):
+    """lin(x, nx) (how the model calls linears) is the class's own forward: the kernels when
+    they run, the rotated-activation reference otherwise."""
+    lin = Exl3Linear(trellis_of(8, 8, 2, seed=60), scales(128, 61, scale=0.2), scales(128, 62),
+                     "mcg", 128, 128)
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(63))
+    nx = Numerics()
+    fused = lin(x, nx)
+    assert torch.equal(fused, lin.forward(x, nx))
+    qexl3.KERNELS = "auto"
+    ref = lin(x, nx)
+    assert torch.equal(ref, lin.forward(x, nx)) and not torch.equal(ref, fused)
+    torch.testing.assert_close(fused, ref, rtol=0, atol=2e-3 * float(ref.abs().max()))
+
+
+def test_kernel_switch_values():
+    old = qexl3.KERNELS
+    try:
+        qexl3.KERNELS = "bogus"
+        with pytest.raises(ValueError, match="KERNELS"):
+            qexl3._use_kernels(torch.zeros(1))
+        qexl3.KERNELS = "auto"
+        assert not qexl3._use_kernels(torch.zeros(1))  # CPU: the reference path
+    finally:
+        qexl3.KERNELS = old
+
+
+def test_moe_grouped_pairs_equal_the_single_linear():
+    """Gate and up (two weight sets) in one grouped launch: every (token, slot) pair equals
+    exl3_linear of its expert bit for bit, and does not depend on the other pairs."""
+    E, kt, nt = 4, 8, 8
+    sets = [(trellis_of(kt, nt, 2, seed=20 + w, E=E), scales(128, 30 + w, E, 0.2),
+             scales(128, 40 + w, E)) for w in range(2)]
+    idx = torch.tensor([[0, 3], [3, 2], [0, 3]])
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(3, 128, generator=g)
+    gate, up = X.exl3_moe_linear(x, idx, sets, "mcg")
+    assert gate.shape == up.shape == (3, 2, 128)
+    for (tr, suh, svh), out in zip(sets, (gate, up)):
+        # the single linear of each expert over all tokens (its rows are batch-invariant:
+        # test_rows_are_batch_invariant), compared pair by pair
+        ref = {e: X.exl3_linear(x, tr[e], suh[e], svh[e], "mcg") for e in (0, 2, 3)}
+        for t in range(3):
+            for s in range(2):
+                assert torch.equal(bits(ref[int(idx[t, s])][t]), bits(out[t, s])), (t, s)
+    # token 1 alone: same bits as inside the step (its pairs shared tiles with tokens 0 and 2)
+    g1, u1 = X.exl3_moe_linear(x[1:2], idx[1:2], sets, "mcg")
+    assert torch.equal(bits(g1[0]), bits(gate[1])) and torch.equal(bits(u1[0]), bits(up[1]))
+
+
+def test_moe_split_loop_and_chunking_keep_the_bits(monkeypatch):
+    """Two K splits (256 × 128): the split-parallel launch with the folded output step, the
+    split-loop launch (programs run the splits themselves; for many pairs) and token chunks
+    all give the single linear's bits."""
+    E = 3
+    sets = [(trellis_of(16, 8, 2, seed=80 + w, E=E), scales(256, 82 + w, E, 0.1),
+             scales(128, 84 + w, E)) for w in range(2)]
+    idx = torch.tensor([[2, 0], [1, 2], [2, 1]])
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(86))
+    assert X.split_schedule(256, 128)[1] == 2
+    ref = [{e: X.exl3_linear(x, tr[e], suh[e], svh[e], "mcg") for e in range(E)}
+           for tr, suh, svh in sets]
+    runs = [X.exl3_moe_linear(x, idx, sets, "mcg")]
+    monkeypatch.setattr(X, "MOE_SPLIT_LOOP_PAIRS", 0)
+    runs.append(X.exl3_moe_linear(x, idx, sets, "mcg"))
+    monkeypatch.setattr(X, "MOE_MAX_PAIRS", 4)  # chunks of 2 tokens
+    runs.append(X.exl3_moe_linear(x, idx, sets, "mcg"))
+    for outs in runs:
+        for w in range(2):
+            for t in range(3):
+                for s in range(2):
+                    assert torch.equal(bits(outs[w][t, s]), bits(ref[w][int(idx[t, s])][t]))
+
+
+def test_moe_per_pair_inputs_and_trim():
+    """The down projection's form: one input per pair ([T, k, k_in]), trimmed output."""
+    E = 3
+    tr = trellis_of(8, 8, 2.5, seed=50, E=E)
+    suh, svh = scales(128, 51, E, 0.2), scales(128, 52, E)
+    idx = torch.tensor([[2, 0], [2, 1]])
+    g = torch.Generator().manual_seed(53)
+    x = torch.randn(2, 2, 100, generator=g).bfloat16()
+    (y,) = X.exl3_moe_linear(x, idx, [(tr, suh, svh)], "mul1", out_features=96,
+                             out_dtype=torch.bfloat16)
+    assert y.shape == (2, 2, 96) and y.dtype == torch.bfloat16
+    for t, s in ((0, 0), (1, 1)):
+        e = int(idx[t, s])
+        ref = X.exl3_linear(x[t, s:s + 1], tr[e], suh[e], svh[e], "mul1", 96,
+                            out_dtype=torch.bfloat16)
+        assert torch.equal(ref[0].view(torch.int16), y[t, s].view(torch.int16))
+
+
+def test_bench_smoke(tmp_path):
+    """The kernel benchmark's harness logic on CPU (tiny shapes, interpreter)."""
+    from strata.bench.kernels import main as bench_main
+    out = tmp_path / "k.json"
+    assert bench_main(["--smoke", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["smoke"] is True and data["rows"]
+    row = data["rows"][0]
+    for key in ("shape", "K", "codebook", "rows", "path", "median_us", "gweights_per_s",
+                "trellis_gb_per_s"):
+        assert key in row
+    assert data["checks"]["reconstruct_bit_exact"] is True
+    assert (tmp_path / "k.md").read_text().startswith("|")
