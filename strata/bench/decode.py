@@ -12,6 +12,7 @@ The first 96 tokens must be identical across modes; otherwise the benchmark fail
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 import time
@@ -119,6 +120,8 @@ def report(results: dict[str, ModeResult], prompt_len: int) -> str:
              f"{'mode':<8}{'tok/s':>10}{'vs plain':>10}{'windows':>9}{'committed/win':>15}"
              f"{'accepted':>10}"]
     base = results["plain"].median if "plain" in results else None
+    toks = next(iter(results.values())).tokens
+    lines[0] += f" (sha256 {hashlib.sha256(str(toks).encode()).hexdigest()[:12]})"
     for r in results.values():
         ratio = f"{r.median / base:.2f}x" if base else "-"
         lines.append(f"{r.mode:<8}{r.median:>10.1f}{ratio:>10}{r.windows:>9}"
@@ -129,3 +132,56 @@ def report(results: dict[str, ModeResult], prompt_len: int) -> str:
 def write_json(path: str | Path, results: dict[str, ModeResult], meta: dict) -> None:
     Path(path).write_text(json.dumps({"meta": meta, "results": [r.as_dict() for r in
                                                                  results.values()]}, indent=1))
+
+
+def parallel_split(model, prompt: list[int], modes: list[str], n: int = 96,
+                   length: int | None = None) -> dict[str, dict]:
+    """Per decode step of a multi-device model (runtime/parallel.py), on every rank: forward
+    time, time inside collectives and the rest (compute), collectives and bytes per forward.
+
+    One extra run per mode with the device synchronised around each collective (so comm time
+    is the collectives' own; this costs some overlap, so the tok/s here is below the measured
+    runs'), counting from the first generated token (prefill excluded). In layer mode a rank's
+    comm time includes waiting for the ranks before it."""
+    out = {}
+    for mode in modes:
+        if mode == "oracle":
+            continue
+        spec = None if mode == "plain" else SpecConfig(length=length or model.cfg.dspark_block_size)
+        cap = len(prompt) + n + model.cfg.dspark_block_size + 2
+        s = Session(model, cap, speculative=spec)
+        model.set_timing(True)
+        try:
+            gen = s.generate(prompt, n, SamplingParams(), stop_ids=frozenset(), mode=mode)
+            next(gen)
+            model.stats(reset=True)
+            t0 = time.perf_counter()
+            steps = sum(1 for _ in gen)
+            wall = time.perf_counter() - t0
+            ranks = model.stats(reset=True)
+        finally:
+            model.set_timing(False)
+        rows = []
+        for r in ranks:
+            f = max(1.0, r["forwards"])
+            rows.append({"rank": r["rank"], "forwards": int(r["forwards"]),
+                         "forward_ms": 1e3 * r["forward_s"] / f,
+                         "comm_ms": 1e3 * r["comm_s"] / f,
+                         "compute_ms": 1e3 * (r["forward_s"] - r["comm_s"]) / f,
+                         "collectives_per_forward": r["collectives"] / f,
+                         "kib_per_forward": r["bytes"] / f / 1024})
+        out[mode] = {"parallel": model.mode, "world": model.world, "tokens": steps,
+                     "tok_per_s": steps / wall, "ranks": rows}
+    return out
+
+
+def split_report(split: dict[str, dict]) -> str:
+    lines = ["per decode forward, timed run (device synchronised around each collective):",
+             f"{'mode':<8}{'rank':>5}{'fwd ms':>9}{'compute':>9}{'comm':>8}{'colls':>7}"
+             f"{'KiB':>9}{'tok/s':>9}"]
+    for mode, m in split.items():
+        for r in m["ranks"]:
+            lines.append(f"{mode:<8}{r['rank']:>5}{r['forward_ms']:>9.2f}{r['compute_ms']:>9.2f}"
+                         f"{r['comm_ms']:>8.2f}{r['collectives_per_forward']:>7.1f}"
+                         f"{r['kib_per_forward']:>9.1f}{m['tok_per_s']:>9.1f}")
+    return "\n".join(lines)

@@ -35,6 +35,9 @@ class Attention:
         self.wo_a = w.linear_groups(f"{prefix}.wo_a", G, ol, H * hd // G)
         self.wo_b = w.linear(f"{prefix}.wo_b", D, G * ol)
         self.attn_sink = w.float_tensor(f"{prefix}.attn_sink", (H,))
+        # Heads and wo_a groups this object computes: all of them, unless tensor parallelism
+        # gave it a slice (runtime/parallel_tp.py narrows wq_b, attn_sink and wo_a to match).
+        self.n_heads, self.n_groups = H, G
         is_backbone = layer < cfg.n_layers
         self.compressor = (Compressor(cfg, layer, w, f"{prefix}.compressor")
                            if is_backbone and cfg.is_kv_source(layer) else None)
@@ -46,7 +49,7 @@ class Attention:
         """(q_latent [T, q_lora], roped queries [T, H, hd])."""
         cfg, nx = self.cfg, ctx.numerics
         qr = rms_norm(self.wq_a(u, nx), self.q_norm, cfg.rms_norm_eps)
-        q = self.wq_b(qr, nx).view(ctx.T, cfg.num_attention_heads, cfg.head_dim)
+        q = self.wq_b(qr, nx).view(ctx.T, self.n_heads, cfg.head_dim)
         cos, sin = ctx.rope(self.ratio)
         return qr, apply_rope(q, cos, sin)
 
@@ -60,10 +63,10 @@ class Attention:
 
     def output(self, o: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Inverse RoPE on the output tails, grouped wo_a, then wo_b. o [T, H, hd] fp32."""
-        cfg, nx = self.cfg, ctx.numerics
+        nx = ctx.numerics
         cos, sin = ctx.rope(self.ratio)
         o = apply_rope(o, cos, sin, inverse=True).to(nx.act_dtype)
-        G = cfg.o_groups
+        G = self.n_groups
         o = o.reshape(ctx.T, G, -1)
         # The vendor runs wo_a unquantized (convert.py dequantises it): no fp8 activation point.
         o = torch.cat([self.wo_a[g](o[:, g], nx, act_quant=False) for g in range(G)], dim=1)
@@ -90,22 +93,34 @@ class Attention:
 
         comp_rows = comp_mask = None
         if self.ratio > 0:
-            if self.compressor is not None:
-                latent, j0 = self.compressor.forward(u, ctx, state)
-                self._store_entries(latent, j0, ctx, state)
-                if self.indexer is not None and latent.shape[0]:
-                    self.indexer.publish_keys(latent, j0, ctx, state)
-                if latent.shape[0]:
-                    ctx.published_keys.append(self.layer)
+            self.publish(u, ctx, state)
             if self.indexer is not None:
                 ctx.sel[self.layer] = self.indexer.select(u, qr, ctx, state)
             sel = ctx.sel[cfg.index_source_of(self.layer)]
             cache = state.comp_kv[cfg.kv_source_of(self.layer)]
             comp_rows = cache[sel.clamp(min=0)].float()  # [T, k, hd]
             comp_mask = sel >= 0
-        o = sparse_attention(q.float(), win_rows, valid, comp_rows, comp_mask,
-                             self.attn_sink, cfg.head_dim ** -0.5)
+        o = self.attend_heads(q.float(), win_rows, valid, comp_rows, comp_mask)
         return self.output(o, ctx)
+
+    def publish(self, u: torch.Tensor, ctx: ForwardContext, state: State) -> None:
+        """A kv source's compressed entries (and index keys) for these rows, which later
+        layers read; nothing for a layer without a compressor."""
+        if self.compressor is None:
+            return
+        latent, j0 = self.compressor.forward(u, ctx, state)
+        self._store_entries(latent, j0, ctx, state)
+        if self.indexer is not None and latent.shape[0]:
+            self.indexer.publish_keys(latent, j0, ctx, state)
+        if latent.shape[0]:
+            ctx.published_keys.append(self.layer)
+
+    def attend_heads(self, q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
+                     comp_rows: torch.Tensor | None,
+                     comp_mask: torch.Tensor | None) -> torch.Tensor:
+        """sparse_attention over this object's heads (tensor parallelism wraps it)."""
+        return sparse_attention(q, rows, mask, comp_rows, comp_mask, self.attn_sink,
+                                self.cfg.head_dim ** -0.5)
 
     def _store_entries(self, latent: torch.Tensor, j0: int, ctx: ForwardContext,
                        state: State) -> None:

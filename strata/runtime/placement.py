@@ -281,3 +281,43 @@ def _shortfall(units: list[Unit], stuck: Unit, plans: list[DevicePlan], context:
             f"context {context:,} {gb(caches)} + reserve {gb(reserves)} ({len(plans)} × "
             f"{gb(plans[0].reserve)}), but the budgets are {where} = {gb(have)}; {stuck.name} "
             f"({gb(stuck.total)}) found no room: {gb(missing)} missing{note}")
+
+
+def balanced_split(cfg: ModelConfig, tensor_bytes: Mapping[str, int], n_devices: int,
+                   context: int, *, kv_format: str = "bf16", act_bytes: int = 2,
+                   engram_on_device: bool = False) -> list[range]:
+    """Contiguous layer ranges, one per device, that balance weights + caches, for a layer-split
+    run (runtime/parallel.py) where the first device also holds the embed and the tail (head,
+    final norm, DSpark stages: sampling and drafting live with the API on rank 0).
+    Minimises the largest device's bytes; every device gets at least one layer."""
+    L = cfg.n_layers
+    if not 1 <= n_devices <= L:
+        raise PlacementError(f"cannot split {L} layers over {n_devices} devices")
+    units, _, _ = build_units(cfg, tensor_bytes, context, kv_format=kv_format,
+                              act_bytes=act_bytes, engram_on_device=engram_on_device)
+    extra = sum(u.total for u in units if u.layer is None)
+    size = [0] * L
+    for u in units:
+        if u.layer is not None:
+            size[u.layer] = u.total
+    prefix = [0]
+    for s in size:
+        prefix.append(prefix[-1] + s)
+    # best[k][i]: the smallest possible largest load when layers i.. go on devices k..
+    inf = float("inf")
+    best = [[inf] * (L + 1) for _ in range(n_devices + 1)]
+    cut = [[L] * (L + 1) for _ in range(n_devices + 1)]
+    best[n_devices][L] = 0
+    for k in range(n_devices - 1, -1, -1):
+        for i in range(L - 1, -1, -1):
+            for j in range(i + 1, L - (n_devices - k - 1) + 1):
+                load = prefix[j] - prefix[i] + (extra if k == 0 else 0)
+                cand = max(load, best[k + 1][j])
+                if cand < best[k][i]:
+                    best[k][i], cut[k][i] = cand, j
+    out, i = [], 0
+    for k in range(n_devices):
+        j = cut[k][i]
+        out.append(range(i, j))
+        i = j
+    return out

@@ -18,6 +18,7 @@ slots it overwrites (cost ∝ rows written), and rollback restores those of reje
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -114,25 +115,45 @@ class Bookmark:
                    for r, t in self.rings)
 
 
+def cache_sources(cfg: ModelConfig, layers: Iterable[int]) -> set[int]:
+    """The kv-source layers whose compressed KV / index keys `layers` write or read."""
+    out = set()
+    for l in layers:
+        if cfg.is_kv_source(l):
+            out.add(l)
+        if cfg.ratio(l) > 0 and cfg.kv_source_of(l) is not None:
+            out.add(cfg.kv_source_of(l))
+    return out
+
+
 class State:
     """Decode state of one sequence for a given model config and capacity (in tokens)."""
 
     def __init__(self, cfg: ModelConfig, capacity: int, device: torch.device | str = "cpu",
-                 kv_dtype: torch.dtype = torch.float32, ring_size: int | None = None) -> None:
+                 kv_dtype: torch.dtype = torch.float32, ring_size: int | None = None,
+                 layers: Iterable[int] | None = None, dspark: bool = True) -> None:
+        """`layers`: the backbone layers whose caches this state holds (default all; a rank of
+        a layer split holds its own, runtime/parallel.py), with the compressed caches those
+        layers read. `dspark=False` leaves out the draft windows."""
         device = torch.device(device)
         self.cfg, self.capacity, self.device = cfg, capacity, device
         W = cfg.sliding_window
         # Window plus the widest verify window, so rejected rows never displace live ones.
         self.ring_size = ring_size or (W + max(128, 2 * cfg.dspark_block_size + 2))
         hd, ihd = cfg.head_dim, cfg.index_head_dim
-        self.window = [PositionRing(self.ring_size, (hd,), kv_dtype, device, keep=W - 1)
-                       for _ in range(cfg.n_layers)]
+        held = tuple(range(cfg.n_layers)) if layers is None else tuple(sorted(layers))
+        self.layers = held
+        self.window = {l: PositionRing(self.ring_size, (hd,), kv_dtype, device, keep=W - 1)
+                       for l in held}
         self.comp_tail: dict[int, PositionRing] = {}
         self.comp_kv: dict[int, torch.Tensor] = {}
         self.index_k: dict[int, torch.Tensor] = {}
+        sources = cache_sources(cfg, held)
         for l in cfg.kv_source_layer_ids:
+            if l not in sources:
+                continue
             r = cfg.ratio(l)
-            if r > 1:
+            if r > 1 and l in held:
                 # As long as the window ring, so truncation reaches as far back for both.
                 self.comp_tail[l] = PositionRing(self.ring_size, (2, hd), torch.float32,
                                                  device, keep=r - 1)
@@ -142,7 +163,7 @@ class State:
                 self.index_k[l] = torch.zeros((n, ihd), dtype=kv_dtype, device=device)
         # DSpark: each stage's window of target-derived keys, committed positions only.
         self.dspark = [PositionRing(self.ring_size, (hd,), kv_dtype, device, keep=W - 1)
-                       for _ in range(cfg.num_nextn_predict_layers)]
+                       for _ in range(cfg.num_nextn_predict_layers if dspark else 0)]
         self.tokens = torch.zeros(capacity, dtype=torch.long, device=device)
         self.position = 0
         # vendor_stale_index_k: last kv-source layer that published keys in the last forward
@@ -195,7 +216,7 @@ class State:
 
     # ---- going back without a journal (prefix reuse) -------------------------------------
     def _rings(self) -> list[PositionRing]:
-        return list(self.window) + list(self.comp_tail.values()) + list(self.dspark)
+        return list(self.window.values()) + list(self.comp_tail.values()) + list(self.dspark)
 
     def bookmark(self) -> Bookmark:
         """Remember the current position so the state can later return to it."""
@@ -243,7 +264,7 @@ class State:
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every cache tensor by name, for bit-exact comparisons."""
         out: dict[str, torch.Tensor] = {"tokens": self.tokens[:self.position]}
-        for l, ring in enumerate(self.window):
+        for l, ring in self.window.items():
             out[f"window.{l}.rows"], out[f"window.{l}.tags"] = ring.rows, ring.tags
         for l, ring in self.comp_tail.items():
             out[f"comp_tail.{l}.rows"], out[f"comp_tail.{l}.tags"] = ring.rows, ring.tags
@@ -260,7 +281,7 @@ class State:
         to the committed entry count. Two states that agree here decode identically."""
         out = {"tokens": self.tokens[:self.position]}
         p = self.position
-        for name, rings in (("window", dict(enumerate(self.window))), ("comp_tail", self.comp_tail),
+        for name, rings in (("window", self.window), ("comp_tail", self.comp_tail),
                             ("dspark", dict(enumerate(self.dspark)))):
             for l, ring in rings.items():
                 lo = p - ring.keep
@@ -278,7 +299,7 @@ class State:
     def clone(self) -> "State":
         other = object.__new__(State)
         other.__dict__.update(self.__dict__)
-        other.window = [r.clone() for r in self.window]
+        other.window = {l: r.clone() for l, r in self.window.items()}
         other.comp_tail = {l: r.clone() for l, r in self.comp_tail.items()}
         other.dspark = [r.clone() for r in self.dspark]
         other.comp_kv = {l: t.clone() for l, t in self.comp_kv.items()}

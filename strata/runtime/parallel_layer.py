@@ -1,0 +1,208 @@
+"""Layer split: each rank runs a contiguous range of backbone layers (runtime/parallel.py).
+
+Rank 0 holds the embedding, its layers, the final norm, the head and the DSpark stages; rank r
+holds layers ranges[r] and their caches. A forward travels as a ring of point-to-point
+messages: rank 0 embeds and runs its layers, sends the carry to rank 1, ..., the last rank sends
+the final rows back to rank 0, which computes the logits. Each hop is one message, a flat byte
+buffer whose layout both sides derive from (T, start, the split) — no metadata crosses.
+
+What crosses a boundary after rank r (the carry):
+- h [T, H, D] (the 4-copy hyper-connection stream) and pre [T, H] (the lagged collapse weights
+  of the last FFN, spec §2.2);
+- the forward's shared context that layers past the boundary read: the latest published top-k
+  (`sel` of the most recent index source before the boundary, read by later reuse layers), the
+  candidate-block mask (layer 20's, read by reindex layers), the list of kv sources that
+  published keys, and the DSpark taps (`main_hidden`) produced by ranks > 0, which go on to
+  rank 0 where the draft head lives;
+- the compressed-KV and index-key entries this forward wrote for kv-source layers that later
+  ranks read (layers 2/8/14/20 feed the layers after them, which may live on the next rank):
+  only the entries of this forward (j0 = start//r .. (start+T)//r); the receiving rank keeps its
+  own copy of those caches in its State at the same absolute indices, so nothing else ever has
+  to cross and rollback needs nothing (entries past the position are invisible).
+The final message (last rank → rank 0) holds the rows the logits need ('all': T, 'last': 1,
+'none': 0), their pre, the published-key list and the taps.
+
+Numerics are untouched: every rank runs the same code on the same values as a single device.
+"""
+from __future__ import annotations
+
+import torch
+
+from strata.model.context import ForwardContext
+from strata.model.model import Model
+from strata.model.numerics import Numerics
+from strata.runtime.parallel_comm import Comm
+from strata.runtime.state import State, cache_sources
+
+ALIGN = 16
+
+
+class Layout:
+    """Named pieces of a flat byte buffer, each aligned so it can be viewed in place."""
+
+    def __init__(self, pieces: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+        self.pieces, self.offsets, n = pieces, {}, 0
+        for name, shape, dtype in pieces:
+            size = dtype.itemsize
+            for d in shape:
+                size *= d
+            self.offsets[name] = (n, size)
+            n += -(-size // ALIGN) * ALIGN
+        self.nbytes = n
+
+    def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, shape, dtype in self.pieces:
+            o, size = self.offsets[name]
+            out[name] = buf[o:o + size].view(dtype).view(shape)
+        return out
+
+    def pack(self, values: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+        buf = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        for name, view in self.views(buf).items():
+            view.copy_(values[name])
+        return buf
+
+
+class LayerExecutor:
+    """The forward of one rank of a layer split (every rank builds the same one)."""
+
+    def __init__(self, model: Model, comm: Comm, ranges: list[range]) -> None:
+        self.m, self.comm, self.ranges = model, comm, ranges
+        self.rank, self.world = comm.rank, len(ranges)
+        self.last = self.world - 1
+        cfg = self.cfg = model.cfg
+        self.reads = [cache_sources(cfg, r) for r in ranges]
+        self.kv_dtype = model.numerics.act_dtype  # the States' cache dtype (Model.new_state)
+        self.taps_from = ranges[1].start if cfg.num_nextn_predict_layers else cfg.n_layers
+
+    # ---- what crosses each boundary -----------------------------------------------------------
+    def _needed_after(self, r: int) -> set[int]:
+        out: set[int] = set()
+        for reads in self.reads[r + 1:]:
+            out |= reads
+        return out
+
+    def _carry_layout(self, r: int, T: int, start: int, nx: Numerics) -> Layout:
+        """The message rank r sends to rank r+1."""
+        cfg = self.cfg
+        hi = self.ranges[r].stop
+        later = range(hi, cfg.n_layers)
+        pieces = self._stream(T, nx) + [("keys", (len(cfg.kv_source_layer_ids),), torch.int64)]
+        done = [s for s in cfg.index_source_layer_ids if s < hi]
+        if done and any(cfg.ratio(l) > 0 and cfg.index_source_of(l) == done[-1] for l in later):
+            pieces.append((f"sel.{done[-1]}", (T, cfg.index_topk), torch.int64))
+        c = cfg.candidate_source_layer_id
+        if cfg.candidates_enabled and c < hi and any(cfg.is_reindex(l) for l in later):
+            pieces.append(("cand", (T, (start + T) // cfg.ratio(c)), torch.bool))
+        for s in sorted(self._needed_after(r)):
+            if s < hi:
+                rr = cfg.ratio(s)
+                n = (start + T) // rr - start // rr
+                pieces.append((f"kv.{s}", (n, cfg.head_dim), self.kv_dtype))
+                if cfg.is_index_source(s):
+                    pieces.append((f"ik.{s}", (n, cfg.index_head_dim), self.kv_dtype))
+        pieces += self._taps(T, hi)
+        return Layout(pieces)
+
+    def _final_layout(self, T: int, logits: str, nx: Numerics) -> Layout:
+        """The message the last rank sends back to rank 0."""
+        n = {"all": T, "last": 1, "none": 0}[logits]
+        return Layout(self._stream(n, nx)
+                      + [("keys", (len(self.cfg.kv_source_layer_ids),), torch.int64)]
+                      + self._taps(T, self.cfg.n_layers))
+
+    def _stream(self, n: int, nx: Numerics):
+        H, D = self.cfg.hc_mult, self.cfg.hidden_size
+        return [("h", (n, H, D), nx.act_dtype), ("pre", (n, H), torch.float32)]
+
+    def _taps(self, T: int, hi: int):
+        return [(f"tap.{l}", (T, self.cfg.hidden_size), torch.float32)
+                for l in self.cfg.dspark_target_layer_ids if self.taps_from <= l < hi]
+
+    def _keys(self, ctx: ForwardContext) -> torch.Tensor:
+        keys = torch.full((len(self.cfg.kv_source_layer_ids),), -1, dtype=torch.int64)
+        keys[:len(ctx.published_keys)] = torch.tensor(ctx.published_keys, dtype=torch.int64)
+        return keys
+
+    # ---- one forward ----------------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, state: State, logits: str,
+                nx: Numerics) -> tuple[torch.Tensor | None, ForwardContext]:
+        m, r, comm = self.m, self.rank, self.comm
+        T, start = tokens.numel(), state.position
+        ctx = m.new_context(tokens, state, nx)
+        passing: dict[str, torch.Tensor] = {}
+        if r == 0:
+            h, pre = m.embed_stream(tokens, nx)
+        else:
+            lay = self._carry_layout(r - 1, T, start, nx)
+            got = lay.views(comm.recv(torch.empty(lay.nbytes, dtype=torch.uint8,
+                                                  device=m.device), r - 1))
+            h, pre = got["h"], got["pre"]
+            self._unpack_context(got, ctx, state, start, T, passing)
+        h, pre = m.run_layers(h, pre, ctx, state)
+        if r < self.last:
+            self._send_carry(r, h, pre, ctx, state, start, T, nx, passing)
+        elif r != 0:
+            lay = self._final_layout(T, logits, nx)
+            rows = {"all": slice(0, T), "last": slice(T - 1, T), "none": slice(0, 0)}[logits]
+            vals = {"h": h[rows], "pre": pre[rows], "keys": self._keys(ctx),
+                    **{f"tap.{l}": ctx.main_hidden[l] for l in self.cfg.dspark_target_layer_ids
+                       if l >= self.taps_from}}
+            comm.send(lay.pack(vals, m.device), 0)
+        out = None
+        if r == 0:
+            lay = self._final_layout(T, logits, nx)
+            got = lay.views(comm.recv(torch.empty(lay.nbytes, dtype=torch.uint8,
+                                                  device=m.device), self.last))
+            h, pre = got["h"], got["pre"]
+            ctx.published_keys = [int(k) for k in got["keys"].tolist() if k >= 0]
+            for name, t in got.items():
+                if name.startswith("tap."):
+                    ctx.main_hidden[int(name[4:])] = t
+        m.end_forward(tokens, ctx, state)
+        if r == 0:
+            out = m.logits(h, pre, logits, nx)
+        return out, ctx
+
+    def _unpack_context(self, got: dict[str, torch.Tensor], ctx: ForwardContext, state: State,
+                        start: int, T: int, passing: dict[str, torch.Tensor]) -> None:
+        ctx.published_keys = [int(k) for k in got["keys"].tolist() if k >= 0]
+        for name, t in got.items():
+            kind, _, key = name.partition(".")
+            if kind == "sel":
+                ctx.sel[int(key)] = t
+            elif kind == "cand":
+                ctx.candidates = t
+            elif kind == "tap":
+                ctx.main_hidden[int(key)] = t
+            elif kind in ("kv", "ik"):
+                s = int(key)
+                cache = (state.comp_kv if kind == "kv" else state.index_k).get(s)
+                if cache is None:  # a source only later ranks read: pass it on
+                    passing[name] = t
+                else:
+                    j0 = start // self.cfg.ratio(s)
+                    cache[j0:j0 + t.shape[0]] = t
+
+    def _send_carry(self, r: int, h, pre, ctx: ForwardContext, state: State, start: int, T: int,
+                    nx: Numerics, passing: dict[str, torch.Tensor]) -> None:
+        lay = self._carry_layout(r, T, start, nx)
+        vals = {"h": h, "pre": pre, "keys": self._keys(ctx)}
+        for name, _, _ in lay.pieces:
+            kind, _, key = name.partition(".")
+            if kind == "sel":
+                vals[name] = ctx.sel[int(key)]
+            elif kind == "cand":
+                vals[name] = ctx.candidates
+            elif kind == "tap":
+                vals[name] = ctx.main_hidden[int(key)]
+            elif kind in ("kv", "ik"):
+                if name in passing:
+                    vals[name] = passing[name]
+                else:
+                    s = int(key)
+                    rr = self.cfg.ratio(s)
+                    cache = state.comp_kv[s] if kind == "kv" else state.index_k[s]
+                    vals[name] = cache[start // rr:(start + T) // rr]
+        self.comm.send(lay.pack(vals, self.m.device), r + 1)

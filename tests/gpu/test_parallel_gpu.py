@@ -1,0 +1,96 @@
+"""Several GPUs (issue 7, pytest -m gpu tests/gpu/test_parallel_gpu.py on a 2-GPU machine):
+modes layer, layer+dspark, tp, tp+dspark give the tokens — and logits — of one GPU, with both
+GPU orders, over NCCL; a killed rank stops the others.
+
+This process is rank 0 (its follower is a spawned process); the single-GPU reference runs in
+this process on the same device as rank 0.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from strata.checkpoint.tiny import make_tiny
+from strata.model.model import Model
+from strata.model.numerics import Numerics
+from strata.runtime.parallel import ParallelSpec, launch
+from strata.runtime.sampling import SamplingParams
+from strata.runtime.session import Session
+from strata.runtime.speculative import SpecConfig
+from util import random_tokens
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    assert torch.cuda.device_count() >= 2, "these tests need two CUDA devices"
+    return make_tiny(tmp_path_factory.mktemp("tiny"), "tiny", seed=0)
+
+
+CASES = [("layer", ("cuda:0", "cuda:1")), ("layer", ("cuda:1", "cuda:0")),
+         ("tp", ("cuda:0", "cuda:1")), ("tp", ("cuda:1", "cuda:0"))]
+
+
+@pytest.mark.parametrize("mode,devices", CASES, ids=[f"{m}-{d[0][-1]}{d[1][-1]}" for m, d in CASES])
+@pytest.mark.parametrize("numerics", ["vendor", "reference"])
+def test_modes_equal_one_gpu(tiny, mode, devices, numerics):
+    nx = Numerics.for_device(devices[0], numerics)
+    ref = Model.load(tiny, devices[0], nx)
+    prompt = random_tokens(40, seed=3)
+    want = Session(ref, 256).run(prompt, 24, SamplingParams(), stop_ids=frozenset()).tokens
+    st = ref.new_state(64)
+    want_logits, _ = ref.forward(prompt, st)
+    with launch(ParallelSpec(mode, devices, str(tiny), numerics=numerics,
+                             split=((0, 4), (4, 8)) if mode == "layer" else None)) as pm:
+        got_logits, _ = pm.forward(prompt, pm.new_state(64))
+        assert torch.equal(got_logits, want_logits)
+        got = Session(pm, 256).run(prompt, 24, SamplingParams(), stop_ids=frozenset()).tokens
+        assert got == want
+        s = Session(pm, 256, speculative=SpecConfig())
+        assert s.run(prompt, 24, SamplingParams(), stop_ids=frozenset()).tokens == want
+
+
+def test_killed_rank_stops_rank0(tiny, tmp_path):
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import sys, torch\n"
+        "from strata.runtime.parallel import ParallelSpec, launch\n"
+        "def main():\n"
+        "    pm = launch(ParallelSpec('tp', ('cuda:0', 'cuda:1'), sys.argv[1],"
+        " peer_timeout=5))\n"
+        "    print('READY', flush=True)\n"
+        "    st = pm.new_state(64)\n"
+        "    try:\n"
+        "        while True:\n"
+        "            if st.position > 40: st.truncate(0)\n"
+        "            pm.forward(torch.tensor([5, 6]), st, logits='last')\n"
+        "    except Exception as e:\n"
+        "        print('ERROR', type(e).__name__, e, flush=True); sys.exit(3)\n"
+        "if __name__ == '__main__':\n"
+        "    main()\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.Popen([sys.executable, str(script), str(tiny)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
+    child = None
+    for line in p.stderr:
+        if "rank 1 on" in line:
+            child = int(line.rsplit("pid ", 1)[1].rstrip(")\n"))
+            break
+    assert child is not None and p.stdout.readline().strip() == "READY"
+    time.sleep(1)
+    t0 = time.monotonic()
+    os.kill(child, signal.SIGKILL)
+    p.wait(timeout=60)
+    elapsed = time.monotonic() - t0
+    out, err = p.communicate()
+    print(f"rank 0 stopped {elapsed:.1f} s after rank 1 was killed (NCCL): {out}{err}")
+    assert elapsed < 30 and p.returncode in (3, 75)
