@@ -3,12 +3,16 @@
   strata generate  [--model DIR] (--prompt TEXT | --tokens IDS) --max-tokens N ...
   strata score     [--model DIR] --tokens IDS --mode prefill|decode|chunk:N [--start K] --save F.npz
   strata inspect   DIR
+  strata pack      SRC DST [--buffer-mb 32] | strata pack --verify DST
   strata plan      DIR --devices cuda:0,cuda:1 --budget 96GB [--context N] [--reserve 4GiB]
   strata make-tiny OUT [--preset tiny|real-vocab] [--seed N]
   strata serve     [--model DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY] ...
 
 With no --model, the embedded tiny real-vocabulary fixture is generated into the cache
 directory ($STRATA_CACHE or ~/.cache/strata) on first use.
+
+generate, bench decode and serve take --parallel layer|tp --devices D0,D1[,...] [--split
+0-17,18-39]: one process per device, rank 0 runs the command (runtime/parallel.py).
 """
 from __future__ import annotations
 
@@ -32,6 +36,8 @@ def _model_dir(arg: str | None) -> Path:
 
 
 def _load(args) -> "Model":  # noqa: F821
+    if getattr(args, "parallel", None):
+        return _load_parallel(args)
     from strata.model.model import Model
     from strata.model.numerics import Numerics
     try:
@@ -54,8 +60,67 @@ def _load(args) -> "Model":  # noqa: F821
                           progress=False if args.quiet else None)
     if args.engram_cache_mb < 1:
         raise StrataError(f"--engram-cache-mb {args.engram_cache_mb}: must be ≥ 1")
+    if args.draft_cache_mb is not None and args.draft_cache_mb < 1:
+        raise StrataError(f"--draft-cache-mb {args.draft_cache_mb}: must be ≥ 1")
     return Model.load(_model_dir(args.model), device, nx, loader=loader, engram=args.engram,
-                      engram_cache_bytes=args.engram_cache_mb << 20)
+                      engram_cache_bytes=args.engram_cache_mb << 20,
+                      draft_experts=args.draft_experts,
+                      draft_cache_bytes=None if args.draft_cache_mb is None
+                      else args.draft_cache_mb << 20)
+
+
+def _load_parallel(args):
+    """--parallel layer|tp: one process per --devices entry (started here, or joined from
+    torch.distributed's environment); returns rank 0's ParallelModel. On any other rank of an
+    environment-launched group this serves rank 0 until it shuts down, then exits."""
+    from strata.config import ModelConfig
+    from strata.runtime.parallel import ParallelSpec, launch, parse_devices, parse_split
+    if not args.devices:
+        raise StrataError(f"--parallel {args.parallel} needs --devices, one per rank "
+                          "(e.g. cuda:0,cuda:1 or cpu,cpu)")
+    devices = parse_devices(args.devices)
+    model_dir = _model_dir(args.model)
+    split = None
+    if args.split:
+        if args.parallel != "layer":
+            raise StrataError("--split is for --parallel layer")
+        split = parse_split(args.split, ModelConfig.from_model_dir(model_dir).n_layers,
+                            len(devices))
+    if args.engram_cache_mb < 1:
+        raise StrataError(f"--engram-cache-mb {args.engram_cache_mb}: must be ≥ 1")
+    options = {"engram": args.engram, "engram_cache_bytes": args.engram_cache_mb << 20}
+    if getattr(args, "draft_experts", "device") != "device":
+        options["draft_experts"] = args.draft_experts
+        if args.draft_cache_mb is not None:
+            options["draft_cache_bytes"] = args.draft_cache_mb << 20
+    spec = ParallelSpec(args.parallel, devices, str(model_dir), numerics=args.numerics,
+                        act_dtype=args.dtype, vendor_stale_index_k=args.vendor_stale_index_k,
+                        split=split, tp_attention=args.tp_attention,
+                        peer_timeout=args.peer_timeout, context=args.capacity or 32768,
+                        buffer_bytes=args.load_buffer_mb << 20,
+                        progress=False if args.quiet else None, load_options=options)
+    return launch(spec)
+
+
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--parallel", choices=["layer", "tp"],
+                   help="run over several devices, one process each (torch.distributed: NCCL "
+                        "on GPUs, gloo on CPU): layer = contiguous layer ranges per device; "
+                        "tp = attention heads and experts split across devices. Tokens are "
+                        "identical to one device. Without RANK/WORLD_SIZE/MASTER_ADDR/"
+                        "MASTER_PORT in the environment the ranks are started here; with them "
+                        "(torchrun, or the same command on each host) this process is RANK")
+    p.add_argument("--devices", help="with --parallel: one device per rank, in rank order "
+                                     "(cuda:0,cuda:1; cpu,cpu; 'cuda' = cuda:LOCAL_RANK)")
+    p.add_argument("--split", help="with --parallel layer: layer ranges per device, e.g. "
+                                   "0-17,18-39 (default: the placement planner's balanced split)")
+    p.add_argument("--tp-attention", choices=["heads", "replicated"], default="heads",
+                   help="with --parallel tp: split attention by heads (2 collectives per layer) "
+                        "or compute it on every device (1 collective per layer)")
+    p.add_argument("--peer-timeout", type=float, default=15.0,
+                   help="with --parallel: seconds without a heartbeat before a rank counts as "
+                        "gone and the others stop with an error (default 15; a killed process "
+                        "on a live host is noticed at once)")
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -89,6 +154,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="device: load the Engram tables into device memory; disk: leave them on "
                         "disk, read per token behind an LRU row cache with prefetch (the ~203 GB "
                         "tables of V4.1 need this)")
+    p.add_argument("--draft-experts", choices=["device", "cache"], default="device",
+                   help="cache: keep the DSpark stages' routed experts off the device and bring "
+                        "each draft step's experts in through a bounded cache (for when they do "
+                        "not fit beside the backbone; drafts are identical)")
+    p.add_argument("--draft-cache-mb", type=int, default=None,
+                   help="with --draft-experts cache: its device budget (default 1024, or more "
+                        "when the device has free memory)")
     p.add_argument("--engram-cache-mb", type=int, default=1024,
                    help="with --engram disk: host RAM for cached Engram rows, all tables "
                         "together (default 1024)")
@@ -110,7 +182,9 @@ def cmd_generate(args) -> int:
         prompt = list(dr.DeepseekV41Encoding().with_tokenizer(rtok).encode(conv))
     params = SamplingParams(args.temperature, args.top_p, args.seed)
     cap = args.capacity or len(prompt) + args.max_tokens
-    session = Session(model, cap)
+    # One prompt, the state not reused afterwards: the exact decoder-skipping prefill applies
+    # (single device; the multi-device forward has no skip yet).
+    session = Session(model, cap, decoder_skip=not getattr(args, "parallel", None))
     t0 = time.perf_counter()
     result = session.run(prompt, args.max_tokens, params)
     dt = time.perf_counter() - t0
@@ -188,11 +262,15 @@ def _group(name: str) -> str:
 
 
 def cmd_inspect(args) -> int:
+    from strata.checkpoint.pack import (PackFolder, checkpoint_format, is_pack, pack_bytes,
+                                        verify_files)
     from strata.checkpoint.safetensors_io import CheckpointFolder
     from strata.config import ModelConfig
     folder = Path(args.dir)
     cfg = ModelConfig.from_model_dir(folder)
-    ckpt = CheckpointFolder(folder)
+    packed = is_pack(folder)
+    # A pack is described even when its files are bad; the check's outcome is printed below.
+    ckpt = PackFolder(folder, verify="none") if packed else CheckpointFolder(folder)
     groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     dtypes: dict[str, int] = defaultdict(int)
     for name in ckpt.names():
@@ -201,14 +279,30 @@ def cmd_inspect(args) -> int:
         g[0] += 1
         g[1] += info.nbytes
         dtypes[info.dtype] += info.nbytes
-    if any(n.endswith(".trellis") for n in ckpt.names()):
-        fmt = "EXL3"
-    elif "F8_E4M3" in dtypes:
-        fmt = "official (fp8 dense, fp4 experts, fp8 Engram)"
-    else:
-        fmt = "unquantized"
-    print(f"{folder}: {fmt}; {len(ckpt.files())} file(s), {len(ckpt.names())} tensors, "
+    fmt = checkpoint_format(ckpt)
+    head = "strata " + fmt if packed else ("EXL3" if fmt.startswith("EXL3") else fmt)
+    print(f"{folder}: {head}; {len(ckpt.files())} file(s), {len(ckpt.names())} tensors, "
           f"{ckpt.total_bytes() / 1e9:.3f} GB")
+    if packed:
+        m = ckpt.manifest
+        files = m["files"]
+        n_stacked = sum(len(r.get("stacked", {})) for r in files)
+        tables = [r for r in files if r["kind"] == "engram"]
+        print(f"  format: strata pack v{m['version']} of {ckpt.source_format} (packed from "
+              f"{ckpt.source_path}); {n_stacked} stacked expert tensors; "
+              f"{len(tables)} Engram record file(s)"
+              + (f" of {tables[0]['record_bytes']}-byte records" if tables else ""))
+        try:
+            hashed = verify_files(folder, m, "size")
+            note = f" ({len(hashed)} changed since packing: checksums match)" if hashed else ""
+            print(f"  manifest: every file present with its recorded size{note}; full check: "
+                  f"strata pack --verify {folder}")
+        except StrataError as e:
+            print(f"  manifest: MISMATCH: {e}")
+        print(f"  on disk: {sum(r['bytes'] for r in files) / 1e9:.3f} GB in {len(files)} "
+              "files (already packed)")
+    else:
+        print(f"  format: {fmt}")
     print(f"  layers {cfg.n_layers}, hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}"
           f"×{cfg.head_dim}, vocab {cfg.vocab_size}, experts {cfg.n_routed_experts} top-"
           f"{cfg.num_experts_per_tok}, window {cfg.sliding_window}")
@@ -229,16 +323,43 @@ def cmd_inspect(args) -> int:
         ks = ", ".join(f"{k:g}: {c}" for k, c in sorted(kbits[g].items())) if g in kbits else ""
         print(f"  {g:<20}{n:>9}{b:>16,}   {ks}")
     print("  by dtype: " + ", ".join(f"{k} {v:,}" for k, v in sorted(dtypes.items())))
+    if not packed:
+        print(f"  disk needed to pack it: {pack_bytes(ckpt) / 1e9:.3f} GB "
+              f"(strata pack {folder} DST)")
+    ckpt.close()
+    return 0
+
+
+def cmd_pack(args) -> int:
+    from strata.checkpoint.pack import pack, verify_pack
+    progress = False if args.quiet else None
+    if args.verify:
+        if len(args.paths) != 1:
+            raise StrataError("strata pack --verify DST: give exactly one pack folder")
+        n, nbytes, dt = verify_pack(args.paths[0], progress=progress)
+        print(f"{args.paths[0]}: {n} files, {nbytes / 1e9:.3f} GB: every size and {n} "
+              f"checksums match the manifest ({nbytes / 1e9 / max(dt, 1e-9):.2f} GB/s)")
+        return 0
+    if len(args.paths) != 2:
+        raise StrataError("strata pack SRC DST: give the checkpoint folder and the pack folder")
+    if args.buffer_mb < 1:
+        raise StrataError(f"--buffer-mb {args.buffer_mb}: must be ≥ 1")
+    r = pack(args.paths[0], args.paths[1], buffer_bytes=args.buffer_mb << 20,
+             progress=progress)
+    gbs = r.bytes / 1e9 / max(r.seconds, 1e-9)
+    print(f"packed {args.paths[0]} into {r.path}: {r.bytes / 1e9:.3f} GB in "
+          f"{len(r.written) + len(r.reused)} files ({len(r.written)} written, {len(r.reused)} "
+          f"kept from an earlier run), {r.seconds:.1f} s, {gbs:.2f} GB/s")
     return 0
 
 
 def cmd_plan(args) -> int:
-    from strata.checkpoint.safetensors_io import CheckpointFolder
+    from strata.checkpoint.pack import open_checkpoint
     from strata.config import ModelConfig
     from strata.runtime.placement import parse_bytes, plan_placement, tensor_bytes_of
     folder = Path(args.dir)
     cfg = ModelConfig.from_model_dir(folder)
-    with CheckpointFolder(folder) as ckpt:
+    with open_checkpoint(folder, verify="none") as ckpt:  # a folder or a pack
         sizes = tensor_bytes_of(ckpt)  # headers only: the plan fails before any weight is read
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     budgets = [parse_bytes(b) for b in args.budget.split(",")]
@@ -259,15 +380,30 @@ def cmd_bench_decode(args) -> int:
     results = bench_decode(model, prompt, modes, n=args.tokens, runs=args.runs,
                            warmup=args.warmup, length=args.length)
     print(report(results, len(prompt)))
+    split = None
+    if getattr(args, "parallel", None):
+        from strata.bench.decode import parallel_split, split_report
+        split = parallel_split(model, prompt, modes, n=args.tokens, length=args.length)
+        print(split_report(split))
     if args.json:
-        dev = torch.device(args.device)
+        dev = torch.device(args.devices.split(",")[0] if getattr(args, "parallel", None)
+                           else args.device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda:0")
         meta = {"command": "strata " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
                 "device": torch.cuda.get_device_name(dev) if dev.type == "cuda"
                 else platform.processor() or platform.machine(),
+                "parallel": getattr(args, "parallel", None),
+                "devices": getattr(args, "devices", None), "split_timing": split,
                 "model": str(_model_dir(args.model)), "prompt_tokens": len(prompt),
                 "numerics": model.numerics.mode, "act_dtype": str(model.numerics.act_dtype)}
         write_json(args.json, results, meta)
     return 0
+
+
+def cmd_bench_synthetic(args) -> int:
+    from strata.bench.synthetic import run
+    return run(args)
 
 
 def cmd_passkey(args) -> int:
@@ -291,6 +427,11 @@ def cmd_passkey(args) -> int:
     return 0
 
 
+def cmd_bench_kernels(args) -> int:
+    from strata.bench.kernels import run_from_args
+    return run_from_args(args)
+
+
 def cmd_serve(args) -> int:
     from strata.serve.server import api_key, check_bind, serve
     check_bind(args.host, api_key(args.api_key))  # before the (long) model load
@@ -310,6 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate tokens from a prompt")
     _add_model_args(g)
+    _add_parallel_args(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="a user message, rendered with the V4.1 chat format")
     src.add_argument("--tokens", help="raw prompt token ids (comma or space separated)")
@@ -329,9 +471,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--save", required=True, help="output .npz (logits, tokens, positions)")
     s.set_defaults(fn=cmd_score)
 
-    i = sub.add_parser("inspect", help="describe a checkpoint folder")
+    i = sub.add_parser("inspect", help="describe a checkpoint folder or a pack")
     i.add_argument("dir")
     i.set_defaults(fn=cmd_inspect)
+
+    pk = sub.add_parser("pack", help="convert a checkpoint folder (official or EXL3) into the "
+                                     "runtime pack, or check a pack (--verify)")
+    pk.add_argument("paths", nargs="+", metavar="SRC DST",
+                    help="the checkpoint folder and the pack folder (with --verify: the pack)")
+    pk.add_argument("--verify", action="store_true",
+                    help="check every file of the pack against the manifest's sizes and "
+                         "checksums")
+    pk.add_argument("--buffer-mb", type=int, default=32,
+                    help="size of each of the 4 buffers the bytes stream through (default 32)")
+    pk.add_argument("--quiet", action="store_true", help="no progress bar")
+    pk.set_defaults(fn=cmd_pack)
 
     pl = sub.add_parser("plan", help="place layers on devices within memory budgets "
                                      "(reads only the checkpoint headers)")
@@ -353,6 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
     bd = bsub.add_parser("decode", help="decode protocol: fixed coding prompt, greedy, "
                                         "modes compared token for token")
     _add_model_args(bd)
+    _add_parallel_args(bd)
     bd.add_argument("--modes", default="plain,dspark,oracle",
                     help="comma-separated: plain, dspark, oracle (drafts = plain continuation)")
     bd.add_argument("--tokens", type=int, default=96)
@@ -362,6 +517,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fixed verify length for dspark (default: adaptive)")
     bd.add_argument("--json", help="write the results as JSON here")
     bd.set_defaults(fn=cmd_bench_decode)
+    from strata.bench.kernels import add_arguments as add_bench_kernels_arguments
+    bk = bsub.add_parser("kernels", help="EXL3 kernels at the V4.1 shapes (vs exllamav3 when it "
+                                         "imports); --smoke: tiny shapes on CPU")
+    add_bench_kernels_arguments(bk)
+    bk.set_defaults(fn=cmd_bench_kernels)
+
+    from strata.bench.synthetic import add_arguments as add_bench_synthetic_arguments
+    bs = bsub.add_parser("synthetic", help="decode speed of the V4.1 shapes and formats with "
+                                           "random weights made on the device")
+    add_bench_synthetic_arguments(bs)
+    bs.set_defaults(fn=cmd_bench_synthetic)
 
     pk = sub.add_parser("passkey", help="long-context retrieval: a pass key at the start, "
                                         "filler, the question at the end")
@@ -378,6 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="OpenAI/Anthropic-compatible HTTP server")
     _add_model_args(sv)
+    _add_parallel_args(sv)
     sv.add_argument("--host", default="127.0.0.1",
                     help="bind address (default loopback; others need an API key)")
     sv.add_argument("--port", type=int, default=8000)
@@ -417,6 +584,10 @@ def main(argv: list[str] | None = None) -> int:
     except StrataError as e:
         print(f"strata: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if getattr(args, "parallel", None):  # stop the other ranks of a multi-device run
+            from strata.runtime.parallel import close_all
+            close_all()
 
 
 if __name__ == "__main__":

@@ -95,3 +95,14 @@ def test_bench_decode(tiny_dir, tmp_path, capsys):
     assert set(rows) == {"plain", "dspark", "oracle"}
     assert rows["oracle"]["accepted"] == rows["oracle"]["drafted"] > 0  # full acceptance
     assert all(r["median_tok_per_s"] > 0 for r in rows.values())
+
+
+def test_bench_decode_with_draft_experts_in_a_cache(tiny_dir, capsys):
+    """The DSpark stages' experts behind a 1 MB cache: the bench checks dspark == plain."""
+    assert main(["bench", "decode", "--model", str(tiny_dir), "--tokens", "10", "--runs", "1",
+                 "--warmup", "0", "--modes", "plain,dspark", "--draft-experts", "cache",
+                 "--draft-cache-mb", "1"]) == 0
+    assert "identical" in capsys.readouterr().out
+    assert main(["generate", "--model", str(tiny_dir), "--tokens", "5", "--draft-cache-mb",
+                 "0"]) == 2
+    assert "--draft-cache-mb" in capsys.readouterr().err

@@ -90,3 +90,63 @@ def test_expert_bigger_than_the_budget_is_named(stage_experts):
         cache.get(keys[0])
     assert cache.resident_bytes == 0
     fetched.clear()
+
+
+# ---- wired into the model: the DSpark stages' experts behind the cache ------------------------
+@pytest.fixture(scope="module", params=["official", "exl3"])
+def draft_dir(request, tmp_path_factory, tiny_dir):
+    from strata.checkpoint.tiny import make_tiny
+    if request.param == "official":
+        return tiny_dir
+    return make_tiny(tmp_path_factory.mktemp("tiny-exl3"), "tiny", seed=0, fmt="exl3")
+
+
+def test_draft_experts_behind_a_small_cache_draft_the_same(draft_dir):
+    """Model.load(draft_experts='cache') with room for a few experts: identical drafts and
+    tokens to the model holding every draft expert, the budget never exceeded, and only
+    draft experts ever cached."""
+    from strata.model.model import Model
+    from strata.runtime.expert_cache import CachedExperts
+    from strata.runtime.session import Session
+    from strata.runtime.speculative import SpecConfig
+    full = Model.load(draft_dir, "cpu", Numerics(mode="reference"))
+    cfg = full.cfg
+    one = sum(full.dspark.stages[0].ffn.experts.linears[n][0].nbytes() for n in ("w1", "w3", "w2"))
+    per_step = min(cfg.dspark_block_size * cfg.dspark_num_experts_per_tok,
+                   cfg.dspark_n_routed_experts)  # distinct experts of one stage, at most
+    budget = one * per_step + 1
+    cached = Model.load(draft_dir, "cpu", Numerics(mode="reference"), draft_experts="cache",
+                        draft_cache_bytes=budget)
+    assert all(isinstance(s.ffn.experts, CachedExperts) for s in cached.dspark.stages)
+    assert not any(isinstance(b.ffn.experts, CachedExperts) for b in cached.layers)
+    cache = cached.draft_expert_cache
+    prompt = torch.randint(3, 320, (10,), generator=torch.Generator().manual_seed(2))
+    run = dict(max_tokens=14, stop_ids=frozenset(), mode="dspark")
+    a = Session(full, 64, speculative=SpecConfig(length=4))
+    b = Session(cached, 64, speculative=SpecConfig(length=4))
+    assert b.run(prompt, **run).tokens == a.run(prompt, **run).tokens
+    assert b.stats.accepted == a.stats.accepted and b.stats.windows == a.stats.windows
+    st = cache.stats()
+    assert st["misses"] > 0 and st["evictions"] > 0 and st["resident_bytes"] <= budget
+    assert all(key[0].startswith("mtp.") for key in cache._entries)
+    # The draft itself is bit-identical (logits and confidences), not just the tokens.
+    drafts = []
+    for m in (full, cached):
+        s = m.new_state(32)
+        _, ctx = m.forward(prompt, s)
+        m.dspark.commit_context(m.dspark.main_hidden(ctx), 0, s, m.numerics)
+        drafts.append(m.dspark.draft(m.embed, m.head, 7, s, m.numerics,
+                                     lambda lg, pos: int(lg.argmax())))
+    assert torch.equal(drafts[0].logits, drafts[1].logits)
+    assert torch.equal(drafts[0].confidence, drafts[1].confidence)
+
+
+def test_draft_cache_too_small_for_one_step_names_the_budget(tiny_dir):
+    from strata.model.model import Model
+    from strata.runtime.session import Session
+    from strata.runtime.speculative import SpecConfig
+    m = Model.load(tiny_dir, "cpu", Numerics(mode="reference"), draft_experts="cache",
+                   draft_cache_bytes=1)
+    with pytest.raises(ExpertCacheError, match="cache budget"):
+        Session(m, 64, speculative=SpecConfig(length=3)).run(
+            torch.arange(3, 12), max_tokens=4, mode="dspark", stop_ids=frozenset())

@@ -221,3 +221,13 @@ def test_cli_plan(tiny_dir, capsys):
     assert main(["plan", str(tiny_dir), "--devices", "cuda:0", "--budget", "10MB",
                  "--reserve", "1MB", "--context", "65536"]) == 2
     assert "MB missing" in capsys.readouterr().err
+
+
+def test_cli_plan_reads_a_pack_like_its_folder(tiny_dir, tmp_path, capsys):
+    from strata.checkpoint.pack import pack
+    pack(tiny_dir, tmp_path / "p", progress=False)
+    argv = ["--devices", "cuda:0,cuda:1", "--budget", "8GB", "--context", "65536"]
+    assert main(["plan", str(tiny_dir)] + argv) == 0
+    want = capsys.readouterr().out
+    assert main(["plan", str(tmp_path / "p")] + argv) == 0
+    assert capsys.readouterr().out == want

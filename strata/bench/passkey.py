@@ -126,7 +126,9 @@ def run_passkey(model, tokenizer_json: str | Path, lengths: list[int], depth: fl
         prompt = builder.build(n, key, depth)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-        session = Session(model, len(prompt) + max_tokens, prefill_chunk=chunk)
+        # The state is not reused after the answer: the exact decoder-skipping prefill applies.
+        session = Session(model, len(prompt) + max_tokens, prefill_chunk=chunk,
+                          decoder_skip=True)
         out, t0 = [], time.perf_counter()
         t_first = None
         for t in session.generate(prompt, max_tokens):  # greedy (temperature 0)

@@ -51,6 +51,13 @@ class Block:
         """The attention sublayer (DSpark stages attend differently: see model/dspark.py)."""
         return self.attn.forward(u, ctx, state)
 
+    def publish(self, h: torch.Tensor, pre_mix: torch.Tensor, ctx: ForwardContext,
+                state: State) -> None:
+        """Only what later layers read from this block: its compressed entries and index
+        keys, from its attention input (the prefill's decoder skip, Model.forward)."""
+        u = rms_norm(collapse(h, pre_mix), self.attn_norm, self.cfg.rms_norm_eps)
+        self.attn.publish(u, ctx, state)
+
     def forward(self, h: torch.Tensor, pre_mix: torch.Tensor, ctx: ForwardContext,
                 state: State) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, H, D], pre_mix [T, H] → (h, this block's FFN pre)."""

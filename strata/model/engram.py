@@ -13,7 +13,7 @@ import torch
 from strata.checkpoint.encodings import dequant_engram_rows
 from strata.checkpoint.weights import WeightReader
 from strata.config import ModelConfig
-from strata.engram_store import EngramDiskWeights, EngramStore
+from strata.engram_store import EngramStore
 from strata.model.numerics import Numerics, row_mean, row_sum
 
 
@@ -38,7 +38,7 @@ class Engram:
         n_ids = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
         D, H = cfg.hidden_size, cfg.hc_mult
         self.table: EngramTable | EngramStore
-        if isinstance(w, EngramDiskWeights):  # Model.load(engram="disk"): rows stay on disk
+        if hasattr(w, "engram_table"):  # the reader places the table (e.g. on disk)
             self.table = w.engram_table(f"{prefix}.embed", n_rows, hd)
         else:
             self.table = EngramTable(

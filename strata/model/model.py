@@ -6,15 +6,17 @@ logits for the requested rows. The caller brackets it with state.begin()/commit(
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from strata.checkpoint.loader import TensorLoader
-from strata.checkpoint.safetensors_io import CheckpointFolder
+from strata.checkpoint.pack import open_checkpoint
 from strata.checkpoint.weights import WeightReader
 from strata.config import ModelConfig
-from strata.engram_store import EngramDiskWeights, EngramStore
+from strata.engram_store import EngramDiskWeights
 from strata.errors import ConfigError
 from strata.model.block import Block
 from strata.model.context import ForwardContext
@@ -26,36 +28,68 @@ from strata.runtime.state import State
 from strata.tokenizer import tokenizer_path
 
 
+@dataclass(frozen=True)
+class ModelPart:
+    """What one process of a multi-device group holds (runtime/parallel.py); the default is
+    the whole model. `layers`: the backbone layers (None: all); `embed`: the token embedding;
+    `head`: final norm, head and DSpark stages; `wrap_reader`: applied to the weight reader
+    before anything loads (tensor parallelism loads only its shards through it)."""
+
+    layers: Sequence[int] | None = None
+    embed: bool = True
+    head: bool = True
+    wrap_reader: Callable[[WeightReader], WeightReader] | None = None
+
+
 class Model:
     def __init__(self, cfg: ModelConfig, w: WeightReader, numerics: Numerics,
-                 hasher: NgramHasher | None) -> None:
+                 hasher: NgramHasher | None, part: ModelPart | None = None) -> None:
         self.cfg, self.numerics, self.hasher = cfg, numerics, hasher
+        self.part = part = part or ModelPart()
         self.device = w.device
         D, V = cfg.hidden_size, cfg.vocab_size
-        self.embed = w.tensor("embed.weight", ("BF16", "F32"), (V, D))
-        self.layers = [Block(cfg, l, w, f"layers.{l}") for l in range(cfg.n_layers)]
-        self.norm = w.float_tensor("norm.weight", (D,))
-        self.head = w.linear("head", V, D)
-        self.dspark = DSparkHead(cfg, w) if cfg.num_nextn_predict_layers else None
+        self.embed = w.tensor("embed.weight", ("BF16", "F32"), (V, D)) if part.embed else None
+        # The blocks held, in layer order (all of them unless a part says otherwise).
+        ids = range(cfg.n_layers) if part.layers is None else sorted(part.layers)
+        self.layers = [Block(cfg, l, w, f"layers.{l}") for l in ids]
+        self.norm = w.float_tensor("norm.weight", (D,)) if part.head else None
+        self.head = w.linear("head", V, D) if part.head else None
+        self.dspark = DSparkHead(cfg, w) if part.head and cfg.num_nextn_predict_layers else None
         if cfg.engram_layer_ids and hasher is None:
             raise ConfigError("the config has Engram layers but no n-gram hasher was given")
         # Disk-resident tables, by layer: prefetch_engram starts their reads early.
         self.engram_stores = {b.layer: b.engram.table for b in self.layers
-                              if b.engram is not None and isinstance(b.engram.table, EngramStore)}
+                              if b.engram is not None and getattr(b.engram.table, "prefetches",
+                                                                  False)}
+        # Model.load(draft_experts="cache"): the ExpertCache holding the draft stages' experts.
+        self.draft_expert_cache = None
 
     @classmethod
     def load(cls, model_dir: str | Path, device: torch.device | str = "cpu",
              numerics: Numerics | None = None, cache_dir: Path | None = None,
              loader: TensorLoader | None = None, engram: str = "device",
-             engram_cache_bytes: int = 1 << 30, engram_options: dict | None = None) -> "Model":
+             engram_cache_bytes: int = 1 << 30, engram_options: dict | None = None,
+             verify: str = "size", part: ModelPart | None = None,
+             draft_experts: str = "device", draft_cache_bytes: int | None = None) -> "Model":
         """Load a checkpoint folder; `loader` sets the staging pool and progress bar (it is
         closed when loading ends, successful or not).
 
         engram="device" loads the Engram tables to `device`; "disk" leaves them on disk behind
         strata.engram_store (engram_cache_bytes of row cache, split between the tables;
-        engram_options: further EngramStore keywords such as io_threads, direct)."""
+        engram_options: further EngramStore keywords such as io_threads, direct).
+
+        `model_dir` may be a checkpoint folder or a runtime pack (`strata pack`); a pack is
+        checked against its manifest before any weight streams: verify="size" (sizes, and
+        checksums of files changed since packing), "full" (every checksum) or "none".
+
+        draft_experts="cache" keeps the DSpark stages' routed experts off the device, brought
+        in per draft step through a bounded cache (runtime.expert_cache; draft_cache_bytes,
+        default 1 GiB or more with free device memory) — for when they do not fit beside the
+        backbone. Drafts are bit-identical either way."""
         if engram not in ("device", "disk"):
             raise ValueError(f"engram={engram!r}: expected 'device' or 'disk'")
+        if draft_experts not in ("device", "cache"):
+            raise ValueError(f"draft_experts={draft_experts!r}: expected 'device' or 'cache'")
         model_dir = Path(model_dir)
         cfg = ModelConfig.from_model_dir(model_dir)
         numerics = numerics or Numerics.for_device(device)
@@ -79,8 +113,8 @@ class Model:
                     raise ConfigError(
                         f"{model_dir}: Engram layer {layer} hashes into {hasher.rows(layer)} rows "
                         f"but engram_num_embeddings says {rows}")
-        folder = CheckpointFolder(model_dir)
-        folder.validate()  # every shard header, before any weight streams (fail early)
+        # A pack: files vs manifest; either way every header, before any weight streams.
+        folder = open_checkpoint(model_dir, verify=verify)
         loader = loader or TensorLoader(device)
         try:
             if engram == "disk":
@@ -90,8 +124,17 @@ class Model:
                                                          cache_bytes=per_table))
             else:
                 w = WeightReader(folder, device, loader)
+            if part is not None and part.wrap_reader is not None:
+                w = part.wrap_reader(w)
+            draft_cache = None
+            if draft_experts == "cache" and cfg.num_nextn_predict_layers:
+                from strata.runtime.expert_cache import DraftExpertReader
+                w = DraftExpertReader(w, draft_cache_bytes)
+                draft_cache = w.cache
             # On error nothing half-built escapes: the exception propagates, no model returns.
-            return cls(cfg, w, numerics, hasher)
+            model = cls(cfg, w, numerics, hasher, part)
+            model.draft_expert_cache = draft_cache
+            return model
         finally:
             loader.close()  # frees the staging buffers: no host copy of weights remains
 
@@ -108,17 +151,69 @@ class Model:
             store.prefetch(ids[layer])
 
     def new_state(self, capacity: int) -> State:
-        return State(self.cfg, capacity, self.device, kv_dtype=self.numerics.act_dtype)
+        return State(self.cfg, capacity, self.device, kv_dtype=self.numerics.act_dtype,
+                     layers=self.part.layers, dspark=self.dspark is not None)
+
+    @property
+    def decoder_start(self) -> int | None:
+        """The first decoder layer when the model has V4.1's encoder-decoder shape (one ratio-1
+        kv source that every later layer reads, nothing else kept per row past it but window
+        rings), else None. Its rows far from a prefill's end need not run past it: see
+        prefill_reach."""
+        cfg = self.cfg
+        ds = cfg.candidate_source_layer_id
+        if ds is None or ds not in cfg.kv_source_layer_ids:
+            return None
+        later = range(ds, cfg.n_layers)
+        if any(cfg.compress_ratios[l] != 1 or cfg.kv_source_of(l) != ds for l in later):
+            return None
+        return ds
+
+    @property
+    def prefill_reach(self) -> int:
+        """Rows before a prefill's end that the decoder layers must run for an exact result:
+        a decoder row reads only the W rows before it at its own layer (plus the source's
+        compressed entries, published for every row), so the last row's output and the last W
+        rows of every window ring depend on at most (decoder layers)·W + W rows."""
+        W = self.cfg.sliding_window
+        return (self.cfg.n_layers - self.decoder_start) * W + W
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, state: State, logits: str = "all",
-                numerics: Numerics | None = None) -> tuple[torch.Tensor | None, ForwardContext]:
+                numerics: Numerics | None = None,
+                decoder: bool = True) -> tuple[torch.Tensor | None, ForwardContext]:
         """Consume tokens [T] at positions state.position.. ; logits 'all' | 'last' | 'none'.
+
+        decoder=False (prefill rows at least `prefill_reach` before the prompt's end, logits
+        'none'): the encoder layers run in full, the first decoder layer only publishes the
+        compressed entries and index keys every later row reads, and the other decoder layers
+        are skipped — what follows is bit-identical to running them (tests/test_parity.py).
 
         Returns (logits [T or 1, V] fp32 or None, the forward's context with DSpark taps).
         """
-        cfg = self.cfg
         nx = numerics or self.numerics
+        tokens = self.check_forward(tokens, state, logits)
+        if not decoder and (logits != "none" or self.decoder_start is None):
+            raise ValueError("decoder=False needs logits='none' and a model with an "
+                             "encoder-decoder split (Model.decoder_start)")
+        # A forward that fails part-way must not leave half-written rings behind: without a
+        # caller's snapshot, it journals its own writes and undoes them on error.
+        own_journal = state.journal is None
+        if own_journal:
+            state.begin()
+        try:
+            out = self._forward(tokens, state, logits, nx, decoder)
+        except BaseException:
+            if own_journal:
+                state.rollback()
+            raise
+        if own_journal:
+            state.commit()
+        return out
+
+    def check_forward(self, tokens: torch.Tensor, state: State, logits: str) -> torch.Tensor:
+        """The forward's arguments checked (before anything runs); tokens as int64 [T]."""
+        cfg = self.cfg
         if logits not in ("all", "last", "none"):
             raise ValueError(f"logits={logits!r}: expected 'all', 'last' or 'none'")
         tokens = tokens.to(self.device).view(-1)
@@ -131,23 +226,21 @@ class Model:
         if int(tokens.min()) < 0 or int(tokens.max()) >= cfg.vocab_size:
             raise ValueError(f"token ids must be in 0..{cfg.vocab_size - 1}")
         state.check_room(T)
-        # A forward that fails part-way must not leave half-written rings behind: without a
-        # caller's snapshot, it journals its own writes and undoes them on error.
-        own_journal = state.journal is None
-        if own_journal:
-            state.begin()
-        try:
-            out = self._forward(tokens, state, logits, nx)
-        except BaseException:
-            if own_journal:
-                state.rollback()
-            raise
-        if own_journal:
-            state.commit()
-        return out
+        return tokens
 
     def _forward(self, tokens: torch.Tensor, state: State, logits: str,
-                 nx: Numerics) -> tuple[torch.Tensor | None, ForwardContext]:
+                 nx: Numerics, decoder: bool = True) -> tuple[torch.Tensor | None, ForwardContext]:
+        ctx = self.new_context(tokens, state, nx)
+        h, pre = self.embed_stream(tokens, nx)
+        h, pre = self.run_layers(h, pre, ctx, state, decoder)
+        self.end_forward(tokens, ctx, state)
+        return self.logits(h, pre, logits, nx), ctx
+
+    # -- the pieces of a forward: a multi-device group runs them on different ranks --------
+    # (runtime/parallel.py: embed on the first, a contiguous layer range on each, the head on
+    # the first again; the stream h, the lagged pre and the context cross between them.)
+    def new_context(self, tokens: torch.Tensor, state: State, nx: Numerics) -> ForwardContext:
+        """A fresh context for tokens [T] at state.position (positions, Engram row ids)."""
         cfg = self.cfg
         T = tokens.numel()
         start = state.position
@@ -161,19 +254,42 @@ class Model:
             # in flight from an earlier prefetch_engram).
             for layer, store in self.engram_stores.items():
                 store.prefetch(ctx.engram_ids[layer])
+        return ctx
 
+    def embed_stream(self, tokens: torch.Tensor, nx: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
+        """The initial stream h [T, H, D] (every copy the embedding) and pre = one-hot(0)."""
+        cfg = self.cfg
+        T = tokens.numel()
         h = self.embed[tokens].to(nx.act_dtype)
         h = h[:, None, :].expand(T, cfg.hc_mult, cfg.hidden_size).contiguous()
         pre = torch.zeros((T, cfg.hc_mult), dtype=torch.float32, device=self.device)
         pre[:, 0] = 1.0
+        return h, pre
+
+    def run_layers(self, h: torch.Tensor, pre: torch.Tensor, ctx: ForwardContext,
+                   state: State, decoder: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The held blocks in order: (h, pre) in, (h, last block's FFN pre) out.
+        decoder=False: stop at the first decoder layer after it publishes (see forward)."""
         for block in self.layers:
+            if not decoder and block.layer >= self.decoder_start:
+                if block.layer == self.decoder_start:
+                    block.publish(h, pre, ctx, state)
+                continue
             h, pre = block.forward(h, pre, ctx, state)
+        return h, pre
+
+    def end_forward(self, tokens: torch.Tensor, ctx: ForwardContext, state: State) -> None:
+        """Record the forward's tokens in the state (the caller commits or rolls back)."""
         state.advance(tokens)
         if ctx.published_keys:
             state.stale_index_source = ctx.published_keys[-1]
+
+    def logits(self, h: torch.Tensor, pre: torch.Tensor, logits: str,
+               nx: Numerics) -> torch.Tensor | None:
+        """Final collapse → norm → head for the requested rows ('all' | 'last' | 'none')."""
         if logits == "none":
-            return None, ctx
+            return None
         if logits == "last":
             h, pre = h[-1:], pre[-1:]
-        z = rms_norm(collapse(h, pre), self.norm, cfg.rms_norm_eps)
-        return self.head(z, nx, torch.float32), ctx
+        z = rms_norm(collapse(h, pre), self.norm, self.cfg.rms_norm_eps)
+        return self.head(z, nx, torch.float32)

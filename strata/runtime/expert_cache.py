@@ -116,3 +116,72 @@ class ExpertCache:
                 "hit_rate": self.hits / total if total else 0.0,
                 "resident_bytes": self.resident_bytes, "budget_bytes": self.budget,
                 "bytes_fetched": self.bytes_fetched}
+
+
+class CachedExperts:
+    """The routed experts of one DSpark stage, kept off the device and brought in through an
+    ExpertCache when a draft step selects them (the ExpertStack forward interface).
+
+    Exactness: a step runs `ExpertStack.of_linears` over just the selected experts — the same
+    per-pair products as the full stack restricted to them — so drafts are bit-identical to a
+    model holding every draft expert on the device, whatever the cache held before the step.
+    """
+
+    def __init__(self, cache: ExpertCache, prefix: str, n_experts: int, limit: float) -> None:
+        self.cache, self.prefix = cache, prefix
+        self.n_experts, self.limit = n_experts, limit
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
+                nx) -> torch.Tensor:
+        from strata.model.moe import ExpertStack
+        selected = torch.unique(idx)  # ascending, so the remapped order is the original one
+        parts = self.cache.get_many([(self.prefix, int(e)) for e in selected.tolist()])
+        linears = {name: [p[name] for p in parts] for name in ("w1", "w3", "w2")}
+        local = torch.searchsorted(selected, idx.contiguous())
+        return ExpertStack.of_linears(linears, self.limit).forward(x, local, weight, nx)
+
+
+class DraftExpertReader:
+    """A weight reader that loads everything through `inner` except the DSpark stages' routed
+    experts (`mtp.*.ffn.experts`), which stay on disk behind one ExpertCache per device.
+
+    Fetching reads an expert's three projections as stored, through the reader's own small
+    staging pool (the model's loader is closed once loading ends), from the same checkpoint
+    folder or pack. Backbone experts are never cache entries, so no eviction touches them.
+    """
+
+    def __init__(self, inner, budget_bytes: int | None = None,
+                 buffer_bytes: int = 64 * MiB, n_buffers: int = 2) -> None:
+        from strata.checkpoint.loader import TensorLoader
+        from strata.checkpoint.weights import WeightReader
+        self.inner = inner
+        self._fetch_reader = WeightReader(inner.folder, inner.device, TensorLoader(
+            inner.device, buffer_bytes=buffer_bytes, n_buffers=n_buffers))
+        budget = budget_bytes if budget_bytes is not None else default_budget(inner.device)
+        self.cache = ExpertCache(self._fetch, budget)
+        self._shapes: dict[str, dict[str, tuple[int, int]]] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)  # everything else is the inner reader's
+
+    def cached_experts(self, cfg, prefix: str, n_experts: int) -> CachedExperts | None:
+        if not prefix.startswith("mtp."):
+            return None
+        from strata.model.moe import expert_shapes
+        self._shapes[prefix] = expert_shapes(cfg)
+        for name in self._shapes[prefix]:  # fail at load, not at the first draft
+            for e in (0, n_experts - 1):
+                if not self.inner.folder.has(f"{prefix}.{e}.{name}.weight") and \
+                        not self.inner.folder.has(f"{prefix}.{e}.{name}.trellis"):
+                    raise ExpertCacheError(f"draft expert {prefix}.{e}.{name} is missing from "
+                                           f"{self.inner.folder.path}")
+        return CachedExperts(self.cache, prefix, n_experts, cfg.swiglu_limit)
+
+    def _fetch(self, key: tuple[str, int]) -> tuple[dict, int]:
+        prefix, e = key
+        linears = {name: self._fetch_reader.linear(f"{prefix}.{e}.{name}", *shape)
+                   for name, shape in self._shapes[prefix].items()}
+        return linears, sum(l.nbytes() for l in linears.values())
+
+    def close(self) -> None:
+        self._fetch_reader.loader.close()

@@ -29,12 +29,16 @@ class Session:
     def __init__(self, model: Model, capacity: int, prefill_chunk: int = 512,
                  speculative: SpecConfig | None = None, draft_override: DraftOverride | None = None,
                  costs: tuple[list[float], float] | None = None,
-                 state: State | None = None) -> None:
+                 state: State | None = None, decoder_skip: bool = False) -> None:
         """`speculative` enables DSpark: the state then also keeps the draft stages' windows
         of every committed row (prefill included), and generate() can run mode 'dspark'.
         `costs` = (seconds per verify window of 1.. rows, seconds per draft) for the adaptive
         length (strata.runtime.speculative.measure_costs).
-        `state`: continue an existing state (the server's prefix reuse) instead of a new one."""
+        `state`: continue an existing state (the server's prefix reuse) instead of a new one.
+        `decoder_skip`: prefill long prompts with Model.forward(decoder=False) for the rows far
+        from the end (exact; its decoder window rings then hold only the prompt's last
+        rows, so a later truncation into the skipped part must not be continued — the
+        server's prefix reuse does not use it yet)."""
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be ≥ 1")
         if speculative is not None and model.dspark is None:
@@ -45,6 +49,7 @@ class Session:
         self.speculative = speculative
         self.draft_override = draft_override
         self.costs = costs
+        self.decoder_skip = decoder_skip
         self.stats: SpecStats | None = None  # of the last dspark generation
 
     @property
@@ -52,18 +57,31 @@ class Session:
         return self.state.position
 
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Consume tokens in chunks; return the last row's logits [V] fp32."""
+        """Consume tokens in chunks; return the last row's logits [V] fp32.
+
+        With `decoder_skip`, the rows more than `model.prefill_reach` before the end run the
+        encoder layers only (Model.forward(decoder=False)): the same logits and the same
+        state for everything that follows, at about half the work of a long prompt."""
         tokens = tokens.view(-1)
-        self.state.check_room(tokens.numel())
+        n = tokens.numel()
+        self.state.check_room(n)
+        skip_to = 0
+        if self.decoder_skip and getattr(self.model, "decoder_start", None) is not None:
+            skip_to = max(0, n - self.model.prefill_reach)
         last = None
-        for i in range(0, tokens.numel(), self.prefill_chunk):
-            chunk = tokens[i:i + self.prefill_chunk]
-            want = "last" if i + self.prefill_chunk >= tokens.numel() else "none"
-            start = self.state.position
-            last, ctx = self.model.forward(chunk, self.state, logits=want)
-            if self.speculative is not None:
-                self.model.dspark.commit_context(self.model.dspark.main_hidden(ctx), start,
-                                                 self.state, self.model.numerics)
+        for lo, hi, full in ((0, skip_to, False), (skip_to, n, True)):
+            for i in range(lo, hi, self.prefill_chunk):
+                chunk = tokens[i:min(i + self.prefill_chunk, hi)]
+                want = "last" if full and i + self.prefill_chunk >= hi else "none"
+                start = self.state.position
+                if full:
+                    last, ctx = self.model.forward(chunk, self.state, logits=want)
+                else:
+                    self.model.forward(chunk, self.state, logits="none", decoder=False)
+                # The draft windows keep the last W rows, all of which ran in full.
+                if full and self.speculative is not None:
+                    self.model.dspark.commit_context(self.model.dspark.main_hidden(ctx), start,
+                                                     self.state, self.model.numerics)
         return last[0]
 
     def generate(self, prompt: torch.Tensor | list[int], max_tokens: int,

@@ -1,0 +1,336 @@
+"""A synthetic V4.1-Flash: the real config, shapes and stored formats with random weights made
+directly in device memory (no checkpoint, no disk for weights), for measuring speed at full
+size where the real checkpoint cannot be had.
+
+`SyntheticWeights` stands in for the WeightReader: the model code asks for tensors by checkpoint
+name and shape exactly as when loading, and gets random data of the stored encoding —
+EXL3 trellises at a per-group bit width (the default mix is about 2.7 bits per weight
+overall: routed experts 2.5/3, attention and shared experts 4, head 6) or the official fp8
+tiles / fp4 groups. Values are scaled so activations keep unit-order magnitudes through 40
+layers (the numbers are meaningless, but no inf/NaN changes the work done).
+
+Engram tables (384M rows each in V4.1, ~101 GB per table) are folded onto a bounded number of
+rows: a row id r reads row r mod `engram_rows`, so lookups keep the real id stream and access
+pattern (random rows, 2×24 per token) over a table that fits. `engram="disk"` writes the folded
+table as packed records to a file and reads it through the Engram store, like the real thing.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from strata.config import ModelConfig
+from strata.quant.exl3 import MARKERS, Exl3Linear
+from strata.quant.linear import DenseLinear, Fp4Group32Linear, Fp8Block32Linear, Linear
+
+# Default EXL3 bits per weight by tensor group (half-integer K needs the mul1 codebook).
+DEFAULT_BITS = {"experts.w1": 2.5, "experts.w3": 2.5, "experts.w2": 3.0, "mtp_experts": 3.0,
+                "head": 6.0, "other": 4.0}
+
+
+def exl3_group(name: str) -> str:
+    """The bit-mix group of a linear's checkpoint prefix."""
+    if name == "head":
+        return "head"
+    if ".ffn.experts." in name:
+        if name.startswith("mtp."):
+            return "mtp_experts"
+        return "experts." + name.rsplit(".", 1)[1]
+    return "other"
+
+
+@dataclass
+class SyntheticWeights:
+    """Random stored tensors on `device`, by checkpoint name (the WeightReader interface)."""
+
+    cfg: ModelConfig
+    device: torch.device
+    fmt: str = "exl3"                      # "exl3" or "official" (fp8 dense, fp4 experts)
+    bits: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_BITS))
+    seed: int = 0
+    engram: str = "device"                 # "device" or "disk"
+    engram_rows: int = 1 << 20             # rows each folded Engram table keeps
+    engram_dir: Path | None = None         # where engram="disk" writes its table files
+    stored_bytes: dict[str, int] = field(default_factory=dict)  # by group, for reports
+    weights: dict[str, int] = field(default_factory=dict)       # quantized weights by group
+
+    def __post_init__(self) -> None:
+        self.device = torch.device(self.device)
+        if self.fmt not in ("exl3", "official"):
+            raise ValueError(f"synthetic format {self.fmt!r}: expected 'exl3' or 'official'")
+        if self.engram not in ("device", "disk"):
+            raise ValueError(f"engram={self.engram!r}: expected 'device' or 'disk'")
+        self.gen = torch.Generator(device=self.device).manual_seed(self.seed)
+        self.used: set[str] = set()
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _count(self, group: str, t: torch.Tensor) -> torch.Tensor:
+        self.stored_bytes[group] = self.stored_bytes.get(group, 0) + t.numel() * t.element_size()
+        return t
+
+    def _randn(self, shape, scale: float, dtype=torch.float32) -> torch.Tensor:
+        return (torch.randn(shape, generator=self.gen, device=self.device) * scale).to(dtype)
+
+    def _bytes(self, shape, lo: int = 0, hi: int = 256) -> torch.Tensor:
+        return torch.randint(lo, hi, shape, generator=self.gen, device=self.device,
+                             dtype=torch.int32).to(torch.uint8)
+
+    # ---- the WeightReader interface --------------------------------------------------------
+    def has(self, name: str) -> bool:
+        return False  # optional tensors (bias_vl, biases) are absent, as in V4.1 text weights
+
+    def tensor(self, name: str, dtype: str | tuple[str, ...] | None = None,
+               shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        self.used.add(name)
+        want = dtype if isinstance(dtype, str) else (dtype or ("BF16",))[0]
+        if want in ("BF16", "F32", "F16"):
+            torch_dtype = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}[want]
+            return self._count("dense", self._randn(shape, 0.02, torch_dtype))
+        raise ValueError(f"synthetic tensor {name}: dtype {want} is not generated")
+
+    def float_tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        self.used.add(name)
+        if re.search(r"norm\.weight$|q_weight$|k_weight$", name):
+            t = torch.ones(shape, device=self.device)
+        elif name.endswith(("gate.bias", "attn_sink", "_base")):
+            t = torch.zeros(shape, device=self.device)
+        else:
+            t = self._randn(shape, 0.02)
+        return self._count("dense", t)
+
+    def linear(self, prefix: str, out_features: int, in_features: int) -> Linear:
+        self.used.add(prefix)
+        if prefix.endswith(".gate"):  # the router stays unquantized in every format
+            return DenseLinear(self._count("dense", self._randn((out_features, in_features),
+                                                                in_features ** -0.5,
+                                                                torch.bfloat16)))
+        group = exl3_group(prefix)
+        self.weights[group] = self.weights.get(group, 0) + out_features * in_features
+        if self.fmt == "exl3":
+            return self._exl3(group, out_features, in_features)
+        if ".ffn.experts." in prefix:
+            return self._fp4(group, out_features, in_features)
+        return self._fp8(group, out_features, in_features)
+
+    def linear_groups(self, prefix: str, groups: int, out_per_group: int,
+                      in_features: int) -> list[Linear]:
+        return [self.linear(f"{prefix}.slice.{g}", out_per_group, in_features)
+                for g in range(groups)]
+
+    def engram_table(self, prefix: str, n_rows: int, dim: int):
+        rows = min(n_rows, self.engram_rows)
+        values = self._bytes((rows, dim)) & 0x77        # e4m3 without NaN codes
+        scales = self._bytes((rows, dim // 32), 118, 126)
+        if self.engram == "device":
+            return FoldedTable(_DeviceRows(values, scales), rows)
+        from strata.engram_store import EngramStore, RowSource, pack_records
+        if self.engram_dir is None:
+            raise ValueError("engram='disk' needs engram_dir")
+        path = Path(self.engram_dir) / f"{prefix}.engram"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pack_records(values.cpu(), scales.cpu()).tofile(path)
+        return FoldedTable(EngramStore(RowSource.packed(path, rows, dim), self.device), rows)
+
+    # ---- stored encodings ------------------------------------------------------------------
+    def _exl3(self, group: str, out_features: int, in_features: int) -> Exl3Linear:
+        K = self.bits.get(group, self.bits["other"])
+        kp, np_ = -(-in_features // 128) * 128, -(-out_features // 128) * 128
+        L = int(16 * K) if K == int(K) else int(16 * (K - 0.5)) + 8
+        trellis = torch.randint(-32768, 32768, (kp // 16, np_ // 16, L), generator=self.gen,
+                                device=self.device, dtype=torch.int32).to(torch.int16)
+        sign = lambda n: (torch.randint(0, 2, (n,), generator=self.gen, device=self.device)
+                          * 2 - 1).to(torch.float16)
+        suh = sign(kp)
+        svh = sign(np_) * (1.0 / math.sqrt(in_features))  # keeps |y| ≈ |x|
+        codebook = "mul1" if K != int(K) else "3inst"
+        for t in (trellis, suh, svh):
+            self._count(group, t)
+        return Exl3Linear(trellis, suh, svh, codebook, out_features, in_features)
+
+    def _fp8(self, group: str, out_features: int, in_features: int) -> Fp8Block32Linear:
+        w = self._bytes((out_features, in_features)) & 0x77  # |e4m3| ≤ ~240·2^-? , no NaN
+        w = w | (self._bytes((out_features, in_features), 0, 2) << 7)  # random sign
+        e = 127 - 7 - round(math.log2(math.sqrt(in_features)))
+        s = torch.full((-(-out_features // 32), -(-in_features // 32)), e, dtype=torch.uint8,
+                       device=self.device)
+        return Fp8Block32Linear(self._count(group, w.view(torch.float8_e4m3fn)),
+                                self._count(group, s))
+
+    def _fp4(self, group: str, out_features: int, in_features: int) -> Fp4Group32Linear:
+        w = self._bytes((out_features, in_features // 2)).view(torch.int8)
+        e = 127 - 2 - round(math.log2(math.sqrt(in_features)))
+        s = torch.full((out_features, in_features // 32), e, dtype=torch.uint8,
+                       device=self.device)
+        return Fp4Group32Linear(self._count(group, w), self._count(group, s))
+
+    def bits_per_weight(self) -> float:
+        """Average stored bits per weight of the quantized linears made so far (trellis,
+        suh/svh or fp8/fp4 bytes and their scales, padding included)."""
+        quant = sum(v for k, v in self.stored_bytes.items() if k != "dense")
+        return 8 * quant / max(sum(self.weights.values()), 1)
+
+
+class _DeviceRows:
+    """Folded table rows held on the device, looked up like EngramTable."""
+
+    def __init__(self, values: torch.Tensor, scales: torch.Tensor) -> None:
+        self.values, self.scales = values.view(torch.float8_e4m3fn), scales
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        from strata.checkpoint.encodings import dequant_engram_rows
+        flat = ids.reshape(-1)
+        return dequant_engram_rows(self.values[flat], self.scales[flat]).view(*ids.shape, -1)
+
+
+class FoldedTable:
+    """Row r of the full table reads row r mod `rows` of a smaller one (same id stream)."""
+
+    def __init__(self, inner, rows: int) -> None:
+        self.inner, self.rows = inner, rows
+        self.prefetches = getattr(inner, "prefetches", False)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner.lookup(ids % self.rows)
+
+    def prefetch(self, ids: torch.Tensor) -> None:
+        if hasattr(self.inner, "prefetch"):
+            self.inner.prefetch(ids % self.rows)
+
+    def stats(self):
+        return self.inner.stats()
+
+    def close(self) -> None:
+        if hasattr(self.inner, "close"):
+            self.inner.close()
+
+
+def synthetic_hasher(cfg: ModelConfig):
+    """The Engram hasher of `cfg` over a stand-in token map (id mod classes): the real map
+    needs the V4.1 tokenizer, and any map gives the same amount of hashing and reading."""
+    import numpy as np
+
+    from strata.model.ngram_hash import NgramHashConfig, NgramHasher
+    if not cfg.engram_layer_ids:
+        return None
+    token_map = np.arange(cfg.vocab_size, dtype=np.int64) % cfg.engram_compressed_vocab_size
+    return NgramHasher(NgramHashConfig(
+        layer_ids=list(cfg.engram_layer_ids), max_ngram=cfg.engram_max_ngram_size,
+        n_heads=cfg.engram_n_heads, vocab_start=cfg.engram_vocab_size,
+        pad_token_id=cfg.engram_pad_token_id, compressed_vocab=cfg.engram_compressed_vocab_size),
+        token_map)
+
+
+def build_synthetic(cfg: ModelConfig, device: torch.device | str, numerics=None,
+                    layers=None, **options):
+    """(Model, SyntheticWeights): `cfg`'s model with random stored weights on `device`.
+    `layers`: the backbone layers to hold (None: all) — a one-GPU run of a model that needs
+    two holds a subset, and per-layer times scale to the whole; options go to
+    SyntheticWeights (fmt, bits, seed, engram, engram_rows, engram_dir)."""
+    from dataclasses import replace
+
+    from strata.model.model import Model, ModelPart
+    from strata.model.numerics import Numerics
+    device = torch.device(device)
+    if layers is not None and cfg.dspark_target_layer_ids and \
+            not set(cfg.dspark_target_layer_ids) <= set(layers):
+        # The draft head taps its target layers; a subset taps its last layers instead (the
+        # same amount of work, and the weights are random anyway).
+        n = len(cfg.dspark_target_layer_ids)
+        cfg = replace(cfg, dspark_target_layer_ids=tuple(sorted(layers)[-n:]))
+    w = SyntheticWeights(cfg, device, **options)
+    part = ModelPart(layers=layers) if layers is not None else None
+    model = Model(cfg, w, numerics or Numerics.for_device(device), synthetic_hasher(cfg), part)
+    return model, w
+
+
+# ---- `strata bench synthetic` ------------------------------------------------------------------
+def parse_layers(text: str | None, n_layers: int) -> list[int] | None:
+    """'0-7,20-27' → [0..7, 20..27]; None/'all' → every layer."""
+    if text in (None, "", "all"):
+        return None
+    from strata.errors import StrataError
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        try:
+            a, b = int(lo), int(hi or lo)
+        except ValueError:
+            raise StrataError(f"--layers {text!r}: expected ranges like 0-7,20-27") from None
+        if not 0 <= a <= b < n_layers:
+            raise StrataError(f"--layers {text!r}: layers run 0..{n_layers - 1}")
+        out.extend(range(a, b + 1))
+    return sorted(set(out))
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--config", help="take the model config from this checkpoint folder "
+                                    "(default: the published V4.1-Flash config)")
+    p.add_argument("--layers", help="backbone layers to hold, e.g. 0-11,20-31 (default all); "
+                                    "per-layer times scale to the whole model")
+    p.add_argument("--format", dest="fmt", default="exl3", choices=["exl3", "official"])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--engram", default="device", choices=["device", "disk"])
+    p.add_argument("--engram-rows", type=int, default=1 << 20,
+                   help="rows each folded Engram table keeps (same id stream, bounded size)")
+    p.add_argument("--engram-dir", help="with --engram disk: where the table files go")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--modes", default="plain,oracle")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--length", type=int, default=None, help="fixed verify length for dspark")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the results as JSON here")
+
+
+def run(args) -> int:
+    """Build the synthetic model on the device, run the decode protocol, report tok/s measured
+    and scaled to the whole layer count, stored bits per weight and bytes per group."""
+    import json
+    import sys
+    import time
+
+    from strata.bench.decode import bench_decode, report
+    from strata.config import v41_flash_config
+    cfg = ModelConfig.from_model_dir(Path(args.config)) if args.config else v41_flash_config()
+    layers = parse_layers(args.layers, cfg.n_layers)
+    t0 = time.perf_counter()
+    model, w = build_synthetic(cfg, args.device, layers=layers, fmt=args.fmt, seed=args.seed,
+                               engram=args.engram, engram_rows=args.engram_rows,
+                               engram_dir=args.engram_dir)
+    build_s = time.perf_counter() - t0
+    g = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(3, min(cfg.vocab_size, 100_000), (args.prompt_tokens,),
+                           generator=g).tolist()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    results = bench_decode(model, prompt, modes, n=args.tokens, runs=args.runs,
+                           warmup=args.warmup, length=args.length)
+    held = len(model.layers)
+    lines = [report(results, len(prompt)),
+             f"synthetic {args.fmt}: {held} of {cfg.n_layers} layers held "
+             f"({'all' if layers is None else args.layers}); stored "
+             f"{sum(w.stored_bytes.values()) / 1e9:.2f} GB, {w.bits_per_weight():.2f} bits per "
+             f"quantized weight; built in {build_s:.1f} s"]
+    scaled = {}
+    if held < cfg.n_layers:
+        # Time per token scales with the layers held (embed/head/draft counted once: the
+        # scaled figure is slightly pessimistic).
+        for mode, r in results.items():
+            scaled[mode] = r.median * held / cfg.n_layers
+        lines.append("scaled to all layers: " + ", ".join(f"{m} {v:.1f} tok/s"
+                                                          for m, v in scaled.items()))
+    print("\n".join(lines))
+    if args.json:
+        dev = torch.device(args.device)
+        meta = {"command": "strata " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
+                "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                "layers": layers, "format": args.fmt, "bits_per_weight": w.bits_per_weight(),
+                "stored_bytes": w.stored_bytes, "build_s": build_s}
+        Path(args.json).write_text(json.dumps(
+            {"meta": meta, "results": {m: r.as_dict() for m, r in results.items()},
+             "scaled_tok_per_s": scaled}, indent=2))
+    return 0
