@@ -75,10 +75,27 @@ class DenseLinear(Linear):
         return self.weight.numel() * self.weight.element_size()
 
 
-class Fp8Block32Linear(Linear):
-    """fp8 e4m3 weight with one ue8m0 scale per 32×32 tile (official dense format)."""
+class StoredScaledLinear(Linear):
+    """A weight kept as its stored bytes + ue8m0 scales (`weight`, `scale`): on CUDA (or when
+    forced) the Triton kernel multiplies from those bytes (strata.kernels.fp8fp4); on CPU the
+    reference above."""
 
     quantized_activations = True
+    stored_format = ""  # "fp8" | "fp4": how kernels.fp8fp4 reads the bytes
+
+    def forward(self, x: torch.Tensor, nx: Numerics, out_dtype: torch.dtype | None = None,
+                act_quant: bool = True) -> torch.Tensor:
+        from strata.kernels import fp8fp4
+        if fp8fp4.kernels_enabled(x):
+            return fp8fp4.linear_forward(self.weight, self.scale, self.stored_format, x, nx,
+                                         out_dtype, act_quant)
+        return super().forward(x, nx, out_dtype, act_quant)
+
+
+class Fp8Block32Linear(StoredScaledLinear):
+    """fp8 e4m3 weight with one ue8m0 scale per 32×32 tile (official dense format)."""
+
+    stored_format = "fp8"
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
         super().__init__(*weight.shape)
@@ -86,16 +103,6 @@ class Fp8Block32Linear(Linear):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequant_fp8_block(self.weight, self.scale).to(dtype)
-
-    def forward(self, x: torch.Tensor, nx: Numerics, out_dtype: torch.dtype | None = None,
-                act_quant: bool = True) -> torch.Tensor:
-        """On CUDA (or forced): the Triton kernel on the stored bytes (strata.kernels.fp8fp4);
-        on CPU the reference above."""
-        from strata.kernels import fp8fp4
-        if fp8fp4.kernels_enabled(x):
-            return fp8fp4.linear_forward(self.weight, self.scale, "fp8", x, nx, out_dtype,
-                                         act_quant)
-        return super().forward(x, nx, out_dtype, act_quant)
 
     def rows(self, lo: int, hi: int) -> Linear:
         if lo % 32 or (hi % 32 and hi != self.out_features):
@@ -106,10 +113,10 @@ class Fp8Block32Linear(Linear):
         return self.weight.numel() + self.scale.numel()
 
 
-class Fp4Group32Linear(Linear):
+class Fp4Group32Linear(StoredScaledLinear):
     """fp4 e2m1 weight packed two per byte, ue8m0 scale per 32 along K (official experts)."""
 
-    quantized_activations = True
+    stored_format = "fp4"
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
         super().__init__(weight.shape[0], weight.shape[1] * 2)
@@ -117,16 +124,6 @@ class Fp4Group32Linear(Linear):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequant_fp4_group(self.weight, self.scale).to(dtype)
-
-    def forward(self, x: torch.Tensor, nx: Numerics, out_dtype: torch.dtype | None = None,
-                act_quant: bool = True) -> torch.Tensor:
-        """On CUDA (or forced): the Triton kernel on the stored bytes (strata.kernels.fp8fp4);
-        on CPU the reference above."""
-        from strata.kernels import fp8fp4
-        if fp8fp4.kernels_enabled(x):
-            return fp8fp4.linear_forward(self.weight, self.scale, "fp4", x, nx, out_dtype,
-                                         act_quant)
-        return super().forward(x, nx, out_dtype, act_quant)
 
     def rows(self, lo: int, hi: int) -> Linear:
         return Fp4Group32Linear(self.weight[lo:hi], self.scale[lo:hi])
