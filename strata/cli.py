@@ -357,15 +357,27 @@ def cmd_plan(args) -> int:
     from strata.checkpoint.pack import open_checkpoint
     from strata.config import ModelConfig
     from strata.runtime.placement import parse_bytes, plan_placement, tensor_bytes_of
-    folder = Path(args.dir)
-    cfg = ModelConfig.from_model_dir(folder)
-    with open_checkpoint(folder, verify="none") as ckpt:  # a folder or a pack
-        sizes = tensor_bytes_of(ckpt)  # headers only: the plan fails before any weight is read
+    if (args.dir is None) == (args.synthetic is None):
+        raise StrataError("plan needs a checkpoint folder or --synthetic exl3|official")
+    if args.synthetic:
+        # The published V4.1 config's sizes in that format (built on the meta device: no
+        # memory, no checkpoint), the EXL3 mix of strata bench synthetic (≈2.7 bpw).
+        from strata.bench.synthetic import v41_tensor_bytes
+        from strata.config import v41_flash_config
+        cfg = v41_flash_config()
+        sizes = v41_tensor_bytes(args.synthetic)
+    else:
+        folder = Path(args.dir)
+        cfg = ModelConfig.from_model_dir(folder)
+        with open_checkpoint(folder, verify="none") as ckpt:  # a folder or a pack
+            sizes = tensor_bytes_of(ckpt)  # headers only: fails before any weight is read
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     budgets = [parse_bytes(b) for b in args.budget.split(",")]
     plan = plan_placement(cfg, sizes, devices, budgets, args.context,
                           reserve_bytes=parse_bytes(args.reserve), kv_format=args.kv_format,
-                          engram_on_device=args.engram_on_device)
+                          engram_on_device=args.engram_on_device,
+                          draft_cache_bytes=None if args.draft_cache is None
+                          else parse_bytes(args.draft_cache))
     print(plan.format())
     return 0
 
@@ -489,7 +501,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="place layers on devices within memory budgets "
                                      "(reads only the checkpoint headers)")
-    pl.add_argument("dir")
+    pl.add_argument("dir", nargs="?", help="checkpoint folder or pack")
+    pl.add_argument("--synthetic", choices=["exl3", "official"],
+                    help="instead of a folder: the published V4.1-Flash config in this format "
+                         "(EXL3 at the bench synthetic mix, ≈2.7 bpw)")
     pl.add_argument("--devices", default="cuda:0", help="comma-separated, in layer order")
     pl.add_argument("--budget", required=True,
                     help="memory per device (96GB, 80GiB, ...): one for all, or one per device")
@@ -500,6 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="storage of compressed KV and index keys (fp4: spec §4 packed layout)")
     pl.add_argument("--engram-on-device", action="store_true",
                     help="place the Engram tables with their layers (default: on disk)")
+    pl.add_argument("--draft-cache", metavar="SIZE",
+                    help="plan for --draft-experts cache: the DSpark stages' experts stay on "
+                         "disk behind a draft expert cache of SIZE (e.g. 1GiB)")
     pl.set_defaults(fn=cmd_plan)
 
     b = sub.add_parser("bench", help="benchmarks")

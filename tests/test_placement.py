@@ -231,3 +231,34 @@ def test_cli_plan_reads_a_pack_like_its_folder(tiny_dir, tmp_path, capsys):
     want = capsys.readouterr().out
     assert main(["plan", str(tmp_path / "p")] + argv) == 0
     assert capsys.readouterr().out == want
+
+
+def test_draft_experts_behind_the_cache_leave_the_tail(v41):
+    """--draft-experts cache: the stages' experts are planned off the device, their cache in."""
+    cfg, sizes = v41
+    draft = sum(n for name, n in sizes.items()
+                if name.startswith("mtp.") and ".ffn.experts." in name)
+    assert draft > 0
+    on = plan_placement(cfg, sizes, ["a", "b", "c", "d"], [96 * GB], context=65_536)
+    off = plan_placement(cfg, sizes, ["a", "b", "c", "d"], [96 * GB], context=65_536,
+                         draft_cache_bytes=1 << 30)
+    tail = lambda p: next(u for d in p.devices for u in d.units if u.layer is None
+                          and u.name.startswith("head"))
+    assert tail(on).weight_bytes - tail(off).weight_bytes == draft
+    assert tail(off).cache_bytes - tail(on).cache_bytes == 1 << 30
+    assert off.draft_off_device_bytes == draft and on.draft_off_device_bytes == 0
+    assert "DSpark stage experts" in off.format()
+
+
+def test_cli_plan_synthetic_v41(capsys):
+    """The published config at the EXL3 mix fits 2 × 96 GiB at 524K with the draft experts
+    behind a 1 GiB cache, and the official formats do not."""
+    argv = ["plan", "--synthetic", "exl3", "--devices", "cuda:0,cuda:1", "--budget", "96GiB",
+            "--context", "524288", "--kv-format", "fp4"]
+    assert main(argv + ["--draft-cache", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "layers 0-19" in out and "layers 20-39" in out and "DSpark stage experts" in out
+    assert main(argv) == 2
+    assert "head+norm+DSpark" in capsys.readouterr().err
+    assert main(["plan", "--devices", "cuda:0", "--budget", "1GB"]) == 2
+    assert "--synthetic" in capsys.readouterr().err

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -57,6 +58,9 @@ class SyntheticWeights:
     engram_dir: Path | None = None         # where engram="disk" writes its table files
     stored_bytes: dict[str, int] = field(default_factory=dict)  # by group, for reports
     weights: dict[str, int] = field(default_factory=dict)       # quantized weights by group
+    # Bytes by checkpoint-like tensor name (the placement planner's input); on the "meta"
+    # device nothing is allocated, so the full model's sizes come for free.
+    tensor_bytes: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
@@ -64,20 +68,31 @@ class SyntheticWeights:
             raise ValueError(f"synthetic format {self.fmt!r}: expected 'exl3' or 'official'")
         if self.engram not in ("device", "disk"):
             raise ValueError(f"engram={self.engram!r}: expected 'device' or 'disk'")
-        self.gen = torch.Generator(device=self.device).manual_seed(self.seed)
+        self.meta = self.device.type == "meta"
+        self.gen = None if self.meta else \
+            torch.Generator(device=self.device).manual_seed(self.seed)
         self.used: set[str] = set()
 
     # ---- helpers ---------------------------------------------------------------------------
-    def _count(self, group: str, t: torch.Tensor) -> torch.Tensor:
-        self.stored_bytes[group] = self.stored_bytes.get(group, 0) + t.numel() * t.element_size()
+    def _count(self, group: str, t: torch.Tensor, name: str) -> torch.Tensor:
+        n = t.numel() * t.element_size()
+        self.stored_bytes[group] = self.stored_bytes.get(group, 0) + n
+        self.tensor_bytes[name] = n
         return t
 
     def _randn(self, shape, scale: float, dtype=torch.float32) -> torch.Tensor:
+        if self.meta:
+            return torch.empty(shape, dtype=dtype, device="meta")
         return (torch.randn(shape, generator=self.gen, device=self.device) * scale).to(dtype)
 
-    def _bytes(self, shape, lo: int = 0, hi: int = 256) -> torch.Tensor:
+    def _ints(self, shape, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.meta:
+            return torch.empty(shape, dtype=dtype, device="meta")
         return torch.randint(lo, hi, shape, generator=self.gen, device=self.device,
-                             dtype=torch.int32).to(torch.uint8)
+                             dtype=torch.int32).to(dtype)
+
+    def _bytes(self, shape, lo: int = 0, hi: int = 256) -> torch.Tensor:
+        return self._ints(shape, lo, hi, torch.uint8)
 
     # ---- the WeightReader interface --------------------------------------------------------
     def has(self, name: str) -> bool:
@@ -89,7 +104,7 @@ class SyntheticWeights:
         want = dtype if isinstance(dtype, str) else (dtype or ("BF16",))[0]
         if want in ("BF16", "F32", "F16"):
             torch_dtype = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}[want]
-            return self._count("dense", self._randn(shape, 0.02, torch_dtype))
+            return self._count("dense", self._randn(shape, 0.02, torch_dtype), name)
         raise ValueError(f"synthetic tensor {name}: dtype {want} is not generated")
 
     def float_tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -100,21 +115,22 @@ class SyntheticWeights:
             t = torch.zeros(shape, device=self.device)
         else:
             t = self._randn(shape, 0.02)
-        return self._count("dense", t)
+        return self._count("dense", t, name)
 
     def linear(self, prefix: str, out_features: int, in_features: int) -> Linear:
         self.used.add(prefix)
         if prefix.endswith(".gate"):  # the router stays unquantized in every format
             return DenseLinear(self._count("dense", self._randn((out_features, in_features),
                                                                 in_features ** -0.5,
-                                                                torch.bfloat16)))
+                                                                torch.bfloat16),
+                                           f"{prefix}.weight"))
         group = exl3_group(prefix)
         self.weights[group] = self.weights.get(group, 0) + out_features * in_features
         if self.fmt == "exl3":
-            return self._exl3(group, out_features, in_features)
+            return self._exl3(group, prefix, out_features, in_features)
         if ".ffn.experts." in prefix:
-            return self._fp4(group, out_features, in_features)
-        return self._fp8(group, out_features, in_features)
+            return self._fp4(group, prefix, out_features, in_features)
+        return self._fp8(group, prefix, out_features, in_features)
 
     def linear_groups(self, prefix: str, groups: int, out_per_group: int,
                       in_features: int) -> list[Linear]:
@@ -122,6 +138,9 @@ class SyntheticWeights:
                 for g in range(groups)]
 
     def engram_table(self, prefix: str, n_rows: int, dim: int):
+        # The full table's size for plans (it stays on disk); a folded one to run.
+        self.tensor_bytes[f"{prefix}.weight"] = n_rows * dim
+        self.tensor_bytes[f"{prefix}.scale"] = n_rows * (dim // 32)
         rows = min(n_rows, self.engram_rows)
         values = self._bytes((rows, dim)) & 0x77        # e4m3 without NaN codes
         scales = self._bytes((rows, dim // 32), 118, 126)
@@ -136,36 +155,38 @@ class SyntheticWeights:
         return FoldedTable(EngramStore(RowSource.packed(path, rows, dim), self.device), rows)
 
     # ---- stored encodings ------------------------------------------------------------------
-    def _exl3(self, group: str, out_features: int, in_features: int) -> Exl3Linear:
+    def _exl3(self, group: str, prefix: str, out_features: int, in_features: int) -> Exl3Linear:
         K = self.bits.get(group, self.bits["other"])
         kp, np_ = -(-in_features // 128) * 128, -(-out_features // 128) * 128
         L = int(16 * K) if K == int(K) else int(16 * (K - 0.5)) + 8
-        trellis = torch.randint(-32768, 32768, (kp // 16, np_ // 16, L), generator=self.gen,
-                                device=self.device, dtype=torch.int32).to(torch.int16)
-        sign = lambda n: (torch.randint(0, 2, (n,), generator=self.gen, device=self.device)
-                          * 2 - 1).to(torch.float16)
+        trellis = self._ints((kp // 16, np_ // 16, L), -32768, 32768, torch.int16)
+        sign = lambda n: (self._ints((n,), 0, 2, torch.float16) * 2 - 1)
         suh = sign(kp)
         svh = sign(np_) * (1.0 / math.sqrt(in_features))  # keeps |y| ≈ |x|
         codebook = "mul1" if K != int(K) else "3inst"
-        for t in (trellis, suh, svh):
-            self._count(group, t)
+        for part, t in (("trellis", trellis), ("suh", suh), ("svh", svh)):
+            self._count(group, t, f"{prefix}.{part}")
         return Exl3Linear(trellis, suh, svh, codebook, out_features, in_features)
 
-    def _fp8(self, group: str, out_features: int, in_features: int) -> Fp8Block32Linear:
+    def _fp8(self, group: str, prefix: str, out_features: int,
+             in_features: int) -> Fp8Block32Linear:
         w = self._bytes((out_features, in_features)) & 0x77  # |e4m3| ≤ ~240·2^-? , no NaN
         w = w | (self._bytes((out_features, in_features), 0, 2) << 7)  # random sign
         e = 127 - 7 - round(math.log2(math.sqrt(in_features)))
         s = torch.full((-(-out_features // 32), -(-in_features // 32)), e, dtype=torch.uint8,
                        device=self.device)
-        return Fp8Block32Linear(self._count(group, w.view(torch.float8_e4m3fn)),
-                                self._count(group, s))
+        return Fp8Block32Linear(self._count(group, w.view(torch.float8_e4m3fn),
+                                            f"{prefix}.weight"),
+                                self._count(group, s, f"{prefix}.scale"))
 
-    def _fp4(self, group: str, out_features: int, in_features: int) -> Fp4Group32Linear:
+    def _fp4(self, group: str, prefix: str, out_features: int,
+             in_features: int) -> Fp4Group32Linear:
         w = self._bytes((out_features, in_features // 2)).view(torch.int8)
         e = 127 - 2 - round(math.log2(math.sqrt(in_features)))
         s = torch.full((out_features, in_features // 32), e, dtype=torch.uint8,
                        device=self.device)
-        return Fp4Group32Linear(self._count(group, w), self._count(group, s))
+        return Fp4Group32Linear(self._count(group, w, f"{prefix}.weight"),
+                                self._count(group, s, f"{prefix}.scale"))
 
     def bits_per_weight(self) -> float:
         """Average stored bits per weight of the quantized linears made so far (trellis,
@@ -334,3 +355,11 @@ def run(args) -> int:
             {"meta": meta, "results": {m: r.as_dict() for m, r in results.items()},
              "scaled_tok_per_s": scaled}, indent=2))
     return 0
+
+
+@lru_cache(maxsize=None)
+def v41_tensor_bytes(fmt: str = "exl3") -> dict[str, int]:
+    """Bytes per stored tensor of the published V4.1-Flash config in `fmt` (the EXL3 default
+    mix), from a build on the meta device: nothing allocated, for plans."""
+    from strata.config import v41_flash_config
+    return dict(build_synthetic(v41_flash_config(), "meta", fmt=fmt)[1].tensor_bytes)

@@ -155,6 +155,7 @@ class PlacementPlan:
     kv_format: str
     off_device_bytes: int  # Engram tables left on disk
     unplaced_bytes: int    # tensors the text model does not load (vision)
+    draft_off_device_bytes: int = 0  # DSpark experts behind the expert cache (--draft-experts)
 
     def device_of_layer(self, layer: int) -> str:
         for d in self.devices:
@@ -187,6 +188,9 @@ class PlacementPlan:
             lines.append(f"  Engram tables: {gb(self.off_device_bytes)} stay on disk (engram store)")
         if self.unplaced_bytes:
             lines.append(f"  not loaded (vision): {gb(self.unplaced_bytes)}")
+        if self.draft_off_device_bytes:
+            lines.append(f"  DSpark stage experts: {gb(self.draft_off_device_bytes)} stay on "
+                         "disk behind the draft expert cache (its budget is in the tail's caches)")
         return "\n".join(lines)
 
 
@@ -208,14 +212,19 @@ def _classify(name: str, cfg: ModelConfig, engram_on_device: bool) -> str | int:
 
 def build_units(cfg: ModelConfig, tensor_bytes: Mapping[str, int], context: int, *,
                 kv_format: str = "bf16", act_bytes: int = 2,
-                engram_on_device: bool = False) -> tuple[list[Unit], int, int]:
-    """(units in model order, Engram bytes left on disk, bytes not loaded)."""
+                engram_on_device: bool = False,
+                draft_cache_bytes: int | None = None) -> tuple[list[Unit], int, int, int]:
+    """(units in model order, Engram bytes left on disk, bytes not loaded, DSpark expert
+    bytes left on disk). draft_cache_bytes: the DSpark stages' experts stay off the device
+    behind an expert cache of that budget (Model.load(draft_experts="cache"))."""
     if kv_format not in KV_FORMATS:
         raise StrataError(f"kv_format {kv_format!r}: expected one of {', '.join(KV_FORMATS)}")
-    weights = {"embed": 0, "tail": 0, "engram": 0, "skip": 0}
+    weights = {"embed": 0, "tail": 0, "engram": 0, "skip": 0, "draft": 0}
     layer_w = [0] * cfg.n_layers
     for name, n in tensor_bytes.items():
         where = _classify(name, cfg, engram_on_device)
+        if draft_cache_bytes is not None and name.startswith("mtp.") and ".ffn.experts." in name:
+            where = "draft"
         if isinstance(where, int):
             if where >= cfg.n_layers:
                 raise PlacementError(f"tensor {name} names layer {where}, but the config has "
@@ -230,14 +239,15 @@ def build_units(cfg: ModelConfig, tensor_bytes: Mapping[str, int], context: int,
               for l in range(cfg.n_layers)]
     dspark_rings = cfg.num_nextn_predict_layers * ring_rows(cfg) * (hd * act_bytes + 8)
     units.append(Unit("head+norm+DSpark" if cfg.num_nextn_predict_layers else "head+norm",
-                      None, weights["tail"], dspark_rings))
-    return units, weights["engram"], weights["skip"]
+                      None, weights["tail"], dspark_rings + (draft_cache_bytes or 0)))
+    return units, weights["engram"], weights["skip"], weights["draft"]
 
 
 def plan_placement(cfg: ModelConfig, tensor_bytes: Mapping[str, int], devices: Sequence[str],
                    budgets: Sequence[int], context: int, *,
                    reserve_bytes: int = DEFAULT_RESERVE_BYTES, kv_format: str = "bf16",
-                   act_bytes: int = 2, engram_on_device: bool = False) -> PlacementPlan:
+                   act_bytes: int = 2, engram_on_device: bool = False,
+                   draft_cache_bytes: int | None = None) -> PlacementPlan:
     """Assign contiguous layer ranges to devices in order; PlacementError if it cannot fit."""
     if not devices:
         raise StrataError("no devices given")
@@ -247,9 +257,9 @@ def plan_placement(cfg: ModelConfig, tensor_bytes: Mapping[str, int], devices: S
         raise StrataError(f"{len(budgets)} budgets for {len(devices)} devices")
     if context < 1:
         raise StrataError(f"context {context}: must be ≥ 1 token")
-    units, off_device, unplaced = build_units(cfg, tensor_bytes, context, kv_format=kv_format,
-                                              act_bytes=act_bytes,
-                                              engram_on_device=engram_on_device)
+    units, off_device, unplaced, draft_off = build_units(
+        cfg, tensor_bytes, context, kv_format=kv_format, act_bytes=act_bytes,
+        engram_on_device=engram_on_device, draft_cache_bytes=draft_cache_bytes)
     plans = [DevicePlan(d, int(b), reserve_bytes) for d, b in zip(devices, budgets)]
     k = 0
     for unit in units:
@@ -260,7 +270,7 @@ def plan_placement(cfg: ModelConfig, tensor_bytes: Mapping[str, int], devices: S
         if k == len(plans):
             raise PlacementError(_shortfall(units, unit, plans, context, off_device))
         plans[k].units.append(unit)
-    return PlacementPlan(plans, context, kv_format, off_device, unplaced)
+    return PlacementPlan(plans, context, kv_format, off_device, unplaced, draft_off)
 
 
 def _shortfall(units: list[Unit], stuck: Unit, plans: list[DevicePlan], context: int,
@@ -293,7 +303,7 @@ def balanced_split(cfg: ModelConfig, tensor_bytes: Mapping[str, int], n_devices:
     L = cfg.n_layers
     if not 1 <= n_devices <= L:
         raise PlacementError(f"cannot split {L} layers over {n_devices} devices")
-    units, _, _ = build_units(cfg, tensor_bytes, context, kv_format=kv_format,
+    units, _, _, _ = build_units(cfg, tensor_bytes, context, kv_format=kv_format,
                               act_bytes=act_bytes, engram_on_device=engram_on_device)
     extra = sum(u.total for u in units if u.layer is None)
     size = [0] * L
