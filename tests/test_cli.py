@@ -106,3 +106,18 @@ def test_bench_decode_with_draft_experts_in_a_cache(tiny_dir, capsys):
     assert main(["generate", "--model", str(tiny_dir), "--tokens", "5", "--draft-cache-mb",
                  "0"]) == 2
     assert "--draft-cache-mb" in capsys.readouterr().err
+
+
+def test_bench_decode_oracle_at_a_target_acceptance(tiny_dir, tmp_path):
+    """oracle:2.9 forces rejections so that verification commits 2.9 tokens per window on
+    average, with the tokens still plain decoding's (the bench checks them)."""
+    from strata.bench.decode import accepted_schedule
+    s = accepted_schedule(2.9, 5)
+    first = [next(s) for _ in range(100)]
+    assert sum(first) == 190 and set(first) <= {1, 2}
+    out = tmp_path / "b.json"
+    assert main(["bench", "decode", "--model", str(tiny_dir), "--tokens", "40", "--runs", "1",
+                 "--warmup", "0", "--modes", "plain,oracle:2.9", "--json", str(out)]) == 0
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert abs(rows["oracle:2.9"]["mean_committed_per_window"] - 2.9) < 0.25
+    assert main(["bench", "decode", "--model", str(tiny_dir), "--modes", "oracle:9"]) == 2

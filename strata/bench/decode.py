@@ -27,7 +27,32 @@ from strata.runtime.session import Session
 from strata.runtime.speculative import SpecConfig, measure_costs
 
 PROMPT = "Write a thread-safe LRU cache in Python."
-MODES = ("plain", "dspark", "oracle")
+MODES = ("plain", "dspark", "oracle")  # and "oracle:X": X committed tokens per window
+
+
+def oracle_target(mode: str, block: int) -> float | None:
+    """'oracle' → None (accept every draft); 'oracle:2.9' → 2.9 committed tokens per window
+    on average (accepted drafts + the target's own token), checked against 1..block+1."""
+    if mode == "oracle":
+        return None
+    try:
+        x = float(mode.split(":", 1)[1])
+    except (IndexError, ValueError):
+        raise StrataError(f"mode {mode!r}: expected oracle:X with X committed per window") from None
+    if not 1.0 <= x <= block + 1:
+        raise StrataError(f"mode {mode!r}: X must be in 1..{block + 1} (accepted drafts + 1)")
+    return x
+
+
+def accepted_schedule(target: float, block: int):
+    """Accepted drafts per window whose running mean tracks target - 1 (error diffusion):
+    e.g. 2.9 → 2, 2, 2, 2, 2, 2, 2, 2, 2, 1, … (mean 1.9 accepted, 2.9 committed)."""
+    k, done = 0, 0
+    while True:
+        k += 1
+        a = min(block, max(0, round((target - 1) * k) - done))
+        done += a
+        yield a
 
 
 def prompt_tokens(tokenizer_json: Path) -> list[int]:
@@ -64,12 +89,24 @@ def _run_once(model, prompt: list[int], n: int, mode: str, reference: list[int] 
               costs, length: int | None) -> tuple[list[int], float, Session]:
     spec = None if (mode == "plain" or model.dspark is None) else SpecConfig(length=length)
     override = None
-    if mode == "oracle":
-        spec = SpecConfig(length=model.cfg.dspark_block_size, low_windows=10 ** 9)
+    if mode.startswith("oracle"):
+        # Drafts = plain decoding's own continuation: all accepted, or with "oracle:X" the
+        # draft after a scheduled number of accepted ones made wrong, so verification commits
+        # X tokens per window on average (the tokens stay plain decoding's either way).
+        block = model.cfg.dspark_block_size
+        target = oracle_target(mode, block)
+        schedule = accepted_schedule(target, block) if target is not None else None
+        spec = SpecConfig(length=block, low_windows=10 ** 9)
+        vocab = model.cfg.vocab_size
 
         def override(P, drafts):
             i = P - len(prompt)
-            return list(reference[i + 1:i + 1 + len(drafts)])
+            out = list(reference[i + 1:i + 1 + len(drafts)])
+            if schedule is not None:
+                a = next(schedule)
+                if a < len(out):
+                    out[a] = (out[a] + 1) % vocab  # differs from the target's pick: rejected
+            return out
     cap = len(prompt) + n + model.cfg.dspark_block_size + 2
     s = Session(model, cap, speculative=spec, draft_override=override,
                 costs=costs if mode == "dspark" else None)
@@ -87,8 +124,10 @@ def _run_once(model, prompt: list[int], n: int, mode: str, reference: list[int] 
 def bench_decode(model, prompt: list[int], modes: list[str], n: int = 96, runs: int = 3,
                  warmup: int = 1, length: int | None = None) -> dict[str, ModeResult]:
     for m in modes:
-        if m not in MODES:
-            raise StrataError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+        if m not in MODES and not m.startswith("oracle:"):
+            raise StrataError(f"unknown mode {m!r}; choose from {', '.join(MODES)}, oracle:X")
+        if m.startswith("oracle:"):
+            oracle_target(m, model.cfg.dspark_block_size)
         if m != "plain" and model.dspark is None:
             raise StrataError(f"mode {m} needs a model with DSpark stages")
     reference, _, _ = _run_once(model, prompt, n, "plain", None, None, None)
@@ -145,7 +184,7 @@ def parallel_split(model, prompt: list[int], modes: list[str], n: int = 96,
     comm time includes waiting for the ranks before it."""
     out = {}
     for mode in modes:
-        if mode == "oracle":
+        if mode.startswith("oracle"):
             continue
         spec = None if mode == "plain" else SpecConfig(length=length or model.cfg.dspark_block_size)
         cap = len(prompt) + n + model.cfg.dspark_block_size + 2
