@@ -173,10 +173,13 @@ class Model:
     def prefill_reach(self) -> int:
         """Rows before a prefill's end that the decoder layers must run for an exact result:
         a decoder row reads only the W rows before it at its own layer (plus the source's
-        compressed entries, published for every row), so the last row's output and the last W
-        rows of every window ring depend on at most (decoder layers)·W + W rows."""
+        compressed entries, published for every row), so a row is exact at every decoder
+        layer once (decoder layers)·W full rows precede it. Adding a whole window ring's rows
+        makes every row a ring can still hold exact, so any later truncation the rings allow
+        (State.can_truncate) continues exactly, and the DSpark windows are exact too."""
+        from strata.runtime.placement import ring_rows
         W = self.cfg.sliding_window
-        return (self.cfg.n_layers - self.decoder_start) * W + W
+        return (self.cfg.n_layers - self.decoder_start) * W + ring_rows(self.cfg)
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, state: State, logits: str = "all",

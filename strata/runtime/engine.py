@@ -198,8 +198,10 @@ class Engine:
         state = entry.state
         state.check_room(prompt.numel() - cached + max(req.max_tokens - 1, 0))
         job.on_event(Started(prompt.numel(), cached))
+        # The exact decoder-skipping prefill for long prompts (prefix reuse stays exact: see
+        # Session.prefill).
         session = Session(self.model, self.capacity, self.prefill_chunk,
-                          speculative=self.speculative, state=state)
+                          speculative=self.speculative, state=state, decoder_skip=True)
         t0 = time.perf_counter()
         # Prefill all but the last prompt token here, chunk by chunk, so a cancel is seen
         # between chunks; generate() runs the last one and picks the first token from it.
@@ -209,7 +211,8 @@ class Engine:
                 self.cache.put(entry)
                 job.on_event(Finished("cancelled", 0, time.perf_counter() - t0, 0.0))
                 return
-            session.prefill(rest[i:min(i + self.prefill_chunk, rest.numel() - 1)])
+            end = min(i + self.prefill_chunk, rest.numel() - 1)
+            session.prefill(rest[i:end], rows_after=rest.numel() - end)
         # Bookmark one token before the prompt's end: a later request needs at least one
         # token to prefill (the first pick needs the last prompt row's logits), so this is
         # the furthest point a retry of the same prompt, or a later turn, can come back to.

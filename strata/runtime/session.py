@@ -56,18 +56,25 @@ class Session:
     def position(self) -> int:
         return self.state.position
 
-    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Consume tokens in chunks; return the last row's logits [V] fp32.
+    def prefill(self, tokens: torch.Tensor, rows_after: int = 0) -> torch.Tensor | None:
+        """Consume tokens in chunks; return the last row's logits [V] fp32 (None when all of
+        them were skipped rows).
 
-        With `decoder_skip`, the rows more than `model.prefill_reach` before the end run the
-        encoder layers only (Model.forward(decoder=False)): the same logits and the same
-        state for everything that follows, at about half the work of a long prompt."""
+        With `decoder_skip`, the rows more than `model.prefill_reach` before the prompt's end
+        run the encoder layers only (Model.forward(decoder=False)): the same logits and the
+        same state for everything that follows, at about half the work of a long prompt.
+        `rows_after`: prompt tokens that later calls will prefill (a caller feeding a prompt
+        in pieces), so the reach is counted from the prompt's real end.
+
+        Truncating into the skipped rows later is refused by State.can_truncate (their
+        decoder window rows are missing, and a reach of full rows has overwritten every ring
+        slot since), so prefix reuse falls back to a bookmark there, exactly as it should."""
         tokens = tokens.view(-1)
         n = tokens.numel()
         self.state.check_room(n)
         skip_to = 0
         if self.decoder_skip and getattr(self.model, "decoder_start", None) is not None:
-            skip_to = max(0, n - self.model.prefill_reach)
+            skip_to = min(n, max(0, n + rows_after - self.model.prefill_reach))
         last = None
         for lo, hi, full in ((0, skip_to, False), (skip_to, n, True)):
             for i in range(lo, hi, self.prefill_chunk):
@@ -82,7 +89,7 @@ class Session:
                 if full and self.speculative is not None:
                     self.model.dspark.commit_context(self.model.dspark.main_hidden(ctx), start,
                                                      self.state, self.model.numerics)
-        return last[0]
+        return None if last is None else last[0]
 
     def generate(self, prompt: torch.Tensor | list[int], max_tokens: int,
                  params: SamplingParams = SamplingParams(),
