@@ -375,3 +375,28 @@ def test_exl3_experts_dispatch_to_the_grouped_exl3_kernel():
         qexl3.KERNELS = old
     # fp16 rotated activations (Exl3Linear's numerics) vs the dense fp32 reference
     assert (got - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
+
+
+def test_row_slices_keep_the_whole_weights_kernel_order(monkeypatch):
+    """Tensor parallelism cuts a weight's rows; the kernel's split-K comes from the weight's
+    shape, so a slice must keep the whole weight's configuration to sum each row in the same
+    order (forced kernels under the interpreter; a small SPLIT_TARGET makes the two shapes'
+    own splits differ)."""
+    from strata.model.numerics import Numerics
+    from strata.runtime.parallel_tp import slice_out
+    monkeypatch.setattr(fp8fp4, "SPLIT_TARGET", 16)
+    N, K = 256, 2048
+    f8 = fp8fp4.FORMATS["fp8"]
+    assert fp8fp4.config_for(f8, N, K).split_k != fp8fp4.config_for(f8, N // 2, K).split_k
+    g = torch.Generator().manual_seed(21)
+    w = (torch.randint(0, 256, (N, K), generator=g, dtype=torch.int32).to(torch.uint8) & 0x77)
+    s = torch.full((N // 32, K // 32), 120, dtype=torch.uint8)
+    full = Fp8Block32Linear(w.view(torch.float8_e4m3fn), s)
+    half = slice_out(full, N // 2, N)
+    assert half.kernel_config == fp8fp4.config_for(f8, N, K)
+    x = torch.randn(3, K, generator=g)
+    nx = Numerics()
+    with fp8fp4.forced():
+        y_full = full(x, nx, torch.float32)
+        y_half = half(x, nx, torch.float32)
+    assert torch.equal(y_half, y_full[:, N // 2:])

@@ -485,10 +485,13 @@ def main() -> None:
 
 
 def linear_forward(weight: torch.Tensor, scale: torch.Tensor, fmt: str, x: torch.Tensor, nx,
-                   out_dtype: torch.dtype | None, act_quant: bool) -> torch.Tensor:
+                   out_dtype: torch.dtype | None, act_quant: bool,
+                   config: Config | None = None) -> torch.Tensor:
     """Fp8Block32Linear / Fp4Group32Linear.forward through the kernel, with the reference's
     numerics: vendor fp8 activation point, compute dtype (fp32 when an fp32 output is asked
-    for, else the activation dtype), output cast to out_dtype or the activation dtype."""
+    for, else the activation dtype), output cast to out_dtype or the activation dtype.
+    `config`: the configuration to keep (a row slice of a weight keeps the whole weight's, so
+    its rows sum in the same order — tensor parallelism's exactness)."""
     from strata.quant.qdq import fp8_act_qdq
     quant = nx.quantize and act_quant
     if quant:
@@ -499,7 +502,7 @@ def linear_forward(weight: torch.Tensor, scale: torch.Tensor, fmt: str, x: torch
     exact_bf16 = cd == torch.bfloat16 or quant or x.dtype == torch.bfloat16
     xo = xc.to(torch.bfloat16) if exact_bf16 else xc
     lead, K = xo.shape[:-1], xo.shape[-1]
-    y = quant_matmul(xo.reshape(-1, K), weight, scale, fmt, cd)
+    y = quant_matmul(xo.reshape(-1, K), weight, scale, fmt, cd, config=config)
     return y.view(*lead, y.shape[-1]).to(out_dtype or nx.act_dtype)
 
 

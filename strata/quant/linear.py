@@ -82,14 +82,23 @@ class StoredScaledLinear(Linear):
 
     quantized_activations = True
     stored_format = ""  # "fp8" | "fp4": how kernels.fp8fp4 reads the bytes
+    # The kernel configuration to keep, when this is a slice of a bigger weight (tensor
+    # parallelism): the whole weight's, so each output row sums in the same order.
+    kernel_config = None
 
     def forward(self, x: torch.Tensor, nx: Numerics, out_dtype: torch.dtype | None = None,
                 act_quant: bool = True) -> torch.Tensor:
         from strata.kernels import fp8fp4
         if fp8fp4.kernels_enabled(x):
             return fp8fp4.linear_forward(self.weight, self.scale, self.stored_format, x, nx,
-                                         out_dtype, act_quant)
+                                         out_dtype, act_quant, self.kernel_config)
         return super().forward(x, nx, out_dtype, act_quant)
+
+    def config_of_whole(self):
+        """This weight's kernel configuration (its own, or the whole weight's it was cut from)."""
+        from strata.kernels import fp8fp4
+        return self.kernel_config or fp8fp4.config_for(fp8fp4.FORMATS[self.stored_format],
+                                                       self.out_features, self.in_features)
 
 
 class Fp8Block32Linear(StoredScaledLinear):

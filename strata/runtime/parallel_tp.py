@@ -81,12 +81,18 @@ def slice_out(lin: Linear, lo: int, hi: int) -> Linear:
     """Output rows lo..hi-1 (column-parallel), as an independent Linear (own storage)."""
     if isinstance(lin, DenseLinear):
         return DenseLinear(lin.weight[lo:hi].clone())
-    if isinstance(lin, Fp8Block32Linear):
-        _check(lo % 32 == 0 and (hi % 32 == 0 or hi == lin.out_features), "rows", lin, lo, hi, 32)
-        return Fp8Block32Linear(lin.weight[lo:hi].clone(),
-                                lin.scale[lo // 32:(hi + 31) // 32].clone())
-    if isinstance(lin, Fp4Group32Linear):
-        return Fp4Group32Linear(lin.weight[lo:hi].clone(), lin.scale[lo:hi].clone())
+    if isinstance(lin, (Fp8Block32Linear, Fp4Group32Linear)):
+        if isinstance(lin, Fp8Block32Linear):
+            _check(lo % 32 == 0 and (hi % 32 == 0 or hi == lin.out_features), "rows", lin, lo,
+                   hi, 32)
+            part = Fp8Block32Linear(lin.weight[lo:hi].clone(),
+                                    lin.scale[lo // 32:(hi + 31) // 32].clone())
+        else:
+            part = Fp4Group32Linear(lin.weight[lo:hi].clone(), lin.scale[lo:hi].clone())
+        # The kernels pick their split-K from the weight's shape; the slice keeps the whole
+        # weight's, so its rows sum exactly as on one device.
+        part.kernel_config = lin.config_of_whole()
+        return part
     E = _exl3()
     if isinstance(lin, E):
         _check(lo % 128 == 0 and (hi % 128 == 0 or hi == lin.out_features), "rows", lin, lo, hi,
