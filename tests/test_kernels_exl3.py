@@ -289,3 +289,19 @@ def test_bench_smoke(tmp_path):
         assert key in row
     assert data["checks"]["reconstruct_bit_exact"] is True
     assert (tmp_path / "k.md").read_text().startswith("|")
+
+
+def test_column_slices_keep_the_whole_weights_split_order(kernels_on_cpu, monkeypatch):
+    """Tensor parallelism cuts a weight's output columns; the split schedule comes from the
+    weight's shape, so a slice keeps the whole weight's and sums each column in the same order
+    (a small TARGET_PROGRAMS makes the two shapes' own schedules differ)."""
+    from strata.runtime.parallel_tp import slice_out
+    monkeypatch.setattr(X, "TARGET_PROGRAMS", 8)
+    assert X.split_schedule(512, 256) != X.split_schedule(512, 128)
+    lin = Exl3Linear(trellis_of(32, 16, 2, seed=70), scales(512, 71, scale=0.2),
+                     scales(256, 72), "mcg", 256, 512)
+    half = slice_out(lin, 128, 256)
+    assert half.sched_cols == 256
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(73))
+    nx = Numerics()
+    assert torch.equal(half(x, nx, torch.float32), lin(x, nx, torch.float32)[:, 128:])

@@ -566,13 +566,13 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def _fused(xr: torch.Tensor, trellis: torch.Tensor, codebook: str, svh=None, bias=None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, sched_cols: int | None = None) -> torch.Tensor:
     """The fused kernel for x' [M, k_p]: split partials [S, M, n_p] (out None), or the finished
     linear written into out [M, n_out] (svh, bias) by the last program of each column block."""
     kt, nt, K2 = _check_shapes(trellis, codebook)
     M = xr.shape[0]
     kp, n_p = 16 * kt, 16 * nt
-    per, S = split_schedule(kp, n_p)
+    per, S = split_schedule(kp, sched_cols or n_p)
     part = torch.empty((S, M, n_p), dtype=torch.float32, device=xr.device)
     if M == 0:
         return part if out is None else out
@@ -592,13 +592,14 @@ def _fused(xr: torch.Tensor, trellis: torch.Tensor, codebook: str, svh=None, bia
     return out if fuse else part
 
 
-def _gemm_partials(xr: torch.Tensor, trellis: torch.Tensor, codebook: str) -> torch.Tensor:
+def _gemm_partials(xr: torch.Tensor, trellis: torch.Tensor, codebook: str,
+                   sched_cols: int | None = None) -> torch.Tensor:
     """Reconstruct Ŵ in column slices (≤ GEMM_SLICE_BYTES) and run the fixed-order GEMM; the
     result is the combined y' as one 'split' [1, M, n_p]."""
     kt, nt, K2 = _check_shapes(trellis, codebook)
     M = xr.shape[0]
     kp, n_p = 16 * kt, 16 * nt
-    per, _ = split_schedule(kp, n_p)
+    per, _ = split_schedule(kp, sched_cols or n_p)
     y = torch.empty((1, M, n_p), dtype=torch.float32, device=xr.device)
     if M == 0:
         return y
@@ -618,9 +619,11 @@ def _gemm_partials(xr: torch.Tensor, trellis: torch.Tensor, codebook: str) -> to
 
 
 def exl3_partials(xr: torch.Tensor, trellis: torch.Tensor, codebook: str,
-                  path: str = "auto") -> torch.Tensor:
+                  path: str = "auto", sched_cols: int | None = None) -> torch.Tensor:
     """Split partials of y' = x'·Ŵ: [S, M, n_p] fp32 (fused) or [1, M, n_p] (GEMM path, already
-    summed in the same order). `rotate_out` finishes either identically."""
+    summed in the same order). `rotate_out` finishes either identically. `sched_cols`: the
+    column count the split schedule is computed for (a column slice of a weight keeps the
+    whole weight's, so its columns sum in the same order: tensor parallelism)."""
     _require_triton()
     if xr.dtype != torch.float16 or xr.dim() != 2:
         raise ValueError(f"x' must be fp16 [M, k_p], got {xr.dtype} {list(xr.shape)}")
@@ -630,9 +633,9 @@ def exl3_partials(xr: torch.Tensor, trellis: torch.Tensor, codebook: str,
     if path == "auto":
         path = "fused" if xr.shape[0] <= FUSED_MAX_ROWS else "gemm"
     if path == "fused":
-        return _fused(xr, trellis, codebook)
+        return _fused(xr, trellis, codebook, sched_cols=sched_cols)
     if path == "gemm":
-        return _gemm_partials(xr, trellis, codebook)
+        return _gemm_partials(xr, trellis, codebook, sched_cols)
     raise ValueError(f"path {path!r}: expected auto, fused or gemm")
 
 
@@ -654,8 +657,9 @@ def exl3_matmul(xr: torch.Tensor, trellis: torch.Tensor, codebook: str,
 def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
                 codebook: str, out_features: int | None = None,
                 bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
-                path: str = "auto") -> torch.Tensor:
-    """The EXL3 linear y = x·W (+ bias) on the kernels: x [..., k_in] → [..., out_features].
+                path: str = "auto", sched_cols: int | None = None) -> torch.Tensor:
+    """The EXL3 linear y = x·W (+ bias) on the kernels: x [..., k_in] → [..., out_features]
+    (`sched_cols`: see exl3_partials).
     Fused path: rotate_in + the fused kernel finishing each column block (2 launches);
     GEMM path: rotate_in + reconstruct + GEMM + rotate_out. Same bits either way."""
     _require_triton()
@@ -669,9 +673,9 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
     if path == "fused":
         _check_shapes(trellis, codebook)
         y = torch.empty((M, n_out), dtype=out_dtype, device=x.device)
-        _fused(xr, trellis, codebook, _contig_rows(svh), bias, y)
+        _fused(xr, trellis, codebook, _contig_rows(svh), bias, y, sched_cols)
     else:
-        part = exl3_partials(xr, trellis, codebook, path)
+        part = exl3_partials(xr, trellis, codebook, path, sched_cols)
         y = rotate_out(part, svh, bias, n_out, out_dtype)
     return y.reshape(*lead, n_out)
 

@@ -173,6 +173,9 @@ class Exl3Linear(Linear):
             raise ValueError(f"trellis {16 * kt}×{16 * nt} is not the 128-padded form of "
                              f"{in_features}×{out_features}")
         self.trellis, self.suh, self.svh, self.codebook, self.bias = trellis, suh, svh, codebook, bias
+        # A column slice of a bigger weight (tensor parallelism) keeps the whole weight's split
+        # schedule, so the kernels sum its columns in the same order (kernels.exl3).
+        self.sched_cols: int | None = None
         self._w_hat_t: torch.Tensor | None = None
 
     def w_hat(self) -> torch.Tensor:
@@ -198,7 +201,8 @@ class Exl3Linear(Linear):
         if _use_kernels(x):  # fixed-order kernels: batch-invariant, fused == reconstruct+GEMM
             from strata.kernels.exl3 import exl3_linear
             return exl3_linear(x, self.trellis, self.suh, self.svh, self.codebook,
-                               self.out_features, self.bias, out_dtype or nx.act_dtype)
+                               self.out_features, self.bias, out_dtype or nx.act_dtype,
+                               sched_cols=self.sched_cols)
         kp = self.suh.numel()  # (EXL3 takes fp16 activations: no fp8 point to skip)
         xf = x.float()
         if xf.shape[-1] < kp:  # zero-extend to the padded input width

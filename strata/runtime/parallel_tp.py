@@ -98,9 +98,11 @@ def slice_out(lin: Linear, lo: int, hi: int) -> Linear:
         _check(lo % 128 == 0 and (hi % 128 == 0 or hi == lin.out_features), "rows", lin, lo, hi,
                128)
         hp = -(-hi // 128) * 128
-        return E(lin.trellis[:, lo // 16:hp // 16].clone(), lin.suh, lin.svh[lo:hp].clone(),
+        part = E(lin.trellis[:, lo // 16:hp // 16].clone(), lin.suh, lin.svh[lo:hp].clone(),
                  lin.codebook, hi - lo, lin.in_features,
                  None if lin.bias is None else lin.bias[lo:hi].clone())
+        part.sched_cols = lin.sched_cols or lin.svh.numel()  # the whole weight's split order
+        return part
     raise ConfigError(f"cannot shard a {type(lin).__name__} by output rows")
 
 
