@@ -190,7 +190,7 @@ class Model:
         decoder=False (prefill rows at least `prefill_reach` before the prompt's end, logits
         'none'): the encoder layers run in full, the first decoder layer only publishes the
         compressed entries and index keys every later row reads, and the other decoder layers
-        are skipped — what follows is bit-identical to running them (tests/test_parity.py).
+        are skipped — what follows is bit-identical to running them (tests/test_prefill_skip.py).
 
         Returns (logits [T or 1, V] fp32 or None, the forward's context with DSpark taps).
         """
