@@ -5,11 +5,11 @@ machine without a GPU is a mistake to report.
 """
 from __future__ import annotations
 
-import json
-import os
 
 import pytest
 import torch
+
+from tests.gpu.conftest import record
 
 from strata.model.model import Model
 from strata.model.numerics import Numerics
@@ -19,21 +19,8 @@ from util import random_tokens
 pytestmark = pytest.mark.gpu
 
 N = 300
-RESULTS = os.environ.get("STRATA_GPU_RESULTS")  # optional JSON lines file for bench/results
 
 
-def record(**row) -> None:
-    if RESULTS:
-        with open(RESULTS, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-
-@pytest.fixture(scope="module")
-def cuda():
-    assert torch.cuda.is_available(), "the GPU suite needs a CUDA device"
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    return torch.device("cuda")
 
 
 def chunks(model, tokens, size):

@@ -10,34 +10,23 @@ These fail (not skip) without CUDA.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
+
+from tests.gpu.conftest import record
 
 from strata.kernels import exl3 as X
 from strata.quant.exl3 import Exl3Linear, decode_trellis
 
 pytestmark = pytest.mark.gpu
 
-RESULTS = os.environ.get("STRATA_GPU_RESULTS")  # optional JSON lines file for bench/results
 SHAPES = {"expert_w13": (5120, 2304), "expert_w2": (2304, 5120), "wq_b": (1280, 32768),
           "wo_b": (8192, 5120)}
 ALL_K = [(K, cb) for K in (1, 2, 3, 4, 5, 6, 7, 8) for cb in ("3inst", "mcg", "mul1")] + [
     (1.5, "mul1"), (2.5, "mul1"), (3.5, "mul1")]
 
 
-def record(**row) -> None:
-    if RESULTS:
-        with open(RESULTS, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-
-@pytest.fixture(scope="module")
-def cuda():
-    assert torch.cuda.is_available(), "the GPU suite needs a CUDA device"
-    torch.backends.cuda.matmul.allow_tf32 = False
-    return torch.device("cuda")
 
 
 def trellis_of(k, n, K, seed, device, E=None):

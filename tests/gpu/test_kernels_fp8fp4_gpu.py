@@ -29,12 +29,6 @@ SHAPES = [("expert_w13", "fp4", 2304, 5120), ("expert_w2", "fp4", 5120, 2304),
           ("wkv", "fp8", 512, 5120)]
 
 
-@pytest.fixture(scope="module")
-def cuda():
-    assert torch.cuda.is_available(), "the GPU suite needs a CUDA device"
-    torch.backends.cuda.matmul.allow_tf32 = False
-    return torch.device("cuda")
-
 
 def dequant(fmt, w, s):
     return dequant_fp8_block(w, s) if fmt == "fp8" else dequant_fp4_group(w, s)

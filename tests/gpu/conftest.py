@@ -1,0 +1,26 @@
+"""What the GPU suite's files share: the CUDA device fixture and the optional results log."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+RESULTS = os.environ.get("STRATA_GPU_RESULTS")  # optional JSON lines file for bench/results
+
+
+def record(**row) -> None:
+    """Append one measurement to $STRATA_GPU_RESULTS (when set)."""
+    if RESULTS:
+        with open(RESULTS, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    """The CUDA device with TF32 off (fails, not skips, without one)."""
+    assert torch.cuda.is_available(), "the GPU suite needs a CUDA device"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return torch.device("cuda")
