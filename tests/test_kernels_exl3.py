@@ -291,6 +291,25 @@ def test_bench_smoke(tmp_path):
     assert (tmp_path / "k.md").read_text().startswith("|")
 
 
+def test_bench_peer_runs_in_a_child_and_its_absence_is_reported(tmp_path):
+    """exllamav3 runs in its own process (a crash there must not take the benchmark down):
+    here it is not installed, so the real child exits cleanly and the merge names why."""
+    import argparse
+    from strata.bench import kernels as K
+    p = argparse.ArgumentParser()
+    K.add_arguments(p)
+    args = p.parse_args(["--shapes", "expert_w2", "--ks", "2", "--rows", "1", "--device", "cpu",
+                         "--peer-timeout", "120"])
+    argv = K._peer_argv(args)
+    assert argv[argv.index("--shapes") + 1] == "expert_w2" and "--peer-child" in argv
+    rows = [{"shape": "expert_w2", "K": 2.0, "rows": 1, "path": "fused", "median_us": 1.0,
+             "linear_us": 2.0}]
+    checks: dict = {}
+    status = K._merge_peer(args, rows, checks)
+    assert status.startswith("unavailable: ModuleNotFoundError"), status
+    assert "speedup_mm" not in rows[0] and not checks
+
+
 def test_column_slices_keep_the_whole_weights_split_order(kernels_on_cpu, monkeypatch):
     """Tensor parallelism cuts a weight's output columns; the split schedule comes from the
     weight's shape, so a slice keeps the whole weight's and sums each column in the same order

@@ -6,12 +6,13 @@ On a CUDA device, for random trellises (and suh/svh) at each shape × K × rows:
 - time (triton.testing.do_bench median, warm-up, L2 flushed between runs), weights decoded
   per second (k·n / t), effective GB/s of trellis bytes (k·n·K/8 / t) and that as a fraction
   of a device-to-device copy measured in the same run (bytes read + written / t);
-- when `exllamav3` imports (its extension JIT-builds with nvcc; EXL3_INT8_GEMV=0 is set so its
-  mul1 GEMV stays fp16 and comparable), the same for its kernels on the same tensors —
+- unless --no-peer, in a child process (its extension JIT-builds with nvcc at import and can
+  take the process down; EXL3_INT8_GEMV=0 is set so its mul1 GEMV stays fp16 and comparable),
+  the same for exllamav3's kernels on the same seeded tensors —
   `ext.exl3_gemm` without suh/svh for mm, `LinearEXL3.forward` (its own rows dispatch) for
-  linear — the speed-up peer/ours, and a bit-exactness check of our reconstructed Ŵ against
-  `ext.reconstruct`; without it, Ŵ is checked against strata.quant.exl3.decode_trellis on a
-  slice.
+  linear — the speed-up peer/ours, and our reconstructed Ŵ against `ext.reconstruct` bit for
+  bit (the whole weight); ours is always also checked against strata.quant.exl3.decode_trellis
+  on a slice.
 Targets (issue): ours ≥ exllamav3's rate at 1 row, ≥ 1.5× at 6 rows (reported per shape/K).
 
 `--smoke`: tiny shapes, CPU under TRITON_INTERPRET=1 (the harness logic, for the test suite).
@@ -58,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe", action="store_true",
                    help="also time the grouped MoE kernel (gate+up, 6 pairs per token)")
     p.add_argument("--no-peer", action="store_true", help="skip exllamav3 even if it imports")
+    p.add_argument("--peer-timeout", type=float, default=1200,
+                   help="seconds for the exllamav3 child process (incl. its extension build)")
+    p.add_argument("--peer-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms)")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
     p.add_argument("--eager", action="store_true",
@@ -187,6 +191,27 @@ def random_linear(k: int, n: int, K: float, device, seed: int):
     return trellis, suh, svh
 
 
+def _inputs(X, M: int, k: int, suh, dev):
+    """The M activation rows for a (shape, K) case (seeded by M: parent and peer child agree)
+    and their rotation x'."""
+    g = torch.Generator(device="cpu").manual_seed(1000 + M)
+    x = torch.randn(M, k, generator=g).to(dev, torch.bfloat16)
+    return x, X.rotate_in(x, suh)
+
+
+def _cases(args, smoke: bool):
+    """(name, k, n, K, codebook, seed) for every weight of the run, in order."""
+    shapes = SMOKE_SHAPES if smoke else SHAPES
+    if args.shapes:
+        shapes = {s: shapes[s] for s in args.shapes.split(",") if s.strip()}
+    out, seed = [], 0
+    for name, (k, n) in shapes.items():
+        for K in _csv(args.ks, float, (2.5,) if smoke else KS):
+            seed += 1
+            out.append((name, k, n, K, "mul1" if K != int(K) else args.codebook, seed))
+    return out
+
+
 def _row(name, k, n, K, cb, M, path, us, copy_gbs):
     tb = k * n * K / 8
     return {"shape": name, "k": k, "n": n, "K": K, "codebook": cb, "rows": M, "path": path,
@@ -209,15 +234,11 @@ def run(args) -> dict:
         X.TARGET_PROGRAMS = args.target_programs
     if args.fused_max_rows is not None:
         X.FUSED_MAX_ROWS = args.fused_max_rows
-    shapes = SMOKE_SHAPES if smoke else SHAPES
-    if args.shapes:
-        shapes = {s: shapes[s] for s in args.shapes.split(",") if s.strip()}
-    ks = _csv(args.ks, float, (2.5,) if smoke else KS)
     rows_list = _csv(args.rows, int, (1,) if smoke else ROWS)
     paths = None if args.paths == "auto" else _csv(args.paths, str, ())
     timer = Timer(dev, args.warmup, args.rep, smoke, graph=not args.eager)
     copy_gbs = copy_bandwidth(dev, timer, (1 << 20) if smoke else (1 << 30))
-    peer = None if (args.no_peer or smoke or dev.type != "cuda") else Peer()
+    want_peer = not (args.no_peer or smoke or dev.type != "cuda")
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "smoke": smoke, "device": (
         torch.cuda.get_device_name(dev) if dev.type == "cuda"
         else platform.processor() or platform.machine()),
@@ -226,8 +247,7 @@ def run(args) -> dict:
         "config": {"BLOCK_M": X.BLOCK_M, "BLOCK_N": X.BLOCK_N, "BLOCK_K": X.BLOCK_K,
                    "GEMM_BLOCK_M": X.GEMM_BLOCK_M, "GEMM_BLOCK_N": X.GEMM_BLOCK_N,
                    "TARGET_PROGRAMS": X.TARGET_PROGRAMS},
-        "peer": ("skipped" if peer is None else
-                 f"exllamav3 {peer.version}" if peer.ok else f"unavailable: {peer.error}"),
+        "peer": "skipped",
         "targets": "speed-up over exllamav3 (its time / ours): ≥ 1.0 at 1 row, ≥ 1.5 at 6 rows"}
     try:
         import triton
@@ -235,59 +255,132 @@ def run(args) -> dict:
     except ImportError:
         pass
     rows, checks = [], {"reconstruct_bit_exact": True, "details": []}
-    seed = 0
-    for name, (k, n) in shapes.items():
-        for K in ks:
-            cb = "mul1" if K != int(K) else args.codebook
-            seed += 1
-            trellis, suh, svh = random_linear(k, n, K, dev, seed)
-            # bit-exactness of Ŵ: against exllamav3's reconstruct, else the torch decoder
-            ours_w = X.reconstruct(trellis, cb)
-            if peer is not None and peer.ok:
-                ref_w, against = peer.reconstruct(trellis, cb, K), "exllamav3 ext.reconstruct"
-                exact = torch.equal(ours_w.view(torch.int16), ref_w.view(torch.int16))
-            else:
-                kt_ = min(trellis.shape[0], 16)
-                ref_w = decode_trellis(trellis[:kt_].cpu(), cb)
-                against = f"strata decode_trellis (first {16 * kt_} rows)"
-                exact = torch.equal(ours_w[:16 * kt_].cpu().view(torch.int16),
-                                    ref_w.view(torch.int16))
-            del ours_w, ref_w
-            checks["reconstruct_bit_exact"] &= exact
-            checks["details"].append({"shape": name, "K": K, "codebook": cb, "against": against,
-                                      "bit_exact": exact})
-            for M in rows_list:
-                g = torch.Generator(device="cpu").manual_seed(1000 + M)
-                x = torch.randn(M, k, generator=g).to(dev, torch.bfloat16)
-                xr = X.rotate_in(x, suh)
-                mpaths = paths or (("fused" if M <= X.FUSED_MAX_ROWS else "gemm"),)
-                for path in mpaths:
-                    us = timer(lambda: X.exl3_partials(xr, trellis, cb, path))
-                    r = _row(name, k, n, K, cb, M, path, us, copy_gbs)
-                    r["linear_us"] = timer(lambda: X.exl3_linear(x, trellis, suh, svh, cb,
-                                                                 path=path))
-                    if peer is not None and peer.ok:
-                        try:
-                            fn, y_peer = peer.mm(trellis, cb, xr)
-                            r["peer_mm_us"] = timer(fn)
-                            ours = X.exl3_matmul(xr, trellis, cb, path)
-                            r["mm_max_rel_diff_vs_peer"] = float(
-                                (ours - y_peer).abs().max() / y_peer.abs().max().clamp(min=1e-30))
-                            r["peer_linear_us"] = timer(peer.linear(trellis, suh, svh, cb,
-                                                                    x.half()))
-                            r["speedup_mm"] = r["peer_mm_us"] / us
-                            r["speedup_linear"] = r["peer_linear_us"] / r["linear_us"]
-                        except Exception as e:  # report, keep benchmarking our side
-                            r["peer_error"] = f"{type(e).__name__}: {e}"[:300]
-                    rows.append(r)
-                    print(_md_line(r), flush=True)
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+    for name, k, n, K, cb, seed in _cases(args, smoke):
+        trellis, suh, svh = random_linear(k, n, K, dev, seed)
+        # bit-exactness of Ŵ against the torch decoder (against exllamav3's: the peer child)
+        ours_w = X.reconstruct(trellis, cb)
+        kt_ = min(trellis.shape[0], 16)
+        ref_w = decode_trellis(trellis[:kt_].cpu(), cb)
+        exact = torch.equal(ours_w[:16 * kt_].cpu().view(torch.int16), ref_w.view(torch.int16))
+        del ours_w, ref_w
+        checks["reconstruct_bit_exact"] &= exact
+        checks["details"].append({"shape": name, "K": K, "codebook": cb,
+                                  "against": f"strata decode_trellis (first {16 * kt_} rows)",
+                                  "bit_exact": exact})
+        for M in rows_list:
+            x, xr = _inputs(X, M, k, suh, dev)
+            for path in paths or (("fused" if M <= X.FUSED_MAX_ROWS else "gemm"),):
+                us = timer(lambda: X.exl3_partials(xr, trellis, cb, path))
+                r = _row(name, k, n, K, cb, M, path, us, copy_gbs)
+                r["linear_us"] = timer(lambda: X.exl3_linear(x, trellis, suh, svh, cb,
+                                                             path=path))
+                rows.append(r)
+                print(_md_line(r), flush=True)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    if want_peer:
+        meta["peer"] = _merge_peer(args, rows, checks)
     moe = _bench_moe(X, dev, timer, copy_gbs, smoke, args.codebook) if args.moe or smoke else []
     meta["timing"] = ("cuda-graph replay" if timer.graph else "eager") + (
         f" ({timer.eager_fallbacks} eager fallbacks)" if timer.eager_fallbacks else "")
     return {"meta": meta, "rows": rows, "moe": moe, "checks": checks,
             "targets": _targets(rows)}
+
+
+def _peer_argv(args) -> list[str]:
+    argv = [sys.executable, "-X", "faulthandler", "-m", "strata.bench.kernels", "--peer-child",
+            "--warmup", str(args.warmup), "--rep", str(args.rep), "--codebook", args.codebook,
+            "--device", args.device]
+    for opt in ("shapes", "ks", "rows", "paths"):
+        if getattr(args, opt) not in (None, "auto"):
+            argv += [f"--{opt}", getattr(args, opt)]
+    if args.eager:
+        argv.append("--eager")
+    if args.fused_max_rows is not None:
+        argv += ["--fused-max-rows", str(args.fused_max_rows)]
+    return argv
+
+
+def _merge_peer(args, rows: list[dict], checks: dict) -> str:
+    """Run exllamav3's side in a child process (its extension can crash the process, and a
+    crash while building leaves a lock that hangs the next import) and merge its numbers into
+    our rows; the return value says what happened."""
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "peer.json"
+        env = dict(os.environ, EXL3_INT8_GEMV="0")
+        try:
+            proc = subprocess.run(_peer_argv(args) + ["--json", str(out)], env=env,
+                                  capture_output=True, text=True, timeout=args.peer_timeout)
+        except subprocess.TimeoutExpired:
+            return f"unavailable: the exllamav3 child ran past {args.peer_timeout} s"
+        if proc.returncode != 0 or not out.exists():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
+            return f"unavailable: exllamav3 child exit {proc.returncode}: " + " / ".join(tail)[-600:]
+        res = json.loads(out.read_text())
+    if "error" in res:
+        return f"unavailable: {res['error']}"
+    by_key = {(r["shape"], r["K"], r["rows"], r["path"]): r for r in res["rows"]}
+    for r in rows:
+        p = by_key.get((r["shape"], r["K"], r["rows"], r["path"]))
+        if p is None:
+            continue
+        for key, v in p.items():
+            if key.startswith("peer_") or key.startswith("mm_"):
+                r[key] = v
+        if "peer_mm_us" in p:
+            r["speedup_mm"] = p["peer_mm_us"] / r["median_us"]
+        if "peer_linear_us" in p:
+            r["speedup_linear"] = p["peer_linear_us"] / r["linear_us"]
+    checks["peer_reconstruct_bit_exact"] = all(d["bit_exact"] for d in res["checks"])
+    checks["peer_details"] = res["checks"]
+    return f"exllamav3 {res['version']} (in a child process)"
+
+
+def run_peer_child(args) -> dict:
+    """exllamav3's kernels on the same seeded tensors as the parent: its reconstruct against
+    ours bit for bit, ext.exl3_gemm (no suh/svh: y' = x'·Ŵ) and LinearEXL3.forward timed, and
+    our y' against its. Progress goes to stderr, so a crash shows where."""
+    dev = torch.device(args.device)
+    from strata.kernels import exl3 as X
+    if args.fused_max_rows is not None:
+        X.FUSED_MAX_ROWS = args.fused_max_rows
+    peer = Peer()
+    if not peer.ok:
+        return {"error": peer.error}
+    timer = Timer(dev, args.warmup, args.rep, False, graph=not args.eager)
+    paths = None if args.paths == "auto" else _csv(args.paths, str, ())
+    rows, checks = [], []
+    for name, k, n, K, cb, seed in _cases(args, False):
+        print(f"peer: {name} K={K} reconstruct", file=sys.stderr, flush=True)
+        trellis, suh, svh = random_linear(k, n, K, dev, seed)
+        ours_w = X.reconstruct(trellis, cb)
+        peer_w = peer.reconstruct(trellis, cb, K)
+        torch.cuda.synchronize()
+        checks.append({"shape": name, "K": K, "codebook": cb,
+                       "against": "exllamav3 ext.reconstruct",
+                       "bit_exact": torch.equal(ours_w.view(torch.int16),
+                                                peer_w.view(torch.int16))})
+        del ours_w, peer_w
+        for M in _csv(args.rows, int, ROWS):
+            x, xr = _inputs(X, M, k, suh, dev)
+            for path in paths or (("fused" if M <= X.FUSED_MAX_ROWS else "gemm"),):
+                print(f"peer: {name} K={K} rows={M}", file=sys.stderr, flush=True)
+                r = {"shape": name, "K": K, "rows": M, "path": path}
+                try:
+                    fn, y_peer = peer.mm(trellis, cb, xr)
+                    r["peer_mm_us"] = timer(fn)
+                    fn()
+                    ours = X.exl3_matmul(xr, trellis, cb, path)
+                    r["mm_max_rel_diff_vs_peer"] = float(
+                        (ours - y_peer).abs().max() / y_peer.abs().max().clamp(min=1e-30))
+                    r["peer_linear_us"] = timer(peer.linear(trellis, suh, svh, cb, x.half()))
+                except Exception as e:  # report, go on with the next case
+                    r["peer_error"] = f"{type(e).__name__}: {e}"[:300]
+                rows.append(r)
+        torch.cuda.empty_cache()
+    return {"version": peer.version, "rows": rows, "checks": checks}
 
 
 def _bench_moe(X, dev, timer, copy_gbs, smoke, cb) -> list[dict]:
@@ -353,7 +446,11 @@ def markdown(res: dict) -> str:
               f"{m['targets']}. mm = y' = x'·Ŵ (ours: the split partials, summed in the output "
               f"Hadamard step); linear = the whole layer incl. both Hadamard steps.",
               f"Ŵ bit-exact: {res['checks']['reconstruct_bit_exact']} "
-              f"({len(res['checks']['details'])} weights checked)."]
+              f"({len(res['checks']['details'])} weights checked against the torch decoder)."]
+    if "peer_reconstruct_bit_exact" in res["checks"]:
+        lines.append(f"Ŵ bit-exact against exllamav3's reconstruct: "
+                     f"{res['checks']['peer_reconstruct_bit_exact']} "
+                     f"({len(res['checks']['peer_details'])} weights).")
     if res["targets"]:
         met = sum(t["met_linear"] for t in res["targets"])
         lines.append(f"Targets met (linear): {met}/{len(res['targets'])}; (mm): "
@@ -367,6 +464,9 @@ def markdown(res: dict) -> str:
 
 
 def run_from_args(args) -> int:
+    if args.peer_child:
+        Path(args.json).write_text(json.dumps(run_peer_child(args)))
+        return 0
     res = run(args)
     md = markdown(res)
     print(md)
