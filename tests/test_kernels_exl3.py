@@ -91,19 +91,21 @@ def test_fused_equals_gemm_and_the_product(K, codebook):
 
 
 def test_rows_are_batch_invariant():
-    """A row alone (M = 1) == the same row inside M = 5 and M = 37, fused and GEMM paths alike
-    (auto picks fused at ≤ FUSED_MAX_ROWS, GEMM above: 37 rows cross the switch)."""
+    """A row alone (M = 1) == the same row inside M = 5 and M = FUSED_MAX_ROWS + 5, fused and
+    GEMM paths alike (auto picks fused at ≤ FUSED_MAX_ROWS, GEMM above: the big M crosses the
+    switch and spans two fused row tiles)."""
     tr = trellis_of(8, 16, 3, seed=7)
     g = torch.Generator().manual_seed(8)
-    rows = torch.randn(37, 128, generator=g).half()
+    M = X.FUSED_MAX_ROWS + 5
+    rows = torch.randn(M, 128, generator=g).half()
     alone = X.exl3_matmul(rows[20:21], tr, "mcg")
     in5 = X.exl3_matmul(torch.cat([rows[:2], rows[20:21], rows[30:32]]), tr, "mcg")
-    assert X.FUSED_MAX_ROWS < 37
-    in37_gemm = X.exl3_matmul(rows, tr, "mcg")
-    in37_fused = X.exl3_matmul(rows, tr, "mcg", "fused")
-    for other in (in5[2], in37_gemm[20], in37_fused[20]):
+    assert M > X.BLOCK_M
+    inM_gemm = X.exl3_matmul(rows, tr, "mcg")
+    inM_fused = X.exl3_matmul(rows, tr, "mcg", "fused")
+    for other in (in5[2], inM_gemm[20], inM_fused[20]):
         assert torch.equal(bits(alone[0]), bits(other))
-    assert torch.equal(bits(in37_gemm), bits(in37_fused))
+    assert torch.equal(bits(inM_gemm), bits(inM_fused))
 
 
 def test_linear_paths_are_bit_identical():
@@ -274,6 +276,26 @@ def test_moe_per_pair_inputs_and_trim():
         ref = X.exl3_linear(x[t, s:s + 1], tr[e], suh[e], svh[e], "mul1", 96,
                             out_dtype=torch.bfloat16)
         assert torch.equal(ref[0].view(torch.int16), y[t, s].view(torch.int16))
+
+
+def test_dot_order_guard(monkeypatch):
+    """The exactness guard's rule (the lowering itself is checked on the GPU): on Hopper only
+    wgmma passes; elsewhere the first kernel's lowering binds every later one on that GPU."""
+    monkeypatch.setattr(X, "_DOT_ORDER", {})
+    X._record_dot_order((9, 0), "wgmma", "exl3 fused kernel")
+    X._record_dot_order((9, 0), "wgmma", "exl3 gemm kernel")
+    with pytest.raises(RuntimeError, match="need wgmma"):
+        X._record_dot_order((9, 0), "mma.sync kWidth 4", "exl3 gemm kernel")
+    X._record_dot_order((12, 0), "mma.sync kWidth 4", "exl3 fused kernel")
+    with pytest.raises(RuntimeError, match="exl3 fused kernel to mma.sync kWidth 4"):
+        X._record_dot_order((12, 0), "mma.sync kWidth 2", "exl3 gemm kernel")
+
+    class Compiled:  # a compiled kernel's text as triton exposes it (asm dict)
+        def __init__(self, ttgir, ptx):
+            self.asm = {"ttgir": ttgir, "ptx": ptx}
+    assert X.dot_lowering(Compiled("", "wgmma.mma_async.sync")) == "wgmma"
+    assert X.dot_lowering(Compiled("#ttg.dot_op<{opIdx = 1, kWidth = 4}>", "mma.sync")) == \
+        "mma.sync kWidth 4"
 
 
 def test_bench_smoke(tmp_path):

@@ -18,29 +18,38 @@ codebook arithmetic (3INST / MCG: multiply(-add), one lop3 mask/xor, fp16 sum of
 fma (1024 + b)·k1 + k0 — exact, then a single rounding as in the reference). Ring position bits
 are (r0, r3, c3, r1, r2, c0 | c1, c2), so unit u holds the columns with (c2 c1) = u, all 16 rows;
 the 64 values are assembled with tl.join (each thread keeps its unit in registers) and one
-permute/reshape brings them to natural [k, n] order for tl.dot (stmatrix/ldmatrix on sm_90).
+permute/reshape brings them to natural [k, n] order for tl.dot.
 Compiled for sm_90 this is ~6.2 (MUL1) / ~7.2 (3INST, MCG) SASS lane-instructions per weight
 in the main loop, loads, MMA and layout change included.
 
-Tiles: the fused kernel computes [BLOCK_M = 16 rows] × [BLOCK_N = 64 columns] per program over
+Tiles: the fused kernel computes [BLOCK_M = 64 rows] × [BLOCK_N = 64 columns] per program over
 its split's k-steps of BLOCK_K = 128 (8×4 trellis tiles = 128 units = one per thread of 4
-warps); grid (n_p/64, S, ⌈M/16⌉) or, grouped, (n_p/64, S, sets × expert tiles).
+warps); grid (n_p/64, S, ⌈M/64⌉) or, grouped, (n_p/64, S, sets × expert tiles). Decode steps
+use one or a few of the 64 rows: the MMA work is negligible beside the decode, and one tile
+row per 64 rows is what prefill needs (Ŵ decoded once per 64 tokens).
 
 Reduction order (batch invariance). Every product is tl.dot over fp16 operands with fp32
-accumulation on [BLOCK_K = 128]-deep k-steps, in ascending k, through chained tensor-core MMAs
-(mma.sync m16n8k16: an output element's value depends only on its row of x', its column of Ŵ
-and the incoming accumulator, never on the other rows of the tile). K is cut into a fixed
+accumulation on [BLOCK_K = 128]-deep k-steps, in ascending k, each output element depending
+only on its row of x', its column of Ŵ and the incoming accumulator. K is cut into a fixed
 number S of splits chosen from (k_p, n_p) only (`split_schedule`); each split starts from zero
 and the splits are added in ascending order from zero — by the last-arriving program of each
 128-column block in the fused kernel (an arrival counter; it reads all partials back, so which
-program arrives last does not matter), in rotate_out, or inside the GEMM kernel. Nothing
-depends on M, on which rows share a program, on the grid or on the path, so
+program arrives last does not matter), in rotate_out, or inside the GEMM kernel.
+Within a k-step the tensor cores sum products in groups whose make-up depends on how the
+compiler lowers tl.dot — measured on the H200 (scripts/exl3_diag*.py, bench/results/kernels.md):
+mma.sync with the dot-operand kWidth 2 (Ŵ from memory) and wgmma (either operand path; B is
+read from shared memory) give identical bits, but mma.sync with kWidth 4 — what Triton picks
+for an operand assembled with tl.join, i.e. the decode — rounds differently. Hence:
+  - on Hopper every kernel here runs wgmma: BLOCK_M = 64 and GEMM_BLOCK_M = 128 with 4 warps
+    per warpgroup;
+  - elsewhere (mma.sync only) the GEMM joins Ŵ's column pairs before the dot (`JOIN_B`), so
+    both paths get kWidth 4 (checked by compiling for sm_80/89/120; not run on such a GPU);
+  - `_check_dot_order` reads each compiled kernel's lowering and refuses a mix on one GPU.
+So nothing depends on M, on which rows share a program, on the grid or on the path:
   - a row's output is bit-identical whatever M and whatever other rows (tokens, MoE pairs)
     share its tile;
   - the fused kernel (decode in registers) and the reconstruct + GEMM kernel (fp16 Ŵ from
     memory) give the same bits, and `exl3_linear` may switch between them by M.
-Both kernels are pinned to mma.sync (BLOCK_M ≤ 32); on CUDA the compiled PTX is checked once
-per kernel variant and a wgmma (whose accumulation might round differently) raises.
 
 Hadamard steps (`rotate_in`, `rotate_out` / the fused epilogue): x·suh → fp16 (bit-identical
 to the reference), then an exact-order butterfly over each 128-block in fp32 (bits b0..b6,
@@ -59,6 +68,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -75,18 +85,19 @@ except ImportError:  # CPU-only installs: the torch reference path is used
 CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
 
 # One fixed configuration (no autotuning): the reduction order depends on none of these except
-# BLOCK_K (k-step depth) and the split schedule, which are the same for every kernel here.
+# BLOCK_K (k-step depth) and the split schedule, which are the same for every kernel here, and
+# on the dot lowering, which BLOCK_M ≥ 64 makes wgmma on Hopper (module doc).
 BLOCK_K = 128          # k rows per step (8 trellis tiles)
 BLOCK_N = 64           # fused / reconstruct: columns per program (4 tiles) → 128 units = 4 warps
-BLOCK_M = 16           # fused: rows per program (one m16 MMA row block); MoE tiles use it too
+BLOCK_M = 64           # fused: rows per program (one wgmma m64 block); MoE tiles use it too
 NUM_WARPS = 4
-GEMM_BLOCK_M = 32      # reconstruct path GEMM (still mma.sync: see module doc)
+GEMM_BLOCK_M = 128     # reconstruct path GEMM (wgmma on Hopper)
 GEMM_BLOCK_N = 128
 GEMM_NUM_WARPS = 8
 GEMM_NUM_STAGES = 3
 ROT_ROWS = 16          # rows per program of the Hadamard kernels
 TARGET_PROGRAMS = 512  # split schedule: aim for this many programs in a single-row launch
-FUSED_MAX_ROWS = 32    # auto path: fused decode up to this many rows, reconstruct + GEMM above
+FUSED_MAX_ROWS = 64    # auto path: fused decode up to this many rows, reconstruct + GEMM above
 GEMM_SLICE_BYTES = 64 << 20  # reconstructed Ŵ slice size bound (columns chunked to fit)
 MOE_SPLIT_LOOP_PAIRS = 64    # MoE: above this many pairs, programs loop over the K splits
 MOE_MAX_PAIRS = 8192         # MoE: larger steps are run in token chunks (bounded buffers)
@@ -341,7 +352,8 @@ if triton is not None:
 
     @triton.jit
     def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, k_steps, per_split, sx_row, sw_row, sy_row,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     JOIN_B: tl.constexpr):
         """y'[rows, cols] = Σ_s (Σ_{k-steps of s} tl.dot(x', Ŵ)) with Ŵ fp16 from memory: the
         same k-steps, dot shape and split sums as the fused kernel + rotate_out.
         (int32 offsets from scalar bases advanced per step: a Ŵ slice is < 2³¹ elements)"""
@@ -353,6 +365,7 @@ if triton is not None:
         offs_k = tl.arange(0, BK)
         a_off = tl.where(rmask, lanes, 0)[:, None] * sx_row + offs_k[None, :]
         b_off = offs_k[:, None] * sw_row + (nb * BN + tl.arange(0, BN))[None, :]
+        b_off2 = offs_k[:, None] * sw_row + (nb * BN + 2 * tl.arange(0, BN // 2))[None, :]
         a_base = x_ptr + (mb * BM).to(tl.int64) * sx_row
         b_base = w_ptr
         total = tl.zeros([BM, BN], dtype=tl.float32)
@@ -360,7 +373,11 @@ if triton is not None:
             part = tl.zeros([BM, BN], dtype=tl.float32)
             for ks in range(k0, tl.minimum(k0 + per_split, k_steps)):
                 a = tl.load(a_base + a_off, mask=rmask[:, None], other=0.0)
-                b = tl.load(b_base + b_off)
+                if JOIN_B:  # Ŵ's column pairs joined, as the decode assembles its block
+                    b0 = tl.load(b_base + b_off2)
+                    b = tl.reshape(tl.join(b0, tl.load(b_base + b_off2 + 1)), [BK, BN])
+                else:
+                    b = tl.load(b_base + b_off)
                 part = tl.dot(a, b, part)
                 a_base += BK
                 b_base += BK * sw_row
@@ -458,26 +475,52 @@ if triton is not None:
 # -------------------------------------------------------------------- launch helpers
 
 _CHECKED: set = set()
+_DOT_ORDER: dict = {}  # compute capability → (dot lowering, the kernel that set it)
 
 
-def _check_mma(compiled, name: str) -> None:
-    """Exactness guard: the products must run on mma.sync (see the module doc). A wgmma in a
-    compiled variant would make the fused and GEMM paths round differently: refuse it."""
+def dot_lowering(compiled) -> str:
+    """How a compiled kernel's tl.dot runs: 'wgmma', or 'mma.sync kWidth N' (from the TTGIR)."""
+    asm = getattr(compiled, "asm", {})
+    if "wgmma" in asm.get("ptx", ""):
+        return "wgmma"
+    widths = sorted(set(re.findall(r"kWidth = (\d+)", asm.get("ttgir", ""))))
+    return f"mma.sync kWidth {','.join(widths) or '?'}"
+
+
+def _record_dot_order(cap: tuple[int, int], got: str, name: str) -> None:
+    """The rule of `_check_dot_order` for one kernel lowered as `got` on capability `cap`."""
+    if cap[0] == 9 and got != "wgmma":
+        raise RuntimeError(f"{name}: triton lowered tl.dot to {got} on sm_90; the EXL3 kernels "
+                           "need wgmma there (BLOCK_M ≥ 64, 4 warps per warpgroup) for "
+                           "bit-identical fused/GEMM/MoE results")
+    first = _DOT_ORDER.setdefault(cap, (got, name))
+    if first[0] != got:
+        raise RuntimeError(f"{name}: triton lowered tl.dot to {got} but {first[1]} to "
+                           f"{first[0]} on this GPU; the EXL3 paths would not give the same bits "
+                           "(check this triton version's dot-operand layouts)")
+
+
+def _check_dot_order(compiled, name: str, device: torch.device) -> None:
+    """Exactness guard (module doc, "Reduction order"): every EXL3 kernel compiled for one kind
+    of GPU must lower tl.dot the same way — on Hopper wgmma, elsewhere mma.sync with one
+    kWidth — or the fused, GEMM and MoE paths would round differently. Refuse a mismatch."""
     if compiled is None or _interpreting():
         return
     key = (name, id(compiled))
     if key in _CHECKED:
         return
-    ptx = getattr(compiled, "asm", {}).get("ptx", "")
-    if "wgmma" in ptx:
-        raise RuntimeError(f"{name}: triton lowered tl.dot to wgmma; the EXL3 kernels need "
-                           "mma.sync for bit-identical fused/GEMM/MoE results (check the "
-                           "block sizes against this triton version)")
+    _record_dot_order(torch.cuda.get_device_capability(device), dot_lowering(compiled), name)
     _CHECKED.add(key)
 
 
 def _asm(t: torch.Tensor) -> bool:
     return t.is_cuda and not _interpreting()
+
+
+def _join_b(t: torch.Tensor) -> bool:
+    """GEMM operand B through a join (the decode's kWidth) where tl.dot is mma.sync, i.e. on
+    any CUDA GPU but Hopper, whose wgmma reads B from shared memory in canonical order."""
+    return t.is_cuda and not _interpreting() and torch.cuda.get_device_capability(t.device)[0] != 9
 
 
 def _words(trellis: torch.Tensor) -> torch.Tensor:
@@ -588,7 +631,7 @@ def _fused(xr: torch.Tensor, trellis: torch.Tensor, codebook: str, svh=None, bia
         K2=K2, CB=CODEBOOK_IDS[codebook], ASM=_asm(xr), GROUPED=False, FUSE_OUT=fuse,
         HAS_BIAS=bias is not None, SPLIT_LOOP=False, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
         num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False)
-    _check_mma(c, "exl3 fused kernel")
+    _check_dot_order(c, "exl3 fused kernel", xr.device)
     return out if fuse else part
 
 
@@ -613,8 +656,9 @@ def _gemm_partials(xr: torch.Tensor, trellis: torch.Tensor, codebook: str,
         grid = (triton.cdiv(M, GEMM_BLOCK_M), ns // GEMM_BLOCK_N)
         c = _gemm_kernel[grid](xr, w, yv, M, kp // BLOCK_K, per, xr.stride(0), w.stride(0),
                                yv.stride(0), BM=GEMM_BLOCK_M, BN=GEMM_BLOCK_N, BK=BLOCK_K,
-                               num_warps=GEMM_NUM_WARPS, num_stages=GEMM_NUM_STAGES)
-        _check_mma(c, "exl3 gemm kernel")
+                               JOIN_B=_join_b(xr), num_warps=GEMM_NUM_WARPS,
+                               num_stages=GEMM_NUM_STAGES)
+        _check_dot_order(c, "exl3 gemm kernel", xr.device)
     return y
 
 
@@ -749,7 +793,7 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     out_features: trim the outputs to this width (default n_p).
     out_dtype: of the outputs (default fp32).
     groups: a precomputed strata.kernels.moe_grouping.group_by_expert(idx, E, BLOCK_M)
-       (block_m must be BLOCK_M = 16); computed here when None.
+       (block_m must be BLOCK_M); computed here when None.
     Returns W tensors [T, k, out_features]: y[w][t, s] = x_t·W_{w, idx[t,s]} — no routing
     weight, activation or slot sum is applied here.
 
@@ -832,7 +876,7 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
         FUSE_OUT=not split_loop, HAS_BIAS=False, SPLIT_LOOP=split_loop,
         BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=NUM_WARPS, num_stages=1,
         enable_fp_fusion=False)
-    _check_mma(c, "exl3 grouped kernel")
+    _check_dot_order(c, "exl3 grouped kernel", x.device)
     if split_loop:
         _rotate_out_kernel[(triton.cdiv(P, ROT_ROWS), triton.cdiv(n_out, 128), W)](
             part, sets.svh, sets.svh, out, eidx, P, 1, n_out, part.stride(0), part.stride(1),

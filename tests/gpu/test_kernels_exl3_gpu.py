@@ -3,7 +3,8 @@ checks of tests/test_kernels_exl3.py, compiled, at the V4.1 shapes, plus the end
 decode == chunks == prefill ladder of the tiny EXL3 fixture through the kernels.
 
 Exact: Ŵ vs decode_trellis (every codebook, K = 1..8 and 1.5/2.5/3.5); fused == reconstruct +
-GEMM; rows alone == rows in M = 8 / 37 / 300; MoE pairs == single linear per pair; the ladder.
+GEMM; rows alone == rows in M = 8 / 37 / 100 / 300; MoE pairs == single linear per pair; every
+kernel lowers tl.dot to wgmma on the H200; the ladder.
 Tolerance: the linear vs the CPU reference forward (2e-3 of the output's max).
 These fail (not skip) without CUDA.
 """
@@ -89,12 +90,13 @@ def test_fused_equals_gemm_and_product(cuda, name, K):
 
 
 def test_rows_are_batch_invariant(cuda):
-    """A row alone == inside M = 8 (fused), 37 and 300 (reconstruct + GEMM, auto path)."""
+    """A row alone == inside M = 8, 37 and 100 (fused: one and two row tiles) and 300
+    (reconstruct + GEMM), auto path."""
     tr = trellis_of(5120, 2304, 2.5, seed=5, device=cuda)
     g = torch.Generator().manual_seed(6)
     rows = torch.randn(300, 5120, generator=g).half().to(cuda)
-    alone = {i: X.exl3_matmul(rows[i:i + 1], tr, "mul1")[0] for i in (0, 5, 36, 299)}
-    for M in (8, 37, 300):
+    alone = {i: X.exl3_matmul(rows[i:i + 1], tr, "mul1")[0] for i in (0, 5, 36, 99, 299)}
+    for M in (8, 37, 100, 300):
         full = X.exl3_matmul(rows[:M], tr, "mul1")
         for i, a in alone.items():
             if i < M:
@@ -149,6 +151,39 @@ def test_moe_grouped_equals_single_linear(cuda):
         e = int(idx[t, s])
         ref = X.exl3_linear(a[t, s:s + 1], down[0][e], down[1][e], down[2][e], "mul1")
         assert torch.equal(ref[0], y[t, s])
+
+
+def test_moe_prefill_step_equals_single_linear(cuda):
+    """A prefill-sized MoE step (40 tokens × 6 slots = 240 pairs: programs loop over the K
+    splits, several pairs per expert tile) gives each pair the single linear's bits."""
+    E, T, k = 8, 40, 6
+    assert T * k > X.MOE_SPLIT_LOOP_PAIRS
+    w = (trellis_of(5120, 2304, 3, seed=60, device=cuda, E=E),
+         scales(5120, 61, cuda, E, 5120 ** -0.5), scales(2304, 62, cuda, E, 0.05))
+    g = torch.Generator().manual_seed(13)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(cuda)
+    x = torch.randn(T, 5120, generator=g).to(cuda, torch.bfloat16)
+    (y,) = X.exl3_moe_linear(x, idx, [w], "mul1")
+    for t, s in ((0, 0), (17, 3), (39, 5)):
+        e = int(idx[t, s])
+        ref = X.exl3_linear(x[t:t + 1], w[0][e], w[1][e], w[2][e], "mul1")
+        assert torch.equal(ref[0], y[t, s]), (t, s)
+
+
+def test_every_kernel_lowers_dot_to_wgmma_on_hopper(cuda):
+    """The exactness rule's premise on this GPU: the fused, GEMM and grouped kernels all run
+    wgmma (mma.sync with the decode's kWidth 4 would round differently; module doc)."""
+    tr = trellis_of(1024, 512, 2, seed=70, device=cuda)
+    xr = torch.randn(300, 1024, device=cuda).half()
+    X.exl3_matmul(xr[:3], tr, "mul1", "fused")
+    X.exl3_matmul(xr, tr, "mul1", "gemm")
+    stack = (tr.unsqueeze(0).repeat(2, 1, 1, 1), scales(1024, 71, cuda, 2), scales(512, 72, cuda, 2))
+    X.exl3_moe_linear(xr[:2].bfloat16(), torch.tensor([[0, 1], [1, 0]], device=cuda), [stack], "mul1")
+    names = {name for name, _ in X._CHECKED}
+    assert {"exl3 fused kernel", "exl3 gemm kernel", "exl3 grouped kernel"} <= names
+    cap = torch.cuda.get_device_capability(cuda)
+    assert cap[0] == 9, f"this check is for Hopper (sm_90), got {cap}"
+    assert X._DOT_ORDER[cap][0] == "wgmma"
 
 
 @pytest.mark.parametrize("mode", ["reference", "vendor"])
