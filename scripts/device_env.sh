@@ -4,4 +4,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     --target /tmp/site .whl/*.whl ${STRATA_PEER:+.whl/peer/*.whl} || return 1
 export PYTHONPATH=/tmp/site:$PWD ATEN_CPU_CAPABILITY=default PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export TORCH_EXTENSIONS_DIR=$PWD/.peer_build TORCH_CUDA_ARCH_LIST=9.0 EXL3_INT8_GEMV=0
+# exllamav3 JIT-builds its extension here (kept while the machine stays warm). A process killed
+# during the build or load leaves torch's lock file behind and the next import waits on it for
+# ever; nothing else runs at the start of a call, so a lock found now is stale.
+export TORCH_EXTENSIONS_DIR=/tmp/peer_build TORCH_CUDA_ARCH_LIST=9.0 EXL3_INT8_GEMV=0
+mkdir -p $TORCH_EXTENSIONS_DIR && rm -f $TORCH_EXTENSIONS_DIR/*/lock

@@ -332,6 +332,32 @@ def test_bench_peer_runs_in_a_child_and_its_absence_is_reported(tmp_path):
     assert "speedup_mm" not in rows[0] and not checks
 
 
+def test_bench_peer_results_survive_a_killed_child(tmp_path):
+    """The child appends each result as it gets it; what a killed child wrote (its last line cut
+    short) is still read and merged."""
+    from strata.bench import kernels as K
+    lines = tmp_path / "peer.jsonl"
+    lines.write_text(
+        '{"version": "1.6.5"}\n'
+        '{"check": {"shape": "expert_w2", "K": 2.0, "codebook": "mul1", "bit_exact": true}}\n'
+        '{"row": {"shape": "expert_w2", "K": 2.0, "rows": 1, "path": "fused", '
+        '"peer_mm_us": 24.0, "peer_linear_us": 30.0}}\n'
+        '{"row": {"shape": "expert_w2", "K": 2.0, "ro')
+    res = K._read_peer_lines(lines)
+    assert res["version"] == "1.6.5" and len(res["rows"]) == 1 and res["checks"][0]["bit_exact"]
+    assert K._read_peer_lines(tmp_path / "missing.jsonl") == {"version": None, "rows": [],
+                                                               "checks": []}
+    rows = [{"shape": "expert_w2", "K": 2.0, "rows": 1, "path": "fused", "median_us": 12.0,
+             "linear_us": 20.0},
+            {"shape": "expert_w2", "K": 2.0, "rows": 6, "path": "fused", "median_us": 12.0,
+             "linear_us": 20.0}]
+    checks: dict = {}
+    status = K._apply_peer(res, rows, checks, "ran past 250 s")
+    assert status == "exllamav3 1.6.5 (in a child process), partial: the child ran past 250 s"
+    assert rows[0]["speedup_mm"] == 2.0 and rows[0]["speedup_linear"] == 1.5
+    assert "speedup_mm" not in rows[1] and checks["peer_reconstruct_bit_exact"] is True
+
+
 def test_column_slices_keep_the_whole_weights_split_order(kernels_on_cpu, monkeypatch):
     """Tensor parallelism cuts a weight's output columns; the split schedule comes from the
     weight's shape, so a slice keeps the whole weight's and sums each column in the same order

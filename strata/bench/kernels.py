@@ -307,23 +307,33 @@ def _peer_argv(args) -> list[str]:
 def _merge_peer(args, rows: list[dict], checks: dict) -> str:
     """Run exllamav3's side in a child process (its extension can crash the process, and a
     crash while building leaves a lock that hangs the next import) and merge its numbers into
-    our rows; the return value says what happened."""
+    our rows — also those of a child that died or ran out of time, which writes each result as
+    it gets it; the return value says what happened."""
     import subprocess
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "peer.json"
+        out = Path(tmp) / "peer.jsonl"
         env = dict(os.environ, EXL3_INT8_GEMV="0")
+        failure = None
         try:
             proc = subprocess.run(_peer_argv(args) + ["--json", str(out)], env=env,
                                   capture_output=True, text=True, timeout=args.peer_timeout)
+            if proc.returncode != 0:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
+                failure = f"exit {proc.returncode}: " + " / ".join(tail)[-600:]
         except subprocess.TimeoutExpired:
-            return f"unavailable: the exllamav3 child ran past {args.peer_timeout} s"
-        if proc.returncode != 0 or not out.exists():
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
-            return f"unavailable: exllamav3 child exit {proc.returncode}: " + " / ".join(tail)[-600:]
-        res = json.loads(out.read_text())
+            failure = f"ran past {args.peer_timeout:g} s"
+        res = _read_peer_lines(out)
+    return _apply_peer(res, rows, checks, failure)
+
+
+def _apply_peer(res: dict, rows: list[dict], checks: dict, failure: str | None) -> str:
+    """Merge the child's results (`_read_peer_lines`) into our rows: its times, speed-ups
+    (its time / ours) and the bit-exactness of Ŵ against its reconstruct."""
     if "error" in res:
         return f"unavailable: {res['error']}"
+    if not res["rows"] and not res["checks"]:
+        return f"unavailable: the exllamav3 child {failure or 'gave no results'}"
     by_key = {(r["shape"], r["K"], r["rows"], r["path"]): r for r in res["rows"]}
     for r in rows:
         p = by_key.get((r["shape"], r["K"], r["rows"], r["path"]))
@@ -338,52 +348,79 @@ def _merge_peer(args, rows: list[dict], checks: dict) -> str:
             r["speedup_linear"] = p["peer_linear_us"] / r["linear_us"]
     checks["peer_reconstruct_bit_exact"] = all(d["bit_exact"] for d in res["checks"])
     checks["peer_details"] = res["checks"]
-    return f"exllamav3 {res['version']} (in a child process)"
+    status = f"exllamav3 {res['version']} (in a child process)"
+    return status if failure is None else f"{status}, partial: the child {failure}"
 
 
-def run_peer_child(args) -> dict:
+def _read_peer_lines(path: Path) -> dict:
+    """The peer child's results file: one JSON object per line, {"version"}, {"error"},
+    {"check": …} or {"row": …}; a line cut short by a kill is ignored."""
+    res: dict = {"version": None, "rows": [], "checks": []}
+    if not path.exists():
+        return res
+    for line in path.read_text().splitlines():
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "row" in item:
+            res["rows"].append(item["row"])
+        elif "check" in item:
+            res["checks"].append(item["check"])
+        else:
+            res.update(item)
+    return res
+
+
+def run_peer_child(args) -> None:
     """exllamav3's kernels on the same seeded tensors as the parent: its reconstruct against
     ours bit for bit, ext.exl3_gemm (no suh/svh: y' = x'·Ŵ) and LinearEXL3.forward timed, and
-    our y' against its. Progress goes to stderr, so a crash shows where."""
+    our y' against its. Each result is appended to args.json as it comes (a crash or a kill
+    keeps what was measured); progress goes to stderr, so a crash shows where."""
     dev = torch.device(args.device)
     from strata.kernels import exl3 as X
     if args.fused_max_rows is not None:
         X.FUSED_MAX_ROWS = args.fused_max_rows
-    peer = Peer()
-    if not peer.ok:
-        return {"error": peer.error}
-    timer = Timer(dev, args.warmup, args.rep, False, graph=not args.eager)
-    paths = None if args.paths == "auto" else _csv(args.paths, str, ())
-    rows, checks = [], []
-    for name, k, n, K, cb, seed in _cases(args, False):
-        print(f"peer: {name} K={K} reconstruct", file=sys.stderr, flush=True)
-        trellis, suh, svh = random_linear(k, n, K, dev, seed)
-        ours_w = X.reconstruct(trellis, cb)
-        peer_w = peer.reconstruct(trellis, cb, K)
-        torch.cuda.synchronize()
-        checks.append({"shape": name, "K": K, "codebook": cb,
-                       "against": "exllamav3 ext.reconstruct",
-                       "bit_exact": torch.equal(ours_w.view(torch.int16),
-                                                peer_w.view(torch.int16))})
-        del ours_w, peer_w
-        for M in _csv(args.rows, int, ROWS):
-            x, xr = _inputs(X, M, k, suh, dev)
-            for path in paths or (("fused" if M <= X.FUSED_MAX_ROWS else "gemm"),):
-                print(f"peer: {name} K={K} rows={M}", file=sys.stderr, flush=True)
-                r = {"shape": name, "K": K, "rows": M, "path": path}
-                try:
-                    fn, y_peer = peer.mm(trellis, cb, xr)
-                    r["peer_mm_us"] = timer(fn)
-                    fn()
-                    ours = X.exl3_matmul(xr, trellis, cb, path)
-                    r["mm_max_rel_diff_vs_peer"] = float(
-                        (ours - y_peer).abs().max() / y_peer.abs().max().clamp(min=1e-30))
-                    r["peer_linear_us"] = timer(peer.linear(trellis, suh, svh, cb, x.half()))
-                except Exception as e:  # report, go on with the next case
-                    r["peer_error"] = f"{type(e).__name__}: {e}"[:300]
-                rows.append(r)
-        torch.cuda.empty_cache()
-    return {"version": peer.version, "rows": rows, "checks": checks}
+    with open(args.json, "w") as f:
+        def emit(**item):
+            f.write(json.dumps(item) + "\n")
+            f.flush()
+        peer = Peer()
+        if not peer.ok:
+            emit(error=peer.error)
+            return
+        emit(version=peer.version)
+        timer = Timer(dev, args.warmup, args.rep, False, graph=not args.eager)
+        paths = None if args.paths == "auto" else _csv(args.paths, str, ())
+        for name, k, n, K, cb, seed in _cases(args, False):
+            print(f"peer: {name} K={K} reconstruct", file=sys.stderr, flush=True)
+            trellis, suh, svh = random_linear(k, n, K, dev, seed)
+            ours_w = X.reconstruct(trellis, cb)
+            peer_w = peer.reconstruct(trellis, cb, K)
+            torch.cuda.synchronize()
+            emit(check={"shape": name, "K": K, "codebook": cb,
+                        "against": "exllamav3 ext.reconstruct",
+                        "bit_exact": torch.equal(ours_w.view(torch.int16),
+                                                 peer_w.view(torch.int16))})
+            del ours_w, peer_w
+            for M in _csv(args.rows, int, ROWS):
+                x, xr = _inputs(X, M, k, suh, dev)
+                for path in paths or (("fused" if M <= X.FUSED_MAX_ROWS else "gemm"),):
+                    print(f"peer: {name} K={K} rows={M}", file=sys.stderr, flush=True)
+                    r = {"shape": name, "K": K, "rows": M, "path": path}
+                    try:
+                        fn, y_peer = peer.mm(trellis, cb, xr)
+                        r["peer_mm_us"] = timer(fn)
+                        fn()
+                        ours = X.exl3_matmul(xr, trellis, cb, path)
+                        r["mm_max_rel_diff_vs_peer"] = float(
+                            (ours - y_peer).abs().max() / y_peer.abs().max().clamp(min=1e-30))
+                        r["peer_linear_us"] = timer(peer.linear(trellis, suh, svh, cb,
+                                                                x.half()))
+                    except Exception as e:  # report, go on with the next case
+                        r["peer_error"] = f"{type(e).__name__}: {e}"[:300]
+                    emit(row=r)
+            torch.cuda.empty_cache()
 
 
 def _bench_moe(X, dev, timer, copy_gbs, smoke, cb) -> list[dict]:
@@ -468,7 +505,7 @@ def markdown(res: dict) -> str:
 
 def run_from_args(args) -> int:
     if args.peer_child:
-        Path(args.json).write_text(json.dumps(run_peer_child(args)))
+        run_peer_child(args)
         return 0
     res = run(args)
     md = markdown(res)
