@@ -3,7 +3,11 @@
 The residual is carried as `hc_mult` copies h [T, H, D]. Each sublayer computes
 (pre, post, comb) from the whole stream; `pre` collapses the copies into the sublayer input
 (lagged one sublayer in V4.1, see block.py), `post` spreads the output, and `comb` — made
-doubly stochastic by Sinkhorn — mixes the residual copies: h_new[j] = post[j]·y + Σ_i comb[i,j]·h[i].
+doubly stochastic by Sinkhorn — mixes the residual copies:
+h_new[j] = post[j]·y + Σ_i comb[i,j]·h[i].
+
+These torch functions are the definitions (and the CPU path); on CUDA the same steps run as
+three fused kernels (strata.kernels.mhc: one launch each instead of ~170 small ones per sublayer).
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.kernels import mhc as kernels
 from strata.model.numerics import row_matmul, row_mean
 
 
@@ -36,6 +41,9 @@ def hc_mixes(h: torch.Tensor, w: HcWeights, norm_eps: float, hc_eps: float,
     """(pre [T,H], post [T,H], comb [T,H,H]) in fp32 for stream h [T, H, D]."""
     T, H, _ = h.shape
     x = h.float().flatten(1)
+    if kernels.available(x):
+        return kernels.hc_coeffs(row_matmul(x, w.fn), row_mean(x * x), w.scale, w.base, H,
+                                 norm_eps, hc_eps, iters)
     m = row_matmul(x, w.fn) * torch.rsqrt(row_mean(x * x) + norm_eps)
     s, b = w.scale, w.base
     pre = torch.sigmoid(m[:, :H] * s[0] + b[:H]) + hc_eps
@@ -50,6 +58,8 @@ def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     The sums over copies are written out in copy order (not einsum, which may fold the
     token dim into a GEMM) so every row is computed the same way whatever the batch.
     """
+    if kernels.available(h):
+        return kernels.collapse(h, pre)
     hf = h.float()
     out = pre[:, 0, None] * hf[:, 0]
     for i in range(1, h.shape[1]):
@@ -60,6 +70,8 @@ def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 def hc_update(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
               comb: torch.Tensor) -> torch.Tensor:
     """h_new[j] = post[j]·y + Σ_i comb[i,j]·residual[i]; y [T, D], residual [T, H, D]."""
+    if kernels.available(residual):
+        return kernels.hc_update(y, residual, post, comb)
     r = residual.float()
     mixed = comb[:, 0, :, None] * r[:, 0, None, :]
     for i in range(1, r.shape[1]):

@@ -1,0 +1,179 @@
+"""mHC in a few launches on CUDA (spec §2.3; the torch definitions are strata.model.mhc).
+
+Per sublayer the torch code issues ~170 small kernels — Sinkhorn alone is ~6 per iteration ×
+20 — which over 80 sublayers is ~13,600 launches a token, more time than the weights take to
+stream. Here:
+- `hc_coeffs`: (pre, post, comb) from the mixing matmul's output m and the stream's mean square,
+  one program per block of rows: scale/base, sigmoids, the row softmax and every Sinkhorn
+  iteration in registers (one launch);
+- `collapse`: Σ_i pre[i]·h[i] (one launch);
+- `hc_update`: post[j]·y + Σ_i comb[i, j]·h[i] (one launch).
+
+Numerics. `collapse` and `hc_update` do the torch code's operations in its order (fp32 product,
+then sum in copy order, each rounded, no fused multiply-add; one cast at the end), so they give
+the torch CUDA path's bits. `hc_coeffs` keeps the reference's operation order too, but its
+exp, sigmoid, rsqrt and the 4-element sums are Triton's, so its coefficients may differ from
+torch's in the last bits; it is deterministic and every row is computed alone (batch-invariant,
+tested under the interpreter against the torch definitions).
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: strata.model.mhc's torch code is used
+    triton = None
+
+ROWS = 16      # rows per program in hc_coeffs
+BLOCK_D = 512  # hidden columns per program in collapse / hc_update
+
+
+def available(t: torch.Tensor) -> bool:
+    """Whether these kernels serve tensors like t (CUDA, Triton installed)."""
+    return triton is not None and t.is_cuda
+
+
+if triton is not None:
+
+    @triton.jit
+    def _round_out(acc, DT: tl.constexpr):
+        """fp32 → DT rounded to nearest even, as torch's cast (bf16 spelled out in integer
+        arithmetic: Triton's interpreter truncates that cast; finite values and ±inf)."""
+        if DT == tl.bfloat16:
+            b = acc.to(tl.uint32, bitcast=True)
+            b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+            return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            return acc.to(DT)
+
+    @triton.jit
+    def _hc_coeffs_kernel(m_ptr, ms_ptr, s_ptr, b_ptr, pre_ptr, post_ptr, comb_ptr,
+                          T, sm_row, norm_eps, hc_eps,
+                          H: tl.constexpr, HP: tl.constexpr, ITERS: tl.constexpr,
+                          BT: tl.constexpr):
+        rows = tl.program_id(0) * BT + tl.arange(0, BT)
+        rmask = rows < T
+        r64 = tl.where(rmask, rows, 0).to(tl.int64)
+        i = tl.arange(0, HP)
+        imask = i < H
+        inv = tl.rsqrt(tl.load(ms_ptr + r64) + norm_eps)[:, None]            # [BT, 1]
+        s0 = tl.load(s_ptr)
+        s1 = tl.load(s_ptr + 1)
+        s2 = tl.load(s_ptr + 2)
+        vmask = rmask[:, None] & imask[None, :]
+        mrow = m_ptr + r64[:, None] * sm_row
+        m_pre = tl.load(mrow + i[None, :], mask=vmask, other=0.0)
+        m_post = tl.load(mrow + H + i[None, :], mask=vmask, other=0.0)
+        pre = tl.sigmoid((m_pre * inv) * s0 + tl.load(b_ptr + i, mask=imask, other=0.0)) + hc_eps
+        post = 2 * tl.sigmoid((m_post * inv) * s1
+                              + tl.load(b_ptr + H + i, mask=imask, other=0.0))
+        # comb logits [BT, a, c] = m[2H + a·H + c]: row softmax over c, then Sinkhorn
+        a = i[:, None]
+        c = i[None, :]
+        cmask = (a < H) & (c < H)
+        off = 2 * H + a * H + c
+        lg = tl.load(mrow[:, :, None] + off[None, :, :], mask=rmask[:, None, None] & cmask,
+                     other=0.0)
+        lg = (lg * inv[:, :, None]) * s2 + tl.load(b_ptr + off, mask=cmask, other=0.0)
+        lg = tl.where(cmask, lg, -3.0e38)  # padding (H < HP): exp → 0, and no inf − inf
+        e = tl.exp(lg - tl.max(lg, axis=2)[:, :, None])
+        e = tl.where(cmask, e, 0.0)
+        den = tl.sum(e, axis=2)[:, :, None]  # ≥ 1 on real rows; 0 on padding rows
+        cb = tl.where(cmask, e / tl.where(den > 0, den, 1.0) + hc_eps, 0.0)
+        cb = cb / (tl.sum(cb, axis=1)[:, None, :] + hc_eps)
+        for _ in range(ITERS - 1):
+            cb = cb / (tl.sum(cb, axis=2)[:, :, None] + hc_eps)
+            cb = cb / (tl.sum(cb, axis=1)[:, None, :] + hc_eps)
+        tl.store(pre_ptr + r64[:, None] * H + i[None, :], pre, mask=vmask)
+        tl.store(post_ptr + r64[:, None] * H + i[None, :], post, mask=vmask)
+        tl.store(comb_ptr + r64[:, None, None] * (H * H) + (a * H + c)[None, :, :], cb,
+                 mask=rmask[:, None, None] & cmask)
+
+    @triton.jit
+    def _collapse_kernel(h_ptr, pre_ptr, out_ptr, D, sh_row, sh_copy, so_row,
+                         H: tl.constexpr, BD: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        d = tl.program_id(1) * BD + tl.arange(0, BD)
+        dmask = d < D
+        hrow = h_ptr + t * sh_row
+        acc = tl.load(pre_ptr + t * H) * tl.load(hrow + d, mask=dmask, other=0.0).to(tl.float32)
+        for i in tl.static_range(1, H):
+            acc = acc + tl.load(pre_ptr + t * H + i) * tl.load(
+                hrow + i * sh_copy + d, mask=dmask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * so_row + d, _round_out(acc, out_ptr.dtype.element_ty),
+                 mask=dmask)
+
+    @triton.jit
+    def _hc_update_kernel(y_ptr, r_ptr, post_ptr, comb_ptr, out_ptr, D, sy_row, sr_row,
+                          sr_copy, so_row, so_copy, H: tl.constexpr, BD: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1)
+        d = tl.program_id(2) * BD + tl.arange(0, BD)
+        dmask = d < D
+        rrow = r_ptr + t * sr_row
+        cb = comb_ptr + t * (H * H) + j  # comb[t, i, j] at i·H + j
+        acc = tl.load(cb) * tl.load(rrow + d, mask=dmask, other=0.0).to(tl.float32)
+        for i in tl.static_range(1, H):
+            acc = acc + tl.load(cb + i * H) * tl.load(
+                rrow + i * sr_copy + d, mask=dmask, other=0.0).to(tl.float32)
+        yv = tl.load(y_ptr + t * sy_row + d, mask=dmask, other=0.0).to(tl.float32)
+        acc = acc + tl.load(post_ptr + t * H + j) * yv
+        tl.store(out_ptr + t * so_row + j * so_copy + d, _round_out(acc, out_ptr.dtype.element_ty),
+                 mask=dmask)
+
+
+def _contig(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def hc_coeffs(m: torch.Tensor, ms: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+              H: int, norm_eps: float, hc_eps: float,
+              iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """m [T, (2+H)·H] fp32 (the mixing matmul, before the RMS factor), ms [T] or [T, 1] fp32
+    (the stream's mean square) → (pre [T, H], post [T, H], comb [T, H, H]) fp32."""
+    T = m.shape[0]
+    if m.shape[1] != (2 + H) * H:
+        raise ValueError(f"hc_coeffs: m has {m.shape[1]} columns, expected {(2 + H) * H}")
+    m = _contig(m.float())
+    ms = _contig(ms.float().reshape(T))
+    pre = torch.empty((T, H), dtype=torch.float32, device=m.device)
+    post = torch.empty_like(pre)
+    comb = torch.empty((T, H, H), dtype=torch.float32, device=m.device)
+    if T:
+        _hc_coeffs_kernel[(triton.cdiv(T, ROWS),)](
+            m, ms, _contig(scale.float()), _contig(base.float()), pre, post, comb, T,
+            m.stride(0), float(norm_eps), float(hc_eps), H=H, HP=triton.next_power_of_2(H),
+            ITERS=iters, BT=ROWS, num_warps=4, enable_fp_fusion=False)
+    return pre, post, comb
+
+
+def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Σ_i pre[i]·h[i]: h [T, H, D], pre [T, H] fp32 → [T, D] in h's dtype."""
+    T, H, D = h.shape
+    if h.stride(2) != 1:
+        h = h.contiguous()
+    out = torch.empty((T, D), dtype=h.dtype, device=h.device)
+    if T:
+        _collapse_kernel[(T, triton.cdiv(D, BLOCK_D))](
+            h, _contig(pre.float()), out, D, h.stride(0), h.stride(1), out.stride(0),
+            H=H, BD=BLOCK_D, num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+def hc_update(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
+              comb: torch.Tensor) -> torch.Tensor:
+    """post[j]·y + Σ_i comb[i, j]·residual[i]: y [T, D], residual [T, H, D] → [T, H, D] in
+    residual's dtype."""
+    T, H, D = residual.shape
+    if residual.stride(2) != 1:
+        residual = residual.contiguous()
+    y = _contig(y)
+    out = torch.empty((T, H, D), dtype=residual.dtype, device=residual.device)
+    if T:
+        _hc_update_kernel[(T, H, triton.cdiv(D, BLOCK_D))](
+            y, residual, _contig(post.float()), _contig(comb.float()), out, D, y.stride(0),
+            residual.stride(0), residual.stride(1), out.stride(0), out.stride(1),
+            H=H, BD=BLOCK_D, num_warps=4, enable_fp_fusion=False)
+    return out

@@ -1,0 +1,51 @@
+"""The fused mHC kernels on CUDA (pytest -m gpu): collapse and hc_update give the torch code's
+bits on the same GPU; hc_coeffs stays within a few fp32 ulps of it and its rows do not depend on
+the other rows of the call. V4.1 shapes (H = 4, D = 5120)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata.kernels import mhc as K
+from strata.model import mhc as ref
+from strata.model.mhc import HcWeights
+
+pytestmark = pytest.mark.gpu
+
+
+def torch_path(monkeypatch, fn, *args):
+    """strata.model.mhc's torch code on CUDA (the kernels switched off for the call)."""
+    with monkeypatch.context() as m:
+        m.setattr(K, "available", lambda t: False)
+        return fn(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_collapse_and_update_equal_the_torch_code(cuda, monkeypatch, dtype):
+    T, H, D = 37, 4, 5120
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(T, H, D, generator=g).to(cuda, dtype)
+    pre = torch.rand(T, H, generator=g).to(cuda)
+    y = torch.randn(T, D, generator=g).to(cuda, dtype)
+    post = (torch.rand(T, H, generator=g) * 2).to(cuda)
+    comb = torch.softmax(torch.randn(T, H, H, generator=g), -1).to(cuda)
+    assert torch.equal(ref.collapse(h, pre), torch_path(monkeypatch, ref.collapse, h, pre))
+    assert torch.equal(ref.hc_update(y, h, post, comb),
+                       torch_path(monkeypatch, ref.hc_update, y, h, post, comb))
+
+
+def test_hc_coeffs_near_the_torch_code_and_row_invariant(cuda, monkeypatch):
+    T, H, D = 37, 4, 5120
+    g = torch.Generator().manual_seed(4)
+    n = (2 + H) * H
+    w = HcWeights(fn=(torch.randn(n, H * D, generator=g) * (H * D) ** -0.5).to(cuda),
+                  base=(torch.randn(n, generator=g) * 0.5).to(cuda),
+                  scale=(torch.rand(3, generator=g) + 0.5).to(cuda))
+    h = (torch.randn(T, H, D, generator=g) * 3).to(cuda, torch.bfloat16)
+    got = ref.hc_mixes(h, w, 1e-6, 1e-6, 20)
+    want = torch_path(monkeypatch, ref.hc_mixes, h, w, 1e-6, 1e-6, 20)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), (a - b).abs().max()
+    alone = ref.hc_mixes(h[20:21], w, 1e-6, 1e-6, 20)
+    for a, full in zip(alone, got):
+        assert torch.equal(a[0], full[20])

@@ -1,0 +1,66 @@
+"""The fused mHC kernels (strata.kernels.mhc) against the torch definitions (strata.model.mhc),
+under TRITON_INTERPRET=1 on CPU. collapse and hc_update repeat the torch operations in order and
+must give its bits; hc_coeffs uses Triton's exp / sigmoid / rsqrt, so it is held to a few fp32
+ulps, and each of its rows must not depend on the other rows of the call."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first launched
+
+from strata.kernels import mhc as K  # noqa: E402
+from strata.model import mhc as ref  # noqa: E402
+from strata.model.mhc import HcWeights  # noqa: E402
+
+
+def weights(H: int, D: int, seed: int) -> HcWeights:
+    g = torch.Generator().manual_seed(seed)
+    n = (2 + H) * H
+    return HcWeights(fn=torch.randn(n, H * D, generator=g) * (H * D) ** -0.5,
+                     base=torch.randn(n, generator=g) * 0.5,
+                     scale=torch.rand(3, generator=g) + 0.5)
+
+
+@pytest.mark.parametrize("H", [4, 3])
+def test_hc_coeffs_match_the_definition_and_rows_are_independent(H):
+    D, T = 32, 21  # T spans two programs of ROWS rows
+    w = weights(H, D, seed=H)
+    h = torch.randn(T, H, D, generator=torch.Generator().manual_seed(7)) * 3
+    x = h.flatten(1)
+    m, ms = x @ w.fn.T, (x * x).mean(-1, keepdim=True)
+    got = K.hc_coeffs(m, ms, w.scale, w.base, H, 1e-6, 1e-6, 20)
+    want = ref.hc_mixes(h, w, 1e-6, 1e-6, 20)
+    for g_, w_, name in zip(got, want, ("pre", "post", "comb")):
+        assert g_.shape == w_.shape, name
+        assert torch.allclose(g_, w_, rtol=4e-6, atol=1e-7), (name, (g_ - w_).abs().max())
+    comb = got[2]
+    assert torch.allclose(comb.sum(-2), torch.ones(T, H), atol=1e-5)  # doubly stochastic
+    alone = K.hc_coeffs(m[13:14], ms[13:14], w.scale, w.base, H, 1e-6, 1e-6, 20)
+    for a, full in zip(alone, got):
+        assert torch.equal(a[0], full[13])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_collapse_and_update_give_the_definitions_bits(dtype):
+    T, H, D = 3, 4, 700  # D not a multiple of BLOCK_D
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(T, H, D, generator=g).to(dtype)
+    pre = torch.rand(T, H, generator=g)
+    y = torch.randn(T, D, generator=g).to(dtype)
+    post = torch.rand(T, H, generator=g) * 2
+    comb = torch.softmax(torch.randn(T, H, H, generator=g), -1)
+    assert torch.equal(K.collapse(h, pre), ref.collapse(h, pre))
+    assert torch.equal(K.hc_update(y, h, post, comb), ref.hc_update(y, h, post, comb))
+    # strided inputs (a view of a wider stream) are read correctly
+    wide = torch.randn(T, H, D + 5, generator=g).to(dtype)[:, :, :D]
+    assert torch.equal(K.collapse(wide, pre), ref.collapse(wide, pre))
+    assert K.collapse(h[:0], pre[:0]).shape == (0, D)
+
+
+def test_hc_coeffs_rejects_a_wrong_width():
+    with pytest.raises(ValueError, match="expected 24"):
+        K.hc_coeffs(torch.zeros(2, 20), torch.ones(2), torch.ones(3), torch.zeros(24), 4,
+                    1e-6, 1e-6, 5)
