@@ -51,7 +51,11 @@ class Numerics:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """w ⊙ x·rsqrt(mean(x²)+eps), computed in fp32 and cast back to x's dtype."""
+    """w ⊙ x·rsqrt(mean(x²)+eps), computed in fp32 and cast back to x's dtype (on CUDA one
+    fused launch, strata.kernels.norm)."""
+    from strata.kernels import norm
+    if norm.available(x):
+        return norm.rms_norm(x, weight, eps)
     xf = x.float()
     y = xf * torch.rsqrt(row_mean(xf * xf) + eps)
     if weight is not None:

@@ -1,6 +1,6 @@
-"""The fused mHC kernels on CUDA (pytest -m gpu): collapse and hc_update give the torch code's
-bits on the same GPU; hc_coeffs stays within a few fp32 ulps of it and its rows do not depend on
-the other rows of the call. V4.1 shapes (H = 4, D = 5120)."""
+"""The fused small-op kernels on CUDA (pytest -m gpu): mHC collapse and hc_update give the torch
+code's bits on the same GPU; hc_coeffs and RMSNorm stay within a few fp32 ulps of it and their
+rows do not depend on the other rows of the call. V4.1 shapes (H = 4, D = 5120)."""
 from __future__ import annotations
 
 import pytest
@@ -14,9 +14,11 @@ pytestmark = pytest.mark.gpu
 
 
 def torch_path(monkeypatch, fn, *args):
-    """strata.model.mhc's torch code on CUDA (the kernels switched off for the call)."""
+    """The torch definitions on CUDA (the fused kernels switched off for the call)."""
+    from strata.kernels import norm
     with monkeypatch.context() as m:
         m.setattr(K, "available", lambda t: False)
+        m.setattr(norm, "available", lambda t: False)
         return fn(*args)
 
 
@@ -49,3 +51,14 @@ def test_hc_coeffs_near_the_torch_code_and_row_invariant(cuda, monkeypatch):
     alone = ref.hc_mixes(h[20:21], w, 1e-6, 1e-6, 20)
     for a, full in zip(alone, got):
         assert torch.equal(a[0], full[20])
+
+
+def test_rms_norm_near_the_torch_code_and_row_invariant(cuda, monkeypatch):
+    from strata.model.numerics import rms_norm
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(37, 5120, generator=g) * 3).to(cuda, torch.float32)
+    w = (torch.rand(5120, generator=g) + 0.5).to(cuda)
+    got = rms_norm(x, w, 1e-6)
+    assert torch.allclose(got, torch_path(monkeypatch, rms_norm, x, w, 1e-6), rtol=1e-5,
+                          atol=1e-6)
+    assert torch.equal(rms_norm(x[9:10], w, 1e-6)[0], got[9])

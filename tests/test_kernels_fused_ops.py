@@ -1,5 +1,6 @@
-"""The fused mHC kernels (strata.kernels.mhc) against the torch definitions (strata.model.mhc),
-under TRITON_INTERPRET=1 on CPU. collapse and hc_update repeat the torch operations in order and
+"""The fused small-op kernels — mHC (strata.kernels.mhc) and RMSNorm (strata.kernels.norm) —
+against the torch definitions (strata.model.mhc, numerics.rms_norm), under TRITON_INTERPRET=1
+on CPU. collapse and hc_update repeat the torch operations in order and
 must give its bits; hc_coeffs uses Triton's exp / sigmoid / rsqrt, so it is held to a few fp32
 ulps, and each of its rows must not depend on the other rows of the call."""
 from __future__ import annotations
@@ -64,3 +65,21 @@ def test_hc_coeffs_rejects_a_wrong_width():
     with pytest.raises(ValueError, match="expected 24"):
         K.hc_coeffs(torch.zeros(2, 20), torch.ones(2), torch.ones(3), torch.zeros(24), 4,
                     1e-6, 1e-6, 5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_kernel_matches_the_definition_and_rows_are_independent(dtype):
+    from strata.kernels import norm
+    from strata.model.numerics import rms_norm as definition
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(6, 3, 1500, generator=g) * 4).to(dtype)  # K spans two chunks, masked tail
+    w = torch.rand(1500, generator=g) + 0.5
+    for weight in (w, None):
+        got, want = norm.rms_norm(x, weight, 1e-6), definition(x, weight, 1e-6)
+        assert got.shape == x.shape and got.dtype == dtype
+        if dtype == torch.float32:
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+        else:  # at most one bf16 ulp apart (the fp32 values straddle a rounding boundary)
+            assert ((got.float() - want.float()).abs() <= want.float().abs() / 128 + 1e-6).all()
+        alone = norm.rms_norm(x[4, 1:2], weight, 1e-6)
+        assert torch.equal(alone[0], got[4, 1])
