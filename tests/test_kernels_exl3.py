@@ -90,6 +90,16 @@ def test_fused_equals_gemm_and_the_product(K, codebook):
     assert bool(((fused.double() - ref).abs() <= bound).all())
 
 
+def test_gemm_joined_operand_is_the_same_matrix(monkeypatch):
+    """The GEMM's JOIN_B form (GPUs without wgmma: Ŵ's column pairs joined so the dot operand
+    gets the decode's layout) multiplies by the same Ŵ: same bits as the plain load here."""
+    tr = trellis_of(8, 16, 2, seed=9)
+    xr = torch.randn(3, 128, generator=torch.Generator().manual_seed(10)).half()
+    plain = X.exl3_matmul(xr, tr, "mul1", "gemm")
+    monkeypatch.setattr(X, "_join_b", lambda t: True)
+    assert torch.equal(bits(X.exl3_matmul(xr, tr, "mul1", "gemm")), bits(plain))
+
+
 def test_rows_are_batch_invariant():
     """A row alone (M = 1) == the same row inside M = 5 and M = FUSED_MAX_ROWS + 5, fused and
     GEMM paths alike (auto picks fused at ≤ FUSED_MAX_ROWS, GEMM above: the big M crosses the
