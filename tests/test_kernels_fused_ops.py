@@ -83,3 +83,17 @@ def test_rms_norm_kernel_matches_the_definition_and_rows_are_independent(dtype):
             assert ((got.float() - want.float()).abs() <= want.float().abs() / 128 + 1e-6).all()
         alone = norm.rms_norm(x[4, 1:2], weight, 1e-6)
         assert torch.equal(alone[0], got[4, 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_kernel_gives_the_definitions_bits(dtype, inverse):
+    from strata.kernels import rope as kernel
+    from strata.model import rope
+    g = torch.Generator().manual_seed(6)
+    inv_freq = 10000.0 ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    cos, sin = rope.rope_cos_sin(inv_freq, torch.tensor([3, 4, 90]))
+    for shape in ((3, 40), (3, 5, 300), (3, 16)):  # [T, d], [T, heads, d] (head > BH), all-rope
+        x = (torch.randn(*shape, generator=g) * 2).to(dtype)
+        got = kernel.apply_rope(x, cos, sin, inverse)
+        assert torch.equal(got, rope.apply_rope(x, cos, sin, inverse)), shape

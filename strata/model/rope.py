@@ -42,8 +42,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     """Rotate pairs (2k, 2k+1) of the last 2·cos.shape[-1] channels of x [T, ..., d].
 
     cos/sin are [T, rd/2] and broadcast over the middle dims. `inverse` applies the conjugate
-    rotation (used on the attention output). Returns a new tensor of x's dtype.
+    rotation (used on the attention output). Returns a new tensor of x's dtype (on CUDA one
+    launch with the same bits, strata.kernels.rope).
     """
+    from strata.kernels import rope as kernels
+    if kernels.available(x):
+        return kernels.apply_rope(x, cos, sin, inverse)
     rd = cos.shape[-1] * 2
     head, tail = x[..., :-rd], x[..., -rd:].float()
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rd // 2,)

@@ -1,5 +1,5 @@
-"""The fused small-op kernels on CUDA (pytest -m gpu): mHC collapse and hc_update give the torch
-code's bits on the same GPU; hc_coeffs and RMSNorm stay within a few fp32 ulps of it and their
+"""The fused small-op kernels on CUDA (pytest -m gpu): mHC collapse, hc_update and RoPE give the
+torch code's bits on the same GPU; hc_coeffs and RMSNorm stay within a few fp32 ulps of it and their
 rows do not depend on the other rows of the call. V4.1 shapes (H = 4, D = 5120)."""
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ pytestmark = pytest.mark.gpu
 
 def torch_path(monkeypatch, fn, *args):
     """The torch definitions on CUDA (the fused kernels switched off for the call)."""
-    from strata.kernels import norm
+    from strata.kernels import norm, rope
     with monkeypatch.context() as m:
-        m.setattr(K, "available", lambda t: False)
-        m.setattr(norm, "available", lambda t: False)
+        for module in (K, norm, rope):
+            m.setattr(module, "available", lambda t: False)
         return fn(*args)
 
 
@@ -62,3 +62,15 @@ def test_rms_norm_near_the_torch_code_and_row_invariant(cuda, monkeypatch):
     assert torch.allclose(got, torch_path(monkeypatch, rms_norm, x, w, 1e-6), rtol=1e-5,
                           atol=1e-6)
     assert torch.equal(rms_norm(x[9:10], w, 1e-6)[0], got[9])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_equals_the_torch_code(cuda, monkeypatch, dtype):
+    from strata.model import rope
+    g = torch.Generator().manual_seed(7)
+    inv_freq = 10000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    cos, sin = rope.rope_cos_sin(inv_freq, torch.arange(1000, 1037).to(cuda))
+    x = torch.randn(37, 64, 512, generator=g).to(cuda, dtype)  # q: 64 heads of 512, rope 64
+    for inverse in (False, True):
+        assert torch.equal(rope.apply_rope(x, cos, sin, inverse),
+                           torch_path(monkeypatch, rope.apply_rope, x, cos, sin, inverse))
