@@ -71,3 +71,58 @@ def test_bench_synthetic_cli(tiny_dir, tmp_path, capsys):
     assert main(["bench", "synthetic", "--config", str(tiny_dir), "--layers", "5-99",
                  "--device", "cpu"]) == 2
     assert "layers run 0..7" in capsys.readouterr().err
+
+
+def test_values_depend_only_on_the_tensor_name(cfg):
+    """Any process building a tensor gets the same values (what lets every rank of a parallel
+    group build its own part of one synthetic model)."""
+    a, _ = build_synthetic(cfg, "cpu", layers=[0, 1, 2], engram_rows=16, seed=4)
+    b, _ = build_synthetic(cfg, "cpu", layers=[1, 2, 3], engram_rows=16, seed=4)
+    c, _ = build_synthetic(cfg, "cpu", layers=[1, 2, 3], engram_rows=16, seed=5)
+    la, lb, lc = a.layers[1], b.layers[0], c.layers[0]
+    assert la.layer == lb.layer == 1
+    assert torch.equal(la.hc_attn.fn, lb.hc_attn.fn)
+    assert torch.equal(la.attn.wq_a.trellis, lb.attn.wq_a.trellis)
+    assert not torch.equal(la.attn.wq_a.trellis, lc.attn.wq_a.trellis)  # the seed matters
+
+
+@pytest.mark.parametrize("mode", ["layer", "tp"])
+def test_parallel_synthetic_equals_one_device(tiny_dir, cfg, mode):
+    """`strata bench synthetic --parallel`: two gloo ranks each build their part of the
+    synthetic model; logits and greedy tokens are those of the whole model in one process."""
+    from strata.model.numerics import Numerics
+    from strata.runtime.parallel import ParallelSpec, launch
+    options = {"fmt": "official", "seed": 7, "engram_rows": 32}
+    one, _ = build_synthetic(cfg, "cpu", numerics=Numerics("reference"), **options)
+    split = ((0, 3), (3, 8)) if mode == "layer" else None
+    pm = launch(ParallelSpec(mode, ("cpu", "cpu"), "", numerics="reference", split=split,
+                             peer_timeout=20.0,
+                             synthetic={"config": str(tiny_dir), **options}))
+    try:
+        prompt = torch.arange(3, 30)
+        a, _ = one.forward(prompt, one.new_state(64), logits="all")
+        b, _ = pm.forward(prompt, pm.new_state(64), logits="all")
+        assert torch.equal(a, b)
+        run = dict(max_tokens=6, stop_ids=frozenset())
+        assert Session(pm, 64).run(prompt, **run).tokens == Session(one, 64).run(prompt,
+                                                                                  **run).tokens
+    finally:
+        pm.close()
+
+
+def test_bench_synthetic_cli_parallel(tiny_dir, tmp_path, capsys):
+    import json
+
+    from strata.cli import main
+    out = tmp_path / "syn.json"
+    assert main(["bench", "synthetic", "--config", str(tiny_dir), "--parallel", "tp",
+                 "--devices", "cpu,cpu", "--prompt-tokens", "12", "--tokens", "3", "--runs", "1",
+                 "--warmup", "0", "--engram-rows", "32", "--modes", "plain",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "8 of 8 layers held over cpu,cpu (tp)" in text and "fwd ms" in text
+    data = json.loads(out.read_text())
+    assert data["meta"]["parallel"] == "tp" and len(data["split_timing"]["plain"]["ranks"]) == 2
+    assert main(["bench", "synthetic", "--config", str(tiny_dir), "--parallel", "layer",
+                 "--devices", "cpu,cpu", "--layers", "0-3"]) == 2
+    assert "--layers is for one device" in capsys.readouterr().err

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import re
+import zlib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -69,9 +70,17 @@ class SyntheticWeights:
         if self.engram not in ("device", "disk"):
             raise ValueError(f"engram={self.engram!r}: expected 'device' or 'disk'")
         self.meta = self.device.type == "meta"
-        self.gen = None if self.meta else \
-            torch.Generator(device=self.device).manual_seed(self.seed)
+        self.gen = None
         self.used: set[str] = set()
+
+    def _start(self, name: str) -> None:
+        """Every tensor's values come from a generator seeded by (seed, its name), so any
+        process that builds a tensor — one device, a layer-split rank, a tensor-parallel rank
+        building only its shards — builds the same values."""
+        self.used.add(name)
+        if not self.meta:
+            key = zlib.crc32(name.encode()) ^ (self.seed * 0x9E3779B1 & 0xFFFFFFFF)
+            self.gen = torch.Generator(device=self.device).manual_seed(key)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _count(self, group: str, t: torch.Tensor, name: str) -> torch.Tensor:
@@ -100,7 +109,7 @@ class SyntheticWeights:
 
     def tensor(self, name: str, dtype: str | tuple[str, ...] | None = None,
                shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        self.used.add(name)
+        self._start(name)
         want = dtype if isinstance(dtype, str) else (dtype or ("BF16",))[0]
         if want in ("BF16", "F32", "F16"):
             torch_dtype = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}[want]
@@ -108,7 +117,7 @@ class SyntheticWeights:
         raise ValueError(f"synthetic tensor {name}: dtype {want} is not generated")
 
     def float_tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        self.used.add(name)
+        self._start(name)
         if re.search(r"norm\.weight$|q_weight$|k_weight$", name):
             t = torch.ones(shape, device=self.device)
         elif name.endswith(("gate.bias", "attn_sink", "_base")):
@@ -118,7 +127,7 @@ class SyntheticWeights:
         return self._count("dense", t, name)
 
     def linear(self, prefix: str, out_features: int, in_features: int) -> Linear:
-        self.used.add(prefix)
+        self._start(prefix)
         if prefix.endswith(".gate"):  # the router stays unquantized in every format
             return DenseLinear(self._count("dense", self._randn((out_features, in_features),
                                                                 in_features ** -0.5,
@@ -138,6 +147,7 @@ class SyntheticWeights:
                 for g in range(groups)]
 
     def engram_table(self, prefix: str, n_rows: int, dim: int):
+        self._start(prefix)
         # The full table's size for plans (it stays on disk); a folded one to run.
         self.tensor_bytes[f"{prefix}.weight"] = n_rows * dim
         self.tensor_bytes[f"{prefix}.scale"] = n_rows * (dim // 32)
@@ -246,11 +256,12 @@ def synthetic_hasher(cfg: ModelConfig):
 
 
 def build_synthetic(cfg: ModelConfig, device: torch.device | str, numerics=None,
-                    layers=None, **options):
+                    layers=None, part=None, **options):
     """(Model, SyntheticWeights): `cfg`'s model with random stored weights on `device`.
     `layers`: the backbone layers to hold (None: all) — a one-GPU run of a model that needs
-    two holds a subset, and per-layer times scale to the whole; options go to
-    SyntheticWeights (fmt, bits, seed, engram, engram_rows, engram_dir)."""
+    two holds a subset, and per-layer times scale to the whole; `part`: a rank's ModelPart
+    of a multi-device group instead (its reader wrapper applied; the config kept whole);
+    options go to SyntheticWeights (fmt, bits, seed, engram, engram_rows, engram_dir)."""
     from dataclasses import replace
 
     from strata.model.model import Model, ModelPart
@@ -263,8 +274,11 @@ def build_synthetic(cfg: ModelConfig, device: torch.device | str, numerics=None,
         n = len(cfg.dspark_target_layer_ids)
         cfg = replace(cfg, dspark_target_layer_ids=tuple(sorted(layers)[-n:]))
     w = SyntheticWeights(cfg, device, **options)
-    part = ModelPart(layers=layers) if layers is not None else None
-    model = Model(cfg, w, numerics or Numerics.for_device(device), synthetic_hasher(cfg), part)
+    if part is None and layers is not None:
+        part = ModelPart(layers=layers)
+    reader = part.wrap_reader(w) if part is not None and part.wrap_reader else w
+    model = Model(cfg, reader, numerics or Numerics.for_device(device), synthetic_hasher(cfg),
+                  part)
     return model, w
 
 
@@ -306,6 +320,27 @@ def add_arguments(p) -> None:
     p.add_argument("--length", type=int, default=None, help="fixed verify length for dspark")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results as JSON here")
+    from strata.cli import _add_parallel_args
+    _add_parallel_args(p)  # every rank builds its part of the same synthetic model
+
+
+def _launch(args, cfg: ModelConfig):
+    """--parallel: the synthetic model over --devices, one process per device (each rank makes
+    the tensors it holds; the same names give the same values as one device would)."""
+    from strata.errors import StrataError
+    from strata.runtime.parallel import ParallelSpec, launch, parse_devices, parse_split
+    if not args.devices:
+        raise StrataError(f"--parallel {args.parallel} needs --devices, one per rank")
+    if args.layers:
+        raise StrataError("--layers is for one device; --parallel holds every layer")
+    devices = parse_devices(args.devices)
+    split = parse_split(args.split, cfg.n_layers, len(devices)) if args.split else None
+    synthetic = {"config": args.config, "fmt": args.fmt, "seed": args.seed,
+                 "engram": args.engram, "engram_rows": args.engram_rows,
+                 "engram_dir": args.engram_dir}
+    return launch(ParallelSpec(args.parallel, devices, "", split=split,
+                               tp_attention=args.tp_attention, peer_timeout=args.peer_timeout,
+                               synthetic=synthetic))
 
 
 def run(args) -> int:
@@ -320,22 +355,38 @@ def run(args) -> int:
     cfg = ModelConfig.from_model_dir(Path(args.config)) if args.config else v41_flash_config()
     layers = parse_layers(args.layers, cfg.n_layers)
     t0 = time.perf_counter()
-    model, w = build_synthetic(cfg, args.device, layers=layers, fmt=args.fmt, seed=args.seed,
-                               engram=args.engram, engram_rows=args.engram_rows,
-                               engram_dir=args.engram_dir)
+    if args.parallel:
+        model = _launch(args, cfg)
+        w = build_synthetic(cfg, "meta", fmt=args.fmt)[1]  # the sizes, for the report
+    else:
+        model, w = build_synthetic(cfg, args.device, layers=layers, fmt=args.fmt,
+                                   seed=args.seed, engram=args.engram,
+                                   engram_rows=args.engram_rows, engram_dir=args.engram_dir)
     build_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(3, min(cfg.vocab_size, 100_000), (args.prompt_tokens,),
                            generator=g).tolist()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    results = bench_decode(model, prompt, modes, n=args.tokens, runs=args.runs,
-                           warmup=args.warmup, length=args.length)
-    held = len(model.layers)
+    try:
+        results = bench_decode(model, prompt, modes, n=args.tokens, runs=args.runs,
+                               warmup=args.warmup, length=args.length)
+        split = None
+        if args.parallel:
+            from strata.bench.decode import parallel_split
+            split = parallel_split(model, prompt, modes, n=args.tokens, length=args.length)
+    finally:
+        if args.parallel:
+            model.close()  # the other ranks exit
+    held = cfg.n_layers if args.parallel else len(model.layers)
+    where = (f"over {args.devices} ({args.parallel})" if args.parallel
+             else f"({'all' if layers is None else args.layers})")
     lines = [report(results, len(prompt)),
-             f"synthetic {args.fmt}: {held} of {cfg.n_layers} layers held "
-             f"({'all' if layers is None else args.layers}); stored "
+             f"synthetic {args.fmt}: {held} of {cfg.n_layers} layers held {where}; stored "
              f"{sum(w.stored_bytes.values()) / 1e9:.2f} GB, {w.bits_per_weight():.2f} bits per "
              f"quantized weight; built in {build_s:.1f} s"]
+    if split is not None:
+        from strata.bench.decode import split_report
+        lines.append(split_report(split))
     scaled = {}
     if held < cfg.n_layers:
         # Time per token scales with the layers held (embed/head/draft counted once: the
@@ -346,14 +397,15 @@ def run(args) -> int:
                                                           for m, v in scaled.items()))
     print("\n".join(lines))
     if args.json:
-        dev = torch.device(args.device)
+        dev = torch.device(args.devices.split(",")[0] if args.parallel else args.device)
         meta = {"command": "strata " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
                 "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                "parallel": args.parallel, "devices": args.devices,
                 "layers": layers, "format": args.fmt, "bits_per_weight": w.bits_per_weight(),
                 "stored_bytes": w.stored_bytes, "build_s": build_s}
         Path(args.json).write_text(json.dumps(
             {"meta": meta, "results": {m: r.as_dict() for m, r in results.items()},
-             "scaled_tok_per_s": scaled}, indent=2))
+             "scaled_tok_per_s": scaled, "split_timing": split}, indent=2))
     return 0
 
 

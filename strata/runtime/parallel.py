@@ -46,6 +46,7 @@ import traceback
 import weakref
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
+from pathlib import Path
 
 import torch
 
@@ -103,6 +104,29 @@ class ParallelSpec:
     buffer_bytes: int = 256 << 20               # loader staging buffers
     progress: bool | None = None                # loading bar on rank 0 (None: if a terminal)
     load_options: dict = field(default_factory=dict)  # more Model.load keywords (engram, ...)
+    # Instead of a checkpoint: a synthetic model (strata.bench.synthetic) built on each rank —
+    # {"config": checkpoint folder or None for the published V4.1 config, and build_synthetic
+    # options: fmt, seed, engram, engram_rows, engram_dir}; model_dir is then unused.
+    synthetic: dict | None = None
+
+
+def spec_config(spec: ParallelSpec) -> ModelConfig:
+    """The model config of a spec: the checkpoint's, or the synthetic model's."""
+    if spec.synthetic is None:
+        return ModelConfig.from_model_dir(spec.model_dir)
+    if spec.synthetic.get("config"):
+        return ModelConfig.from_model_dir(spec.synthetic["config"])
+    from strata.config import v41_flash_config
+    return v41_flash_config()
+
+
+def _synthetic_options(spec: ParallelSpec, rank: int) -> dict:
+    """build_synthetic's options for `rank` (disk Engram tables in a folder of its own: in
+    tensor parallelism every rank writes the same tables)."""
+    out = {k: v for k, v in spec.synthetic.items() if k != "config"}
+    if out.get("engram_dir"):
+        out["engram_dir"] = str(Path(out["engram_dir"]) / f"rank{rank}")
+    return out
 
 
 # ---- parsing ---------------------------------------------------------------------------------
@@ -148,10 +172,15 @@ def plan_split(spec: ParallelSpec, cfg: ModelConfig) -> tuple[tuple[int, int], .
     rank 0 also holds the embedding, head and DSpark stages), from the checkpoint headers."""
     from strata.checkpoint.pack import open_checkpoint
     from strata.runtime.placement import balanced_split, tensor_bytes_of
-    folder = open_checkpoint(spec.model_dir, verify="none")
+    if spec.synthetic is not None:  # sizes from a build on the meta device (nothing allocated)
+        from strata.bench.synthetic import build_synthetic
+        fmt = spec.synthetic.get("fmt", "exl3")
+        sizes = build_synthetic(cfg, "meta", fmt=fmt)[1].tensor_bytes
+    else:
+        sizes = tensor_bytes_of(open_checkpoint(spec.model_dir, verify="none"))
     dtype_bytes = 2 if (spec.act_dtype or ("bfloat16" if spec.devices[0].startswith("cuda")
                                            else "float32")) in ("bfloat16", "bf16") else 4
-    ranges = balanced_split(cfg, tensor_bytes_of(folder), len(spec.devices), spec.context,
+    ranges = balanced_split(cfg, sizes, len(spec.devices), spec.context,
                             act_bytes=dtype_bytes)
     return tuple((r.start, r.stop) for r in ranges)
 
@@ -206,14 +235,20 @@ def load_part(spec: ParallelSpec, cfg: ModelConfig, comm: Comm,
     rank, world, device = comm.rank, comm.world, comm.device
     mode = spec.numerics or ("vendor" if device.type == "cuda" else "reference")
     nx = Numerics.for_device(device, mode, spec.act_dtype, spec.vendor_stale_index_k)
-    loader = TensorLoader(device, buffer_bytes=spec.buffer_bytes,
-                          progress=spec.progress if rank == 0 else False)
     if spec.mode == "layer":
         part = ModelPart(layers=range(*split[rank]), embed=rank == 0, head=rank == 0)
     else:
         plan = TPPlan(rank, world, spec.tp_attention)
         part = ModelPart(embed=True, head=rank == 0, wrap_reader=sharding_reader(plan, cfg))
-    model = Model.load(spec.model_dir, device, nx, loader=loader, part=part, **spec.load_options)
+    if spec.synthetic is not None:
+        from strata.bench.synthetic import build_synthetic
+        model = build_synthetic(cfg, device, numerics=nx, part=part,
+                                **_synthetic_options(spec, rank))[0]
+    else:
+        loader = TensorLoader(device, buffer_bytes=spec.buffer_bytes,
+                              progress=spec.progress if rank == 0 else False)
+        model = Model.load(spec.model_dir, device, nx, loader=loader, part=part,
+                           **spec.load_options)
     if spec.mode == "layer":
         return model, LayerExecutor(model, comm, [range(*r) for r in split])
     apply_tp(model, comm, plan)
@@ -313,7 +348,7 @@ def _exchange_stats(comm: Comm, reset: bool) -> list[list[float]]:
 def run_follower(spec: ParallelSpec, rv: Rendezvous, rank: int, local_rank: int) -> int:
     """A follower's whole life; returns the process exit status."""
     try:
-        cfg = ModelConfig.from_model_dir(spec.model_dir)
+        cfg = spec_config(spec)
         device = _device(spec.devices[rank], local_rank)
         _share_cpu(device, os.environ)
         comm = Comm(rv, rank, device)
@@ -597,7 +632,7 @@ def launch(spec: ParallelSpec, environ: dict | None = None) -> ParallelModel:
     if spec.mode not in MODES:
         raise StrataError(f"parallel mode {spec.mode!r}: expected one of {', '.join(MODES)}")
     devices = parse_devices(",".join(spec.devices))
-    cfg = ModelConfig.from_model_dir(spec.model_dir)
+    cfg = spec_config(spec)
     world = len(devices)
     if spec.mode == "tp":
         if spec.split:
