@@ -126,3 +126,22 @@ def test_bench_synthetic_cli_parallel(tiny_dir, tmp_path, capsys):
     assert main(["bench", "synthetic", "--config", str(tiny_dir), "--parallel", "layer",
                  "--devices", "cpu,cpu", "--layers", "0-3"]) == 2
     assert "--layers is for one device" in capsys.readouterr().err
+
+
+def test_bench_synthetic_prefill_with_and_without_the_decoder_skip(tiny_dir, tmp_path, capsys):
+    """--prefill: chunked prefills timed with and without the decoder skip (the tiny config's
+    reach is 896 rows, so 1,000 tokens skip the decoder on their first 104); the last logits
+    must be bit-identical or the command fails."""
+    import json
+
+    from strata.cli import main
+    out = tmp_path / "syn.json"
+    assert main(["bench", "synthetic", "--config", str(tiny_dir), "--device", "cpu",
+                 "--prompt-tokens", "8", "--tokens", "2", "--runs", "1", "--warmup", "0",
+                 "--modes", "plain", "--engram-rows", "32", "--prefill", "1000",
+                 "--prefill-chunk", "256", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["prefill"]
+    assert [(r["tokens"], r["decoder_skip"], r["skip_applied"]) for r in rows] == \
+        [(1000, False, False), (1000, True, True)]
+    assert all(r["logits_equal_to_full"] and r["tok_per_s"] > 0 for r in rows)
+    assert "prefill" in capsys.readouterr().out

@@ -319,9 +319,66 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--length", type=int, default=None, help="fixed verify length for dspark")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefill", help="also time chunked prefills of these prompt lengths, "
+                                     "e.g. 8K,32K,128K (K = 1024)")
+    p.add_argument("--prefill-chunk", type=int, default=2048)
+    p.add_argument("--prefill-skip", default="both", choices=["both", "on", "off"],
+                   help="the exact decoder-skipping prefill: with, without, or both (then the "
+                        "last logits are checked bit-identical)")
     p.add_argument("--json", help="write the results as JSON here")
     from strata.cli import _add_parallel_args
     _add_parallel_args(p)  # every rank builds its part of the same synthetic model
+
+
+def bench_prefill(model, lengths: list[int], chunk: int, skip: str, seed: int) -> list[dict]:
+    """Time a chunked prefill of random prompts of each length (device synchronised around it)
+    with and/or without the decoder skip; peak device memory; with both, whether the last
+    row's logits are bit-identical (the skip is exact)."""
+    import time
+
+    from strata.runtime.session import Session
+    dev = torch.device(model.device)
+    cuda = dev.type == "cuda"
+    can_skip = getattr(model, "decoder_start", None) is not None
+    modes = {"both": (False, True), "on": (True,), "off": (False,)}[skip]
+    out = []
+    for n in lengths:
+        g = torch.Generator().manual_seed(seed + n)
+        prompt = torch.randint(3, min(model.cfg.vocab_size, 100_000), (n,), generator=g)
+        last = {}
+        for on in modes:
+            s = Session(model, n + 8, prefill_chunk=chunk, decoder_skip=on)
+            if cuda:
+                torch.cuda.synchronize(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
+            t0 = time.perf_counter()
+            logits = s.prefill(prompt)
+            if cuda:
+                torch.cuda.synchronize(dev)
+            secs = time.perf_counter() - t0
+            last[on] = logits
+            out.append({"tokens": n, "decoder_skip": on, "skip_applied": on and can_skip,
+                        "seconds": secs, "tok_per_s": n / secs, "chunk": chunk,
+                        "peak_device_bytes": torch.cuda.max_memory_allocated(dev) if cuda
+                        else None})
+            del s
+        if len(last) == 2:
+            same = bool(torch.equal(last[False], last[True]))
+            for r in out[-2:]:
+                r["logits_equal_to_full"] = same
+    return out
+
+
+def prefill_report(rows: list[dict], scale: float) -> str:
+    lines = [f"{'prefill':>9}{'skip':>6}{'s':>9}{'tok/s':>10}{'scaled':>10}{'peak GiB':>10}"
+             f"{'= full':>8}"]
+    for r in rows:
+        peak = "-" if r["peak_device_bytes"] is None else f"{r['peak_device_bytes'] / 2**30:.1f}"
+        same = {True: "yes", False: "NO"}.get(r.get("logits_equal_to_full"), "-")
+        skip = ("on" if r["skip_applied"] else "n/a") if r["decoder_skip"] else "off"
+        lines.append(f"{r['tokens']:>9}{skip:>6}{r['seconds']:>9.2f}{r['tok_per_s']:>10.0f}"
+                     f"{r['tok_per_s'] * scale:>10.0f}{peak:>10}{same:>8}")
+    return "\n".join(lines)
 
 
 def _launch(args, cfg: ModelConfig):
@@ -374,6 +431,12 @@ def run(args) -> int:
         if args.parallel:
             from strata.bench.decode import parallel_split
             split = parallel_split(model, prompt, modes, n=args.tokens, length=args.length)
+        prefill = []
+        if args.prefill:
+            from strata.bench.passkey import parse_length
+            lengths = [parse_length(t) for t in args.prefill.split(",") if t.strip()]
+            prefill = bench_prefill(model, lengths, args.prefill_chunk, args.prefill_skip,
+                                    args.seed)
     finally:
         if args.parallel:
             model.close()  # the other ranks exit
@@ -387,6 +450,8 @@ def run(args) -> int:
     if split is not None:
         from strata.bench.decode import split_report
         lines.append(split_report(split))
+    if prefill:
+        lines.append(prefill_report(prefill, held / cfg.n_layers))
     scaled = {}
     if held < cfg.n_layers:
         # Time per token scales with the layers held (embed/head/draft counted once: the
@@ -396,6 +461,9 @@ def run(args) -> int:
         lines.append("scaled to all layers: " + ", ".join(f"{m} {v:.1f} tok/s"
                                                           for m, v in scaled.items()))
     print("\n".join(lines))
+    exact = all(r.get("logits_equal_to_full", True) for r in prefill)
+    if not exact:
+        print("strata: the decoder-skipping prefill changed the last logits", file=sys.stderr)
     if args.json:
         dev = torch.device(args.devices.split(",")[0] if args.parallel else args.device)
         meta = {"command": "strata " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
@@ -405,8 +473,8 @@ def run(args) -> int:
                 "stored_bytes": w.stored_bytes, "build_s": build_s}
         Path(args.json).write_text(json.dumps(
             {"meta": meta, "results": {m: r.as_dict() for m, r in results.items()},
-             "scaled_tok_per_s": scaled, "split_timing": split}, indent=2))
-    return 0
+             "scaled_tok_per_s": scaled, "split_timing": split, "prefill": prefill}, indent=2))
+    return 0 if exact else 1
 
 
 @lru_cache(maxsize=None)
