@@ -89,7 +89,7 @@ class Attention:
         valid = (kpos >= 0) & (in_chunk | (ring.tags[slot] == kpos))
         win_rows = torch.where(in_chunk[..., None], kv[(kpos - ctx.start).clamp(min=0)].float(),
                                ring.rows[slot].float())
-        ring.write(ctx.positions, kv, state.journal)
+        ring.write(ctx.start, kv, state.journal)
 
         comp_rows = comp_mask = None
         if self.ratio > 0:

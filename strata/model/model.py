@@ -219,17 +219,18 @@ class Model:
         cfg = self.cfg
         if logits not in ("all", "last", "none"):
             raise ValueError(f"logits={logits!r}: expected 'all', 'last' or 'none'")
-        tokens = tokens.to(self.device).view(-1)
+        tokens = tokens.view(-1)
         if tokens.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"token ids must be integers, got {tokens.dtype}")
-        tokens = tokens.long()
         T = tokens.numel()
         if T == 0:
             raise ValueError("forward needs at least one token")
+        # Checked where the ids are (the host, for every caller here) before they move: a
+        # check on the device would wait for all the work queued before it.
         if int(tokens.min()) < 0 or int(tokens.max()) >= cfg.vocab_size:
             raise ValueError(f"token ids must be in 0..{cfg.vocab_size - 1}")
         state.check_room(T)
-        return tokens
+        return tokens.to(self.device).long()
 
     def _forward(self, tokens: torch.Tensor, state: State, logits: str,
                  nx: Numerics, decoder: bool = True) -> tuple[torch.Tensor | None, ForwardContext]:

@@ -43,19 +43,21 @@ class PositionRing:
         """Rows of the given positions (the caller guarantees they are present)."""
         return self.rows[positions % self.size]
 
-    def write(self, positions: torch.Tensor, rows: torch.Tensor,
-              journal: "Journal | None") -> None:
-        """Write rows for ascending consecutive positions; journal the displaced slots.
+    def write(self, first: int, rows: torch.Tensor, journal: "Journal | None") -> None:
+        """Write rows for the consecutive positions first, first + 1, ...; journal the
+        displaced slots. (`first` is a host int: no device read, so a forward never waits.)
 
         Only the last `size` rows can be stored; a journaled write that drops earlier rows
         can then be rolled back wholly, or to a point whose history it still holds.
         """
-        first = int(positions[0]) if positions.numel() else 0
-        if positions.numel() > self.size:
-            positions, rows = positions[-self.size:], rows[-self.size:]
+        n = rows.shape[0]
+        kept_from = first + max(0, n - self.size)
+        if n > self.size:
+            rows = rows[-self.size:]
+        positions = torch.arange(kept_from, first + n, device=self.rows.device)
         slots = positions % self.size
         if journal is not None:
-            journal.writes.append(RingWrite(self, first, slots, positions,
+            journal.writes.append(RingWrite(self, first, kept_from, slots, positions,
                                             self.rows[slots].clone(), self.tags[slots].clone()))
         self.rows[slots] = rows.to(self.rows.dtype)
         self.tags[slots] = positions
@@ -73,6 +75,7 @@ class RingWrite:
 
     ring: PositionRing
     first: int                 # first position the caller asked to write
+    kept_from: int             # first position actually stored (the last `size` of the write)
     slots: torch.Tensor
     positions: torch.Tensor    # positions actually stored (the last `size` of the write)
     old_rows: torch.Tensor
@@ -80,7 +83,7 @@ class RingWrite:
 
     def undo_from(self, to: int) -> None:
         """Restore the slots of positions ≥ `to`."""
-        kept_from = int(self.positions[0]) if self.positions.numel() else self.first
+        kept_from = self.kept_from
         if self.first < to < kept_from + self.ring.keep and kept_from > self.first:
             raise ValueError(f"cannot roll back to position {to}: this write kept only "
                              f"positions ≥ {kept_from} of the {self.ring.keep} it needs before {to}")

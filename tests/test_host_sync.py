@@ -1,0 +1,69 @@
+"""A decode step and a verify window read nothing back from the device inside the model.
+
+On a GPU every value read back to the host (int(t), .item(), .nonzero(), torch.unique, a
+boolean test of a tensor) waits for all the work queued before it, so the host cannot run ahead
+of the GPU, and a step containing one cannot be captured in a CUDA graph. This probe counts the
+ATen ops that read back (or size their output from data) while the layers of one forward run
+— on CPU, where the same Python code runs — and requires none. (Validating the caller's token
+ids happens on the host before they move, in Model.check_forward, outside the probe.)"""
+from __future__ import annotations
+
+import collections
+import traceback
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from strata.model.model import Model
+from strata.model.numerics import Numerics
+from strata.runtime.session import Session
+from util import random_tokens
+
+READS_BACK = {"_local_scalar_dense", "item", "nonzero", "unique", "_unique", "_unique2",
+              "unique_consecutive", "unique_dim", "masked_select", "is_nonzero", "equal"}
+
+
+class HostReads(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in READS_BACK or (name == "repeat_interleave" and
+                                  any(isinstance(a, torch.Tensor) for a in args[1:])):
+            where = [f for f in traceback.extract_stack() if "/strata/" in f.filename][-1:]
+            self.seen[(name, *(f"{f.filename.split('strata/')[-1]}:{f.lineno}"
+                               for f in where))] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def exl3_dir(tmp_path_factory):
+    from strata.checkpoint.tiny import make_tiny
+    return make_tiny(tmp_path_factory.mktemp("exl3"), "tiny", seed=0, fmt="exl3")
+
+
+@pytest.mark.parametrize("path, T", [("torch", 1), ("torch", 6), ("kernels", 1),
+                                     ("kernels", 6), ("exl3-kernels", 1)])
+def test_forward_layers_read_nothing_back(tiny_dir, exl3_dir, monkeypatch, path, T):
+    """`kernels`: the quantized Triton kernels the GPU runs (forced onto CPU tensors, under
+    the interpreter); `exl3-kernels`: the EXL3 fixture through the EXL3 kernels (one row: the
+    interpreter takes ~1 min per forward there; a 6-row window runs the same kernels)."""
+    import strata.kernels.exl3  # noqa: F401 — imported before the probe (module constants)
+    import strata.quant.exl3 as quant_exl3
+    from strata.kernels import fp8fp4
+    model = Model.load(exl3_dir if path == "exl3-kernels" else tiny_dir, "cpu",
+                       Numerics("vendor"))
+    s = Session(model, 256)
+    s.prefill(random_tokens(150 if path == "torch" else 20, seed=3))  # torch: rings wrap
+    tokens = model.check_forward(random_tokens(T, seed=4), s.state, "last")
+    if path == "exl3-kernels":  # (only for the probed forward: the interpreter is slow)
+        monkeypatch.setattr(quant_exl3, "KERNELS", "always")
+    probe = HostReads()
+    s.state.begin()
+    with fp8fp4.forced(path != "torch"), probe:
+        model._forward(tokens, s.state, "last", model.numerics)
+    s.state.rollback()
+    assert not probe.seen, dict(probe.seen)
