@@ -103,6 +103,24 @@ def test_across_the_window_and_forced_rejections(group, tiny_reference):
     assert all(c == 3 for c in s.stats.committed[:-1])
 
 
+def test_decoder_skipping_prefill(group, tiny_reference):
+    """Session(decoder_skip=True) over the group: the rows more than prefill_reach (896 here)
+    before the end run the encoder only on every rank (the carry then holds what the running
+    layers read, the kv-source entries go on to the ranks that keep them); the last logits and
+    the continuation equal a full prefill on one device."""
+    prompt = random_tokens(1000, seed=21)
+    assert group.decoder_start == tiny_reference.decoder_start == 3
+    assert group.prefill_reach == tiny_reference.prefill_reach < len(prompt)
+    full = Session(tiny_reference, 1100)
+    want = full.prefill(prompt)
+    skip = Session(group, 1100, decoder_skip=True)
+    got = skip.prefill(prompt)
+    assert torch.equal(got, want)
+    run = dict(max_tokens=5, stop_ids=frozenset())
+    cont = random_tokens(3, seed=22)
+    assert skip.run(cont, **run).tokens == full.run(cont, **run).tokens
+
+
 def test_bookmark_truncate_clone(group, tiny_reference):
     """Prefix-reuse moves (bookmark/restore, truncate, fork) mirrored on every rank."""
     a, b = random_tokens(30, seed=1), random_tokens(12, seed=2)

@@ -19,11 +19,11 @@ anyway). The other ranks are followers: they hold their part of the model and a 
 session for it, and execute a small command protocol broadcast by rank 0.
 
 Command protocol (rank 0 → all, `Op`): one int64 header of HEADER words per broadcast,
-holding records of 6 words (op, state id, a, b, c, d) and, for FORWARD, the tokens inline when
+holding records of 7 words (op, state id, a, b, c, d, e) and, for FORWARD, the tokens inline when
 they fit (else one more broadcast). State operations (NEW/FREE/CLONE_STATE, BEGIN, COMMIT,
 ROLLBACK(to), TRUNCATE(to), BOOKMARK, RESTORE, DROP_BOOKMARK) return nothing, so rank 0 applies
 them to its own State first (an invalid one raises there and is never sent), queues them, and
-sends the queue with the next FORWARD(state, T, logits mode, numerics, start): one broadcast
+sends the queue with the next FORWARD(state, T, logits mode, numerics, start, decoder): one broadcast
 per forward whatever the speculative step did around it. A follower checks that its State is
 at `start` before running, so diverged states fail loudly. STATS gathers per-rank timings;
 SHUTDOWN ends the followers.
@@ -62,7 +62,7 @@ from strata.runtime.state import Bookmark, State
 
 MODES = ("layer", "tp")
 HEADER = 256  # int64 words per command broadcast
-REC = 6       # words per record
+REC = 7       # words per record
 LOGITS = ("all", "last", "none")
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -219,11 +219,11 @@ class TPExecutor:
     def __init__(self, model: Model, comm: Comm) -> None:
         self.m, self.comm = model, comm
 
-    def forward(self, tokens, state, logits, nx):
+    def forward(self, tokens, state, logits, nx, decoder=True):
         m = self.m
         ctx = m.new_context(tokens, state, nx)
         h, pre = m.embed_stream(tokens, nx)
-        h, pre = m.run_layers(h, pre, ctx, state)
+        h, pre = m.run_layers(h, pre, ctx, state, decoder)
         m.end_forward(tokens, ctx, state)
         return (m.logits(h, pre, logits, nx) if self.comm.rank == 0 else None), ctx
 
@@ -276,7 +276,7 @@ class Follower:
             hdr = comm.broadcast(buf, 0, idle=True).tolist()
             n, inline = hdr[0], hdr[1]
             for i in range(n):
-                op, sid, a, b, c, d = hdr[2 + REC * i:2 + REC * (i + 1)]
+                op, sid, a, b, c, d, e = hdr[2 + REC * i:2 + REC * (i + 1)]
                 if op == Op.SHUTDOWN:
                     return
                 if op == Op.FORWARD:
@@ -285,12 +285,12 @@ class Follower:
                         tokens = torch.tensor(hdr[off:off + a], dtype=torch.long, device=dev)
                     else:
                         tokens = comm.broadcast(torch.empty(a, dtype=torch.long, device=dev), 0)
-                    self._forward(sid, tokens, LOGITS[b], _nx_of(c), d)
+                    self._forward(sid, tokens, LOGITS[b], _nx_of(c), d, bool(e))
                 else:
                     self._control(Op(op), sid, a)
 
     def _forward(self, sid: int, tokens: torch.Tensor, logits: str, nx: Numerics,
-                 start: int) -> None:
+                 start: int, decoder: bool) -> None:
         state = self.states[sid]
         if state.position != start:
             raise RuntimeError(f"state {sid} is at position {state.position} here but rank 0 "
@@ -300,7 +300,7 @@ class Follower:
         if own:
             state.begin()
         with torch.no_grad():
-            self.executor.forward(tokens, state, logits, nx)
+            self.executor.forward(tokens, state, logits, nx, decoder)
         if own:
             state.commit()
         st = self.comm.stats
@@ -419,7 +419,7 @@ class Driver:
     def queue(self, op: Op, sid: int = 0, a: int = 0) -> None:
         with self.lock:
             if not self.closed and self.comm.broken is None:
-                self.pending.append((int(op), sid, a, 0, 0, 0))
+                self.pending.append((int(op), sid, a, 0, 0, 0, 0))
 
     def send(self, last: tuple[int, ...], tokens: list[int] | None = None) -> None:
         """Broadcast the queued records, then `last` (with its tokens)."""
@@ -530,11 +530,19 @@ class ParallelModel:
     def prefetch_engram(self, tokens: torch.Tensor, state: State) -> None:
         self.local.prefetch_engram(tokens, state)
 
+    # The encoder-decoder shape comes from the config alone (Model's definitions).
+    decoder_start = Model.decoder_start
+    prefill_reach = Model.prefill_reach
+
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, state: State, logits: str = "all",
-                numerics: Numerics | None = None):
-        """Model.forward over the group: (logits on rank 0, the forward's context)."""
+                numerics: Numerics | None = None, decoder: bool = True):
+        """Model.forward over the group: (logits on rank 0, the forward's context);
+        decoder=False as in Model.forward (the decoder-skipping prefill)."""
         nx = numerics or self.numerics
+        if not decoder and (logits != "none" or self.decoder_start is None):
+            raise ValueError("decoder=False needs logits='none' and a model with an "
+                             "encoder-decoder split (Model.decoder_start)")
         if not isinstance(state, ParallelState) or state._driver is not self.driver:
             raise ValueError("this state was not made by this parallel model's new_state()")
         if self.mode == "layer" and nx.vendor_stale_index_k:
@@ -545,12 +553,12 @@ class ParallelModel:
         tokens = self.local.check_forward(tokens, state, logits)
         t0 = time.perf_counter()
         self.driver.send((int(Op.FORWARD), state.sid, tokens.numel(), LOGITS.index(logits),
-                          _nx_code(nx), state.position), host.tolist())
+                          _nx_code(nx), state.position, int(decoder)), host.tolist())
         own = state.journal is None
         if own:
             State.begin(state)  # this rank's own; the followers open theirs the same way
         try:
-            out = self.executor.forward(tokens, state, logits, nx)
+            out = self.executor.forward(tokens, state, logits, nx, decoder)
         except BaseException as e:
             if own:
                 State.rollback(state)
@@ -573,7 +581,7 @@ class ParallelModel:
 
     def stats(self, reset: bool = False) -> list[dict]:
         """Per rank: forwards, forward seconds, collectives, bytes and seconds in them."""
-        self.driver.send((int(Op.STATS), 0, int(reset), 0, 0, 0))
+        self.driver.send((int(Op.STATS), 0, int(reset), 0, 0, 0, 0))
         rows = _exchange_stats(self.comm, reset)
         keys = ("forwards", "forward_s", "collectives", "bytes", "comm_s", "idle_s")
         return [dict(zip(keys, r), rank=k) for k, r in enumerate(rows)]
@@ -587,7 +595,7 @@ class ParallelModel:
         clean = self.comm.broken is None
         if clean:
             try:
-                self.driver.send((int(Op.SHUTDOWN), 0, 0, 0, 0, 0))
+                self.driver.send((int(Op.SHUTDOWN), 0, 0, 0, 0, 0, 0))
                 clean = self.comm.wait_byes(30.0)
             except ParallelError:
                 clean = False

@@ -83,11 +83,17 @@ class LayerExecutor:
             out |= reads
         return out
 
-    def _carry_layout(self, r: int, T: int, start: int, nx: Numerics) -> Layout:
-        """The message rank r sends to rank r+1."""
+    def _runs(self, layer: int, decoder: bool) -> bool:
+        """Whether a layer's full forward runs (decoder=False: the encoder's only)."""
+        return decoder or layer < self.m.decoder_start
+
+    def _carry_layout(self, r: int, T: int, start: int, nx: Numerics,
+                      decoder: bool = True) -> Layout:
+        """The message rank r sends to rank r+1 (what the layers after it that run read; the
+        kv-source entries go on either way: later ranks keep them for later forwards)."""
         cfg = self.cfg
         hi = self.ranges[r].stop
-        later = range(hi, cfg.n_layers)
+        later = [l for l in range(hi, cfg.n_layers) if self._runs(l, decoder)]
         pieces = self._stream(T, nx) + [("keys", (len(cfg.kv_source_layer_ids),), torch.int64)]
         done = [s for s in cfg.index_source_layer_ids if s < hi]
         if done and any(cfg.ratio(l) > 0 and cfg.index_source_of(l) == done[-1] for l in later):
@@ -102,23 +108,24 @@ class LayerExecutor:
                 pieces.append((f"kv.{s}", (n, cfg.head_dim), self.kv_dtype))
                 if cfg.is_index_source(s):
                     pieces.append((f"ik.{s}", (n, cfg.index_head_dim), self.kv_dtype))
-        pieces += self._taps(T, hi)
+        pieces += self._taps(T, hi, decoder)
         return Layout(pieces)
 
-    def _final_layout(self, T: int, logits: str, nx: Numerics) -> Layout:
+    def _final_layout(self, T: int, logits: str, nx: Numerics, decoder: bool = True) -> Layout:
         """The message the last rank sends back to rank 0."""
         n = {"all": T, "last": 1, "none": 0}[logits]
         return Layout(self._stream(n, nx)
                       + [("keys", (len(self.cfg.kv_source_layer_ids),), torch.int64)]
-                      + self._taps(T, self.cfg.n_layers))
+                      + self._taps(T, self.cfg.n_layers, decoder))
 
     def _stream(self, n: int, nx: Numerics):
         H, D = self.cfg.hc_mult, self.cfg.hidden_size
         return [("h", (n, H, D), nx.act_dtype), ("pre", (n, H), torch.float32)]
 
-    def _taps(self, T: int, hi: int):
+    def _taps(self, T: int, hi: int, decoder: bool = True):
         return [(f"tap.{l}", (T, self.cfg.hidden_size), torch.float32)
-                for l in self.cfg.dspark_target_layer_ids if self.taps_from <= l < hi]
+                for l in self.cfg.dspark_target_layer_ids
+                if self.taps_from <= l < hi and self._runs(l, decoder)]
 
     def _keys(self, ctx: ForwardContext) -> torch.Tensor:
         keys = torch.full((len(self.cfg.kv_source_layer_ids),), -1, dtype=torch.int64)
@@ -126,8 +133,8 @@ class LayerExecutor:
         return keys
 
     # ---- one forward ----------------------------------------------------------------------------
-    def forward(self, tokens: torch.Tensor, state: State, logits: str,
-                nx: Numerics) -> tuple[torch.Tensor | None, ForwardContext]:
+    def forward(self, tokens: torch.Tensor, state: State, logits: str, nx: Numerics,
+                decoder: bool = True) -> tuple[torch.Tensor | None, ForwardContext]:
         m, r, comm = self.m, self.rank, self.comm
         T, start = tokens.numel(), state.position
         ctx = m.new_context(tokens, state, nx)
@@ -135,24 +142,24 @@ class LayerExecutor:
         if r == 0:
             h, pre = m.embed_stream(tokens, nx)
         else:
-            lay = self._carry_layout(r - 1, T, start, nx)
+            lay = self._carry_layout(r - 1, T, start, nx, decoder)
             got = lay.views(comm.recv(torch.empty(lay.nbytes, dtype=torch.uint8,
                                                   device=m.device), r - 1))
             h, pre = got["h"], got["pre"]
             self._unpack_context(got, ctx, state, start, T, passing)
-        h, pre = m.run_layers(h, pre, ctx, state)
+        h, pre = m.run_layers(h, pre, ctx, state, decoder)
         if r < self.last:
-            self._send_carry(r, h, pre, ctx, state, start, T, nx, passing)
+            self._send_carry(r, h, pre, ctx, state, start, T, nx, passing, decoder)
         elif r != 0:
-            lay = self._final_layout(T, logits, nx)
+            lay = self._final_layout(T, logits, nx, decoder)
             rows = {"all": slice(0, T), "last": slice(T - 1, T), "none": slice(0, 0)}[logits]
             vals = {"h": h[rows], "pre": pre[rows], "keys": self._keys(ctx),
                     **{f"tap.{l}": ctx.main_hidden[l] for l in self.cfg.dspark_target_layer_ids
-                       if l >= self.taps_from}}
+                       if l >= self.taps_from and self._runs(l, decoder)}}
             comm.send(lay.pack(vals, m.device), 0)
         out = None
         if r == 0:
-            lay = self._final_layout(T, logits, nx)
+            lay = self._final_layout(T, logits, nx, decoder)
             got = lay.views(comm.recv(torch.empty(lay.nbytes, dtype=torch.uint8,
                                                   device=m.device), self.last))
             h, pre = got["h"], got["pre"]
@@ -186,8 +193,8 @@ class LayerExecutor:
                     cache[j0:j0 + t.shape[0]] = t
 
     def _send_carry(self, r: int, h, pre, ctx: ForwardContext, state: State, start: int, T: int,
-                    nx: Numerics, passing: dict[str, torch.Tensor]) -> None:
-        lay = self._carry_layout(r, T, start, nx)
+                    nx: Numerics, passing: dict[str, torch.Tensor], decoder: bool) -> None:
+        lay = self._carry_layout(r, T, start, nx, decoder)
         vals = {"h": h, "pre": pre, "keys": self._keys(ctx)}
         for name, _, _ in lay.pieces:
             kind, _, key = name.partition(".")
