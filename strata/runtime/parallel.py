@@ -19,14 +19,14 @@ anyway). The other ranks are followers: they hold their part of the model and a 
 session for it, and execute a small command protocol broadcast by rank 0.
 
 Command protocol (rank 0 → all, `Op`): one int64 header of HEADER words per broadcast,
-holding records of 7 words (op, state id, a, b, c, d, e) and, for FORWARD, the tokens inline when
-they fit (else one more broadcast). State operations (NEW/FREE/CLONE_STATE, BEGIN, COMMIT,
+holding records of 7 words (op, state id, a, b, c, d, e) and, for FORWARD, the tokens inline
+when they fit (else one more broadcast). State operations (NEW/FREE/CLONE_STATE, BEGIN, COMMIT,
 ROLLBACK(to), TRUNCATE(to), BOOKMARK, RESTORE, DROP_BOOKMARK) return nothing, so rank 0 applies
 them to its own State first (an invalid one raises there and is never sent), queues them, and
-sends the queue with the next FORWARD(state, T, logits mode, numerics, start, decoder): one broadcast
-per forward whatever the speculative step did around it. A follower checks that its State is
-at `start` before running, so diverged states fail loudly. STATS gathers per-rank timings;
-SHUTDOWN ends the followers.
+sends the queue with the next FORWARD(state, T, logits mode, numerics, start, decoder): one
+broadcast per forward whatever the speculative step did around it. A follower checks that its
+State is at `start` before running, so diverged states fail loudly. STATS gathers per-rank
+timings; SHUTDOWN ends the followers.
 
 Launch. `launch(spec)` either joins the group described by torch.distributed's standard
 environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK — torchrun, or the same
