@@ -334,6 +334,7 @@ def bench_prefill(model, lengths: list[int], chunk: int, skip: str, seed: int) -
     """Time a chunked prefill of random prompts of each length (device synchronised around it)
     with and/or without the decoder skip; peak device memory; with both, whether the last
     row's logits are bit-identical (the skip is exact)."""
+    import resource
     import time
 
     from strata.runtime.session import Session
@@ -359,8 +360,11 @@ def bench_prefill(model, lengths: list[int], chunk: int, skip: str, seed: int) -
             last[on] = logits
             out.append({"tokens": n, "decoder_skip": on, "skip_applied": on and can_skip,
                         "seconds": secs, "tok_per_s": n / secs, "chunk": chunk,
+                        # this process's (rank 0's) device; host: the process's peak so far
                         "peak_device_bytes": torch.cuda.max_memory_allocated(dev) if cuda
-                        else None})
+                        else None,
+                        "peak_host_rss_bytes": resource.getrusage(
+                            resource.RUSAGE_SELF).ru_maxrss * 1024})
             del s
         if len(last) == 2:
             same = bool(torch.equal(last[False], last[True]))
@@ -370,14 +374,15 @@ def bench_prefill(model, lengths: list[int], chunk: int, skip: str, seed: int) -
 
 
 def prefill_report(rows: list[dict], scale: float) -> str:
-    lines = [f"{'prefill':>9}{'skip':>6}{'s':>9}{'tok/s':>10}{'scaled':>10}{'peak GiB':>10}"
-             f"{'= full':>8}"]
+    lines = [f"{'prefill':>9}{'skip':>6}{'s':>9}{'tok/s':>10}{'scaled':>10}{'dev GiB':>9}"
+             f"{'host GiB':>10}{'= full':>8}"]
     for r in rows:
         peak = "-" if r["peak_device_bytes"] is None else f"{r['peak_device_bytes'] / 2**30:.1f}"
         same = {True: "yes", False: "NO"}.get(r.get("logits_equal_to_full"), "-")
         skip = ("on" if r["skip_applied"] else "n/a") if r["decoder_skip"] else "off"
         lines.append(f"{r['tokens']:>9}{skip:>6}{r['seconds']:>9.2f}{r['tok_per_s']:>10.0f}"
-                     f"{r['tok_per_s'] * scale:>10.0f}{peak:>10}{same:>8}")
+                     f"{r['tok_per_s'] * scale:>10.0f}{peak:>9}"
+                     f"{r['peak_host_rss_bytes'] / 2**30:>10.1f}{same:>8}")
     return "\n".join(lines)
 
 
