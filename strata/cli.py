@@ -390,7 +390,8 @@ def cmd_bench_decode(args) -> int:
     prompt = prompt_tokens(tokenizer_path(_model_dir(args.model)))
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     results = bench_decode(model, prompt, modes, n=args.tokens, runs=args.runs,
-                           warmup=args.warmup, length=args.length)
+                           warmup=args.warmup, length=args.length,
+                           progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(report(results, len(prompt)))
     split = None
     if getattr(args, "parallel", None):

@@ -88,8 +88,12 @@ def test_bench_decode(tiny_dir, tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "decode", "--model", str(tiny_dir), "--tokens", "12", "--runs", "1",
                  "--warmup", "0", "--json", str(out)]) == 0
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert "plain" in text and "oracle" in text and "identical" in text
+    # each mode reported as soon as it is measured (kept if a time limit cuts the run)
+    assert [l.split(":")[0] for l in captured.err.splitlines() if l.startswith("measured")] == \
+        ["measured plain", "measured dspark", "measured oracle"]
     data = json.loads(out.read_text())
     rows = {r["mode"]: r for r in data["results"]}
     assert set(rows) == {"plain", "dspark", "oracle"}

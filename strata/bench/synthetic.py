@@ -431,7 +431,8 @@ def run(args) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     try:
         results = bench_decode(model, prompt, modes, n=args.tokens, runs=args.runs,
-                               warmup=args.warmup, length=args.length)
+                               warmup=args.warmup, length=args.length,
+                               progress=lambda line: print(line, file=sys.stderr, flush=True))
         split = None
         if args.parallel:
             from strata.bench.decode import parallel_split
