@@ -156,56 +156,36 @@ N_BUFFERS = 4
 MARGIN_BYTES = 24 * MiB
 
 CHILD = textwrap.dedent("""
-    import sys, threading, time
+    import sys
     import torch
+    from strata.bench.memory import PeakRss
     from strata.checkpoint.loader import TensorLoader
     from strata.checkpoint.safetensors_io import CheckpointFolder
-
-    def status(key):
-        for line in open("/proc/self/status"):
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-        raise RuntimeError(key)
 
     mode, folder_path, buffer_bytes, n_buffers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     folder = CheckpointFolder(folder_path)
     folder.validate()
     names = folder.names()
     torch.empty(1) + 1  # let torch finish its lazy initialisation before the baseline
-    peak = [0]
-    done = threading.Event()
-    def sample():  # backup for kernels where the peak cannot be reset
-        while not done.is_set():
-            peak[0] = max(peak[0], status("VmRSS"))
-            time.sleep(0.0005)
-    baseline = status("VmRSS")
-    try:
-        open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM to the current RSS
-        hwm_ok = True
-    except OSError:
-        hwm_ok = False
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
     kept = []
-    if mode == "loader":
-        with TensorLoader("cpu", buffer_bytes=buffer_bytes, n_buffers=n_buffers) as loader:
-            for name in names:
-                kept.append(loader.load(folder.info(name)))
-    else:  # naive: read each shard whole, then cut tensors out of it
-        for shard in folder.files():
-            data = shard.read_bytes()
-            for name in names:
-                info = folder.info(name)
-                if info.file == shard:
-                    raw = torch.frombuffer(bytearray(data[info.offset:info.offset + info.nbytes]), dtype=torch.uint8)
-                    kept.append(raw)
-            del data
-    done.set()
-    sampler.join()
-    peak_rss = max(peak[0], status("VmHWM") if hwm_ok else 0)
+    with PeakRss() as rss:
+        if mode == "loader":
+            with TensorLoader("cpu", buffer_bytes=buffer_bytes, n_buffers=n_buffers) as loader:
+                for name in names:
+                    kept.append(loader.load(folder.info(name)))
+        else:  # naive: read each shard whole, then cut tensors out of it
+            for shard in folder.files():
+                data = shard.read_bytes()
+                for name in names:
+                    info = folder.info(name)
+                    if info.file == shard:
+                        raw = torch.frombuffer(bytearray(data[info.offset:info.offset + info.nbytes]), dtype=torch.uint8)
+                        kept.append(raw)
+                del data
     kept_bytes = sum(t.numel() * t.element_size() for t in kept)
-    print(peak_rss - baseline - kept_bytes, kept_bytes)
+    print(rss.over - kept_bytes, kept_bytes)
 """)
+
 
 
 @pytest.fixture(scope="module")

@@ -368,51 +368,31 @@ N_BUFFERS = 4
 MARGIN_BYTES = 24 * MiB
 
 CHILD = textwrap.dedent("""
-    import sys, threading, time
+    import sys
     import torch
+    from strata.bench.memory import PeakRss
     from strata.checkpoint.loader import TensorLoader
     from strata.checkpoint.pack import open_checkpoint, pack
     from strata.checkpoint.weights import WeightReader
-
-    def status(key):
-        for line in open("/proc/self/status"):
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-        raise RuntimeError(key)
 
     mode, src, dst, buffer_bytes, n_buffers = sys.argv[1:4] + [int(a) for a in sys.argv[4:6]]
     if mode != "pack":
         folder = open_checkpoint(dst)
         names = folder.names()
     torch.empty(1) + 1
-    peak = [0]
-    done = threading.Event()
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], status("VmRSS"))
-            time.sleep(0.0005)
-    baseline = status("VmRSS")
-    try:
-        open("/proc/self/clear_refs", "w").write("5")
-        hwm_ok = True
-    except OSError:
-        hwm_ok = False
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
     kept = []
-    if mode == "pack":
-        pack(src, dst, buffer_bytes=buffer_bytes, n_buffers=n_buffers, progress=False)
-    else:
-        with TensorLoader("cpu", buffer_bytes=buffer_bytes, n_buffers=n_buffers) as loader:
-            w = WeightReader(folder, "cpu", loader)
-            for name in names:
-                kept.append(w.tensor(name))
-    done.set()
-    sampler.join()
-    peak_rss = max(peak[0], status("VmHWM") if hwm_ok else 0)
+    with PeakRss() as rss:
+        if mode == "pack":
+            pack(src, dst, buffer_bytes=buffer_bytes, n_buffers=n_buffers, progress=False)
+        else:
+            with TensorLoader("cpu", buffer_bytes=buffer_bytes, n_buffers=n_buffers) as loader:
+                w = WeightReader(folder, "cpu", loader)
+                for name in names:
+                    kept.append(w.tensor(name))
     kept_bytes = sum(t.numel() * t.element_size() for t in kept)
-    print(peak_rss - baseline - kept_bytes, kept_bytes)
+    print(rss.over - kept_bytes, kept_bytes)
 """)
+
 
 
 @pytest.fixture(scope="module")

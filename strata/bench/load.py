@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from strata.bench.memory import PeakRss
 from strata.checkpoint.loader import DEFAULT_BUFFER_BYTES, DEFAULT_N_BUFFERS, TensorLoader
 from strata.checkpoint.pack import PackFolder, is_pack, open_checkpoint, pack
 from strata.checkpoint.safetensors_io import (INDEX_NAME, CheckpointFolder, TensorInfo,
@@ -91,14 +92,6 @@ def load_plan(folder: CheckpointFolder) -> list[TensorInfo]:
     return [folder.info(n) for n in folder.names()]
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{key} not in /proc/self/status")
-
-
 def _evict(files: list[Path]) -> None:
     for p in files:
         fd = os.open(p, os.O_RDONLY)
@@ -113,21 +106,19 @@ def run_once(folder: CheckpointFolder, device: torch.device, buffer_bytes: int,
     if cold:
         _evict(folder.files())
     infos = load_plan(folder)
-    baseline = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := current RSS
     kept = []
-    t0 = time.perf_counter()
-    with TensorLoader(device, buffer_bytes=buffer_bytes, n_buffers=n_buffers) as loader:
-        for info in infos:
-            t = loader.load(info)
+    with PeakRss() as rss:
+        t0 = time.perf_counter()
+        with TensorLoader(device, buffer_bytes=buffer_bytes, n_buffers=n_buffers) as loader:
+            for info in infos:
+                t = loader.load(info)
+                if device.type == "cuda":
+                    kept.append(t)
+                del t  # on the CPU, free it before the next one is allocated
             if device.type == "cuda":
-                kept.append(t)
-            del t  # on the CPU, free it before the next one is allocated
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - t0
-    peak = _status("VmHWM") - baseline
+                torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - t0
+    peak = rss.over
     nbytes = sum(i.nbytes for i in infos)
     del kept
     return {"seconds": seconds, "gb_per_s": nbytes / seconds / 1e9, "bytes": nbytes,

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from strata.bench.memory import proc_status
 from strata.errors import StrataError
 
 INTRO = ("There is an important pass key hidden inside a lot of irrelevant text. Find it and "
@@ -104,14 +105,6 @@ class PasskeyResult:
     peak_device_bytes: int | None
 
 
-def _peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def run_passkey(model, tokenizer_json: str | Path, lengths: list[int], depth: float = 0.0,
                 chunk: int = 2048, max_tokens: int = 16, seed: int = 0) -> list[PasskeyResult]:
     from strata.runtime.session import Session
@@ -147,7 +140,7 @@ def run_passkey(model, tokenizer_json: str | Path, lengths: list[int], depth: fl
             found=found_key(answer, key), prefill_s=prefill_s,
             prefill_tok_per_s=len(prompt) / prefill_s,
             decode_tok_per_s=(len(out) - 1) / (t_end - t_first) if len(out) > 1 else 0.0,
-            peak_rss_bytes=_peak_rss(),
+            peak_rss_bytes=proc_status("VmHWM"),
             peak_device_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None))
         del session
     return results

@@ -334,9 +334,9 @@ def bench_prefill(model, lengths: list[int], chunk: int, skip: str, seed: int) -
     """Time a chunked prefill of random prompts of each length (device synchronised around it)
     with and/or without the decoder skip; peak device memory; with both, whether the last
     row's logits are bit-identical (the skip is exact)."""
-    import resource
     import time
 
+    from strata.bench.memory import proc_status
     from strata.runtime.session import Session
     dev = torch.device(model.device)
     cuda = dev.type == "cuda"
@@ -363,8 +363,7 @@ def bench_prefill(model, lengths: list[int], chunk: int, skip: str, seed: int) -
                         # this process's (rank 0's) device; host: the process's peak so far
                         "peak_device_bytes": torch.cuda.max_memory_allocated(dev) if cuda
                         else None,
-                        "peak_host_rss_bytes": resource.getrusage(
-                            resource.RUSAGE_SELF).ru_maxrss * 1024})
+                        "peak_host_rss_bytes": proc_status("VmHWM")})
             del s
         if len(last) == 2:
             same = bool(torch.equal(last[False], last[True]))
