@@ -323,6 +323,26 @@ def test_bench_smoke(tmp_path):
     assert (tmp_path / "k.md").read_text().startswith("|")
 
 
+def test_bench_merges_an_earlier_peer_run(tmp_path):
+    """--peer-results merges the JSON lines of a separate --peer-child run (made in its own
+    device step) into our rows: speed-ups, Ŵ exactness against the peer, the targets."""
+    from strata.bench.kernels import main as bench_main
+    peer = tmp_path / "peer.jsonl"
+    peer.write_text(
+        '{"version": "1.6.5"}\n'
+        '{"check": {"shape": "smoke", "K": 2.5, "codebook": "mul1", "bit_exact": false}}\n'
+        '{"row": {"shape": "smoke", "K": 2.5, "rows": 1, "path": "fused", '
+        '"peer_mm_us": 1e9, "peer_linear_us": 1e9}}\n')
+    out = tmp_path / "k.json"
+    assert bench_main(["--smoke", "--peer-results", str(peer), "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["peer"].startswith("exllamav3 1.6.5") and str(peer) in data["meta"]["peer"]
+    row = data["rows"][0]
+    assert row["speedup_mm"] == 1e9 / row["median_us"]
+    assert data["checks"]["peer_reconstruct_bit_exact"] is False
+    assert data["targets"] and data["targets"][0]["met_linear"] is True
+
+
 def test_bench_peer_runs_in_a_child_and_its_absence_is_reported(tmp_path):
     """exllamav3 runs in its own process (a crash there must not take the benchmark down):
     here it is not installed, so the real child exits cleanly and the merge names why."""

@@ -61,7 +61,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-peer", action="store_true", help="skip exllamav3 even if it imports")
     p.add_argument("--peer-timeout", type=float, default=1200,
                    help="seconds for the exllamav3 child process (incl. its extension build)")
-    p.add_argument("--peer-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--peer-child", action="store_true",
+                   help="run exllamav3's side alone and append its results to --json as JSON "
+                        "lines (what the parent's child process does)")
+    p.add_argument("--peer-results", default=None,
+                   help="merge the JSON lines of an earlier --peer-child run instead of starting "
+                        "a child (same shapes, K, rows and codebook)")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms)")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
     p.add_argument("--eager", action="store_true",
@@ -281,7 +286,10 @@ def run(args) -> dict:
                 print(_md_line(r), flush=True)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    if want_peer:
+    if args.peer_results:
+        meta["peer"] = _apply_peer(_read_peer_lines(Path(args.peer_results)), rows, checks,
+                                   None) + f" (from {args.peer_results})"
+    elif want_peer:
         meta["peer"] = _merge_peer(args, rows, checks)
     moe = _bench_moe(X, dev, timer, copy_gbs, smoke, args.codebook) if args.moe or smoke else []
     meta["timing"] = ("cuda-graph replay" if timer.graph else "eager") + (
