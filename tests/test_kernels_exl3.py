@@ -332,15 +332,24 @@ def test_bench_merges_an_earlier_peer_run(tmp_path):
         '{"version": "1.6.5"}\n'
         '{"check": {"shape": "smoke", "K": 2.5, "codebook": "mul1", "bit_exact": false}}\n'
         '{"row": {"shape": "smoke", "K": 2.5, "rows": 1, "path": "fused", '
-        '"peer_mm_us": 1e9, "peer_linear_us": 1e9}}\n')
+        '"peer_linear_us": 1e9}}\n')
     out = tmp_path / "k.json"
     assert bench_main(["--smoke", "--peer-results", str(peer), "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["meta"]["peer"].startswith("exllamav3 1.6.5") and str(peer) in data["meta"]["peer"]
     row = data["rows"][0]
-    assert row["speedup_mm"] == 1e9 / row["median_us"]
+    assert row["speedup_linear"] == 1e9 / row["linear_us"]
     assert data["checks"]["peer_reconstruct_bit_exact"] is False
     assert data["targets"] and data["targets"][0]["met_linear"] is True
+    # the same merge into a run measured earlier (ours while the peer's extension built)
+    plain, merged = tmp_path / "plain.json", tmp_path / "merged.json"
+    assert bench_main(["--smoke", "--json", str(plain)]) == 0
+    assert json.loads(plain.read_text())["meta"]["peer"] == "skipped"
+    assert bench_main(["--results", str(plain), "--peer-results", str(peer),
+                       "--json", str(merged)]) == 0
+    again = json.loads(merged.read_text())
+    assert again["rows"][0]["speedup_linear"] == 1e9 / again["rows"][0]["linear_us"]
+    assert again["targets"][0]["met_linear"] is True
 
 
 def test_bench_peer_runs_in_a_child_and_its_absence_is_reported(tmp_path):
@@ -359,7 +368,7 @@ def test_bench_peer_runs_in_a_child_and_its_absence_is_reported(tmp_path):
     checks: dict = {}
     status = K._merge_peer(args, rows, checks)
     assert status.startswith("unavailable: ModuleNotFoundError"), status
-    assert "speedup_mm" not in rows[0] and not checks
+    assert "speedup_linear" not in rows[0] and not checks
 
 
 def test_bench_peer_results_survive_a_killed_child(tmp_path):
@@ -371,7 +380,7 @@ def test_bench_peer_results_survive_a_killed_child(tmp_path):
         '{"version": "1.6.5"}\n'
         '{"check": {"shape": "expert_w2", "K": 2.0, "codebook": "mul1", "bit_exact": true}}\n'
         '{"row": {"shape": "expert_w2", "K": 2.0, "rows": 1, "path": "fused", '
-        '"peer_mm_us": 24.0, "peer_linear_us": 30.0}}\n'
+        '"peer_linear_us": 30.0, "linear_max_rel_diff_vs_peer": 0.001}}\n'
         '{"row": {"shape": "expert_w2", "K": 2.0, "ro')
     res = K._read_peer_lines(lines)
     assert res["version"] == "1.6.5" and len(res["rows"]) == 1 and res["checks"][0]["bit_exact"]
@@ -384,8 +393,8 @@ def test_bench_peer_results_survive_a_killed_child(tmp_path):
     checks: dict = {}
     status = K._apply_peer(res, rows, checks, "ran past 250 s")
     assert status == "exllamav3 1.6.5 (in a child process), partial: the child ran past 250 s"
-    assert rows[0]["speedup_mm"] == 2.0 and rows[0]["speedup_linear"] == 1.5
-    assert "speedup_mm" not in rows[1] and checks["peer_reconstruct_bit_exact"] is True
+    assert rows[0]["speedup_linear"] == 1.5 and rows[0]["linear_max_rel_diff_vs_peer"] == 0.001
+    assert "speedup_linear" not in rows[1] and checks["peer_reconstruct_bit_exact"] is True
 
 
 def test_column_slices_keep_the_whole_weights_split_order(kernels_on_cpu, monkeypatch):
