@@ -158,7 +158,8 @@ class Peer:
             from exllamav3.ext import exllamav3_ext as ext
             from exllamav3.modules.quant.exl3 import LinearEXL3
             self.ext, self.LinearEXL3 = ext, LinearEXL3
-            self.version = getattr(exllamav3, "__version__", None)
+            from importlib.metadata import version
+            self.version = getattr(exllamav3, "__version__", None) or version("exllamav3")
         except Exception as e:  # ImportError, or its nvcc JIT build failing
             self.error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
 
