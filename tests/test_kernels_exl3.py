@@ -4,7 +4,8 @@ same checks compiled, at the V4.1 shapes).
 
 Exact (bit for bit): reconstructed Ŵ vs decode_trellis (every codebook, integer and half K);
 fused decode vs reconstruct + GEMM; a row alone vs inside M = 5 / 37 (fused and GEMM paths);
-MoE grouped pairs vs the single linear per pair; x·suh → fp16 before the Hadamard.
+MoE grouped pairs vs the single linear per pair (tiles that cross the fused output step's
+row sub-blocks too); x·suh → fp16 before the Hadamard.
 Tolerance: the butterfly Hadamard vs the reference's matrix product (≤ 1 fp16 ulp after the cast
 in rotate_in; ~1e-6 relative in fp32 for rotate_out), hence the linear vs the reference
 (relative 2e-3 of the output's max, from fp16 x' ulps and fp32 summation order)."""
@@ -22,6 +23,7 @@ pytest.importorskip("triton")
 
 import strata.quant.exl3 as qexl3  # noqa: E402
 from strata.kernels import exl3 as X  # noqa: E402
+from strata.kernels.moe_grouping import group_by_expert  # noqa: E402
 from strata.model.numerics import Numerics  # noqa: E402
 from strata.quant.exl3 import Exl3Linear, _rotate, decode_trellis  # noqa: E402
 
@@ -120,17 +122,24 @@ def test_rows_are_batch_invariant():
 
 def test_linear_paths_are_bit_identical():
     """The whole linear: fused kernel finishing its column blocks (arrival counters) == the
-    reconstruct + GEMM + rotate_out path, with bias and a trimmed output; rows alone == in M=37."""
+    reconstruct + GEMM + rotate_out path, with bias and a trimmed output; rows alone == in M=37.
+    M = 37 spans three FINISH_ROWS sub-blocks of the fused output step, the last one partial:
+    every row must come out once, in its place (rotate_out finishes each row on its own)."""
     tr = trellis_of(16, 8, 2.5, seed=70)
     suh, svh, bias = scales(256, 71, scale=0.1), scales(128, 72), scales(100, 73)
     x = torch.randn(37, 250, generator=torch.Generator().manual_seed(74))
     fused = X.exl3_linear(x[:5], tr, suh, svh, "mul1", 100, bias, path="fused")
     gemm = X.exl3_linear(x[:5], tr, suh, svh, "mul1", 100, bias, path="gemm")
     assert fused.shape == (5, 100) and torch.equal(bits(fused), bits(gemm))
-    auto37 = X.exl3_linear(x, tr, suh, svh, "mul1", 100, bias)  # > FUSED_MAX_ROWS: GEMM
+    assert 2 * X.FINISH_ROWS < 37 < 3 * X.FINISH_ROWS and 37 <= X.FUSED_MAX_ROWS
+    auto37 = X.exl3_linear(x, tr, suh, svh, "mul1", 100, bias)  # ≤ FUSED_MAX_ROWS: fused
+    gemm37 = X.exl3_linear(x, tr, suh, svh, "mul1", 100, bias, path="gemm")
+    assert torch.equal(bits(auto37), bits(gemm37))
     assert torch.equal(bits(auto37[:5]), bits(fused))
     again = X.exl3_linear(x[3:4], tr, suh, svh, "mul1", 100, bias)  # counters were reset
     assert torch.equal(bits(again[0]), bits(fused[3]))
+    last = X.exl3_linear(x[36:37], tr, suh, svh, "mul1", 100, bias)
+    assert torch.equal(bits(last[0]), bits(auto37[36]))
 
 
 def test_rotate_in_matches_the_reference():
@@ -244,6 +253,28 @@ def test_moe_grouped_pairs_equal_the_single_linear():
     # token 1 alone: same bits as inside the step (its pairs shared tiles with tokens 0 and 2)
     g1, u1 = X.exl3_moe_linear(x[1:2], idx[1:2], sets, "mcg")
     assert torch.equal(bits(g1[0]), bits(gate[1])) and torch.equal(bits(u1[0]), bits(up[1]))
+
+
+def test_moe_tiles_cross_the_finish_sub_blocks():
+    """The fused output step finishes a tile in FINISH_ROWS sub-blocks, only those holding
+    pairs: a tile of 17 pairs (one expert, crossing a sub-block boundary), one of 15 and two
+    of a single pair, two weight sets; every pair equals its expert's GEMM-path linear (an
+    output step per row, independent of the fused one) bit for bit."""
+    E = 4
+    sets = [(trellis_of(8, 8, 2, seed=90 + w, E=E), scales(128, 92 + w, E, 0.2),
+             scales(128, 94 + w, E)) for w in range(2)]
+    T = X.FINISH_ROWS + 1
+    idx = torch.tensor([[0, 1 if t == 3 else 2 if t == 9 else 3] for t in range(T)])
+    groups = group_by_expert(idx, E, X.BLOCK_M)
+    used = groups.tile_expert >= 0
+    assert sorted((groups.tile_rows[used] >= 0).sum(1).tolist()) == [1, 1, T - 2, T]
+    x = torch.randn(T, 128, generator=torch.Generator().manual_seed(96))
+    outs = X.exl3_moe_linear(x, idx, sets, "mcg", groups=groups)
+    for (tr, suh, svh), out in zip(sets, outs):
+        ref = {e: X.exl3_linear(x, tr[e], suh[e], svh[e], "mcg", path="gemm") for e in range(E)}
+        for t in range(T):
+            for s in range(2):
+                assert torch.equal(bits(ref[int(idx[t, s])][t]), bits(out[t, s])), (t, s)
 
 
 def test_moe_split_loop_and_chunking_keep_the_bits(monkeypatch):

@@ -63,11 +63,14 @@ def test_bench_synthetic_cli(tiny_dir, tmp_path, capsys):
     out = tmp_path / "syn.json"
     assert main(["bench", "synthetic", "--config", str(tiny_dir), "--layers", "0-3",
                  "--device", "cpu", "--prompt-tokens", "12", "--tokens", "4", "--runs", "1",
-                 "--warmup", "0", "--engram-rows", "32", "--json", str(out)]) == 0
+                 "--warmup", "0", "--engram-rows", "32", "--breakdown", "2",
+                 "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "4 of 8 layers held" in text and "scaled to all layers" in text
+    assert "decode step breakdown (2 steps on cpu)" in text
     data = json.loads(out.read_text())
     assert set(data["results"]) == {"plain", "oracle"} and data["meta"]["layers"] == [0, 1, 2, 3]
+    assert {"attention", "moe", "mhc", "head"} <= set(data["breakdown"]["ms"])
     assert main(["bench", "synthetic", "--config", str(tiny_dir), "--layers", "5-99",
                  "--device", "cpu"]) == 2
     assert "layers run 0..7" in capsys.readouterr().err
@@ -126,6 +129,9 @@ def test_bench_synthetic_cli_parallel(tiny_dir, tmp_path, capsys):
     assert main(["bench", "synthetic", "--config", str(tiny_dir), "--parallel", "layer",
                  "--devices", "cpu,cpu", "--layers", "0-3"]) == 2
     assert "--layers is for one device" in capsys.readouterr().err
+    assert main(["bench", "synthetic", "--config", str(tiny_dir), "--parallel", "layer",
+                 "--devices", "cpu,cpu", "--breakdown", "2"]) == 2
+    assert "--breakdown profiles one device" in capsys.readouterr().err
 
 
 def test_bench_synthetic_prefill_with_and_without_the_decoder_skip(tiny_dir, tmp_path, capsys):

@@ -325,6 +325,9 @@ def add_arguments(p) -> None:
     p.add_argument("--prefill-skip", default="both", choices=["both", "on", "off"],
                    help="the exact decoder-skipping prefill: with, without, or both (then the "
                         "last logits are checked bit-identical)")
+    p.add_argument("--breakdown", type=int, default=0, metavar="STEPS",
+                   help="one device: also profile this many plain decode steps and split their "
+                        "time by part (attention, MoE, mHC, …, launch gaps)")
     p.add_argument("--json", help="write the results as JSON here")
     from strata.cli import _add_parallel_args
     _add_parallel_args(p)  # every rank builds its part of the same synthetic model
@@ -385,6 +388,19 @@ def prefill_report(rows: list[dict], scale: float) -> str:
     return "\n".join(lines)
 
 
+def decode_breakdown(model, prompt: list[int], steps: int) -> dict:
+    """strata.bench.breakdown over `steps` plain greedy decode steps after the prompt (and two
+    unprofiled ones, so the profile sees steady state)."""
+    from strata.bench.breakdown import step_breakdown
+    from strata.runtime.sampling import SamplingParams
+    from strata.runtime.session import Session
+    s = Session(model, len(prompt) + steps + 4)
+    gen = s.generate(prompt, steps + 3, SamplingParams(), stop_ids=frozenset(), mode="plain")
+    for _ in range(3):
+        next(gen)
+    return step_breakdown(lambda: [next(gen) for _ in range(steps)], steps, s.state.device)
+
+
 def _launch(args, cfg: ModelConfig):
     """--parallel: the synthetic model over --devices, one process per device (each rank makes
     the tensors it holds; the same names give the same values as one device would)."""
@@ -413,6 +429,10 @@ def run(args) -> int:
 
     from strata.bench.decode import bench_decode, report
     from strata.config import v41_flash_config
+    from strata.errors import StrataError
+    if args.breakdown and args.parallel:
+        raise StrataError("--breakdown profiles one device (with --parallel the ranks' "
+                          "compute/communication split is reported instead)")
     cfg = ModelConfig.from_model_dir(Path(args.config)) if args.config else v41_flash_config()
     layers = parse_layers(args.layers, cfg.n_layers)
     t0 = time.perf_counter()
@@ -442,6 +462,7 @@ def run(args) -> int:
             lengths = [parse_length(t) for t in args.prefill.split(",") if t.strip()]
             prefill = bench_prefill(model, lengths, args.prefill_chunk, args.prefill_skip,
                                     args.seed)
+        breakdown = decode_breakdown(model, prompt, args.breakdown) if args.breakdown else None
     finally:
         if args.parallel:
             model.close()  # the other ranks exit
@@ -457,6 +478,9 @@ def run(args) -> int:
         lines.append(split_report(split))
     if prefill:
         lines.append(prefill_report(prefill, held / cfg.n_layers))
+    if breakdown:
+        from strata.bench.breakdown import format_breakdown
+        lines.append(format_breakdown(breakdown))
     scaled = {}
     if held < cfg.n_layers:
         # Time per token scales with the layers held (embed/head/draft counted once: the
@@ -478,7 +502,8 @@ def run(args) -> int:
                 "stored_bytes": w.stored_bytes, "build_s": build_s}
         Path(args.json).write_text(json.dumps(
             {"meta": meta, "results": {m: r.as_dict() for m, r in results.items()},
-             "scaled_tok_per_s": scaled, "split_timing": split, "prefill": prefill}, indent=2))
+             "scaled_tok_per_s": scaled, "split_timing": split, "prefill": prefill,
+             "breakdown": breakdown}, indent=2))
     return 0 if exact else 1
 
 

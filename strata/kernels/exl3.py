@@ -96,6 +96,7 @@ GEMM_BLOCK_N = 128
 GEMM_NUM_WARPS = 8
 GEMM_NUM_STAGES = 3
 ROT_ROWS = 16          # rows per program of the Hadamard kernels
+FINISH_ROWS = 16       # fused output step: rows per sub-block (decode fills 1–6 of a tile's 64)
 TARGET_PROGRAMS = 512  # split schedule: aim for this many programs in a single-row launch
 FUSED_MAX_ROWS = 64    # auto path: fused decode up to this many rows, reconstruct + GEMM above
 GEMM_SLICE_BYTES = 64 << 20  # reconstructed Ŵ slice size bound (columns chunked to fit)
@@ -278,6 +279,20 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _tile_rows(rows_ptr, tile, e, g, M, lanes, GROUPED: tl.constexpr, BM: tl.constexpr):
+        """Row ids and mask of `lanes` of this program's row tile: grouped, pair ids from
+        tile_rows (−1 padding, 0 where masked; none valid on an unused tile, expert e = −1);
+        otherwise rows g·BM + lane < M."""
+        if GROUPED:
+            rows = tl.load(rows_ptr + tile * BM + lanes)
+            rmask = (rows >= 0) & ((rows * 0 + e) >= 0)  # (not `& used`: interpreter dtype bug)
+            rows = tl.where(rmask, rows, 0)
+        else:
+            rows = g * BM + lanes
+            rmask = rows < M
+        return rows, rmask
+
+    @triton.jit
     def _fused_kernel(x_ptr, tr_ptr, part_ptr, rows_ptr, texp_ptr,
                       M, n_tiles, k_steps, per_split, row_words,
                       sx_row, sx_set, str_exp, str_set,
@@ -287,14 +302,17 @@ if triton is not None:
                       K2: tl.constexpr, CB: tl.constexpr, ASM: tl.constexpr,
                       GROUPED: tl.constexpr, FUSE_OUT: tl.constexpr, HAS_BIAS: tl.constexpr,
                       SPLIT_LOOP: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      FR: tl.constexpr):
         """Partial y' of split s for one BN column block and BM rows: Σ over the split's
         k-steps of tl.dot(x'[rows, k-step], Ŵ-decoded[k-step, cols]) from zero.
         GROUPED: program axis 2 = set · n_tiles + tile; the tile's rows are pair ids
         (tile_rows, −1 padding) and its expert selects the trellis.
         FUSE_OUT: the last of the 2·S programs writing a 128-column block (an arrival counter,
         reset to 0 by it) finishes that block as rotate_out does, from the partials in
-        ascending split order: the same bits whichever program arrives last.
+        ascending split order: the same bits whichever program arrives last. It works in
+        sub-blocks of FR rows, only those holding valid rows (a decode tile has 1–6 of its BM):
+        each row's arithmetic is the same whatever rows share its sub-block.
         SPLIT_LOOP (grid axis 1 = 1): one program runs the S splits itself, each from zero,
         adding them in ascending order from zero — the arithmetic of the GEMM kernel, so the
         same bits — and writes only the combined y' (no [S, ...] buffer; for many rows)."""
@@ -307,9 +325,7 @@ if triton is not None:
             wset = (g // n_tiles).to(tl.int64)
             e = tl.load(texp_ptr + tile)
             used = e >= 0  # unused tiles (expert -1) do nothing
-            rows = tl.load(rows_ptr + tile * BM + lanes)
-            rmask = (rows >= 0) & ((rows * 0 + e) >= 0)  # (not `& used`: interpreter dtype bug)
-            rows = tl.where(rmask, rows, 0)
+            rows, rmask = _tile_rows(rows_ptr, tile, e, g, M, lanes, GROUPED, BM)
             e64 = tl.maximum(e, 0).to(tl.int64)
             tr = tr_ptr + wset * str_set + e64 * str_exp
             xrow = x_ptr + wset * sx_set + rows.to(tl.int64) * sx_row
@@ -317,9 +333,10 @@ if triton is not None:
             k_hi = tl.where(used, tl.minimum((s + 1) * per_split, k_steps), 0)
         else:
             wset = 0
+            tile = 0
+            e = 0
             e64 = 0
-            rows = g * BM + lanes
-            rmask = rows < M
+            rows, rmask = _tile_rows(rows_ptr, tile, e, g, M, lanes, GROUPED, BM)
             tr = tr_ptr
             xrow = x_ptr + rows.to(tl.int64) * sx_row
             prow = part_ptr + rows.to(tl.int64) * sp_row
@@ -345,10 +362,24 @@ if triton is not None:
             if prev == 2 * n_split - 1:
                 tl.debug_barrier()
                 tl.store(cnt, 0)
-                svh_rows = svh_ptr + wset * ssvh_set + e64 * ssvh_e + rows.to(tl.int64) * 0
-                orow = out_ptr + wset * so_set + rows.to(tl.int64) * so_row
-                _finish_block(prow, rmask, (nb // 2) * 128 + tl.arange(0, 128), n_split,
-                              sp_split, svh_rows, bias_ptr, orow, n_out, inv, HAS_BIAS, BM)
+                # The valid rows are a prefix of the tile (rows g·BM + lane < M; a grouped
+                # tile's pairs come before its −1 padding: group_by_expert), so only the
+                # first ⌈n_valid / FR⌉ sub-blocks are finished, not BM mostly masked rows.
+                tl.static_assert(BM % FR == 0)  # sub-blocks stay inside the tile
+                if GROUPED:
+                    n_valid = tl.sum(rmask.to(tl.int32), axis=0)
+                else:
+                    n_valid = tl.minimum(M - g * BM, BM)
+                cols = (nb // 2) * 128 + tl.arange(0, 128)
+                for sub in range(0, tl.cdiv(n_valid, FR)):
+                    srows, smask = _tile_rows(rows_ptr, tile, e, g, M,
+                                              sub * FR + tl.arange(0, FR), GROUPED, BM)
+                    srows = srows.to(tl.int64)
+                    _finish_block(part_ptr + wset * sp_set + srows * sp_row, smask, cols,
+                                  n_split, sp_split,
+                                  svh_ptr + wset * ssvh_set + e64 * ssvh_e + srows * 0,
+                                  bias_ptr, out_ptr + wset * so_set + srows * so_row, n_out,
+                                  inv, HAS_BIAS, FR)
 
     @triton.jit
     def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, k_steps, per_split, sx_row, sw_row, sy_row,
@@ -630,7 +661,7 @@ def _fused(xr: torch.Tensor, trellis: torch.Tensor, codebook: str, svh=None, bia
         out.shape[1] if fuse else 0, 0, 0, 0, out.stride(0) if fuse else 0, INV_SQRT128,
         K2=K2, CB=CODEBOOK_IDS[codebook], ASM=_asm(xr), GROUPED=False, FUSE_OUT=fuse,
         HAS_BIAS=bias is not None, SPLIT_LOOP=False, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
-        num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False)
+        FR=FINISH_ROWS, num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False)
     _check_dot_order(c, "exl3 fused kernel", xr.device)
     return out if fuse else part
 
@@ -802,9 +833,10 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     whatever other pairs share its tile: batch-invariant, so decode, verify and prefill agree.
     Cost: two launches (the grouped Hadamard-in for all sets and pairs, then the grouped decode
     kernel, which also finishes the output Hadamard·svh); each selected expert's tiles are
-    decoded once per 16 pairs routed to it, for every set. Everything stays on the device;
-    note that group_by_expert's torch.bincount synchronises with the host on CUDA (it sizes its
-    output from the maximum), which a CUDA-graph capture of this call would trip over.
+    decoded once per BLOCK_M (64) pairs routed to it, for every set. Everything stays on the
+    device; note that group_by_expert's torch.bincount synchronises with the host on CUDA (it
+    sizes its output from the maximum), which a CUDA-graph capture of this call would trip
+    over.
     """
     _require_triton()
     W = len(weights)
@@ -854,10 +886,11 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
         sets.suh.stride(0), sets.ssuh_set, xr.stride(0), xr.stride(1), INV_SQRT128,
         HAS_XIDX=xidx is not None, HAS_EIDX=True, BR=ROT_ROWS, num_warps=4,
         enable_fp_fusion=False)
-    # 2. the grouped kernel over tiles of ≤ 16 pairs sharing an expert. Few pairs (decode):
-    #    one program per split, the last of each (tile, 128 columns) finishing the block
-    #    (Σ_s, output Hadamard, the pair's expert's svh) into out. Many pairs: each program
-    #    runs its splits in order and writes y', then the grouped output step. Same bits.
+    # 2. the grouped kernel over tiles of ≤ BLOCK_M pairs sharing an expert. Few pairs
+    #    (decode): one program per split, the last of each (tile, 128 columns) finishing
+    #    the block (Σ_s, output Hadamard, the pair's expert's svh) into out. Many pairs: each
+    #    program runs its splits in order and writes y', then the grouped output step. Same
+    #    bits.
     per, S = split_schedule(kp, n_p)
     split_loop = P > MOE_SPLIT_LOOP_PAIRS
     part = torch.empty((W, 1 if split_loop else S, P, n_p), dtype=torch.float32, device=dev)
@@ -874,8 +907,8 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
         out.stride(0), out.stride(1), INV_SQRT128,
         K2=K2, CB=CODEBOOK_IDS[codebook], ASM=_asm(xr), GROUPED=True,
         FUSE_OUT=not split_loop, HAS_BIAS=False, SPLIT_LOOP=split_loop,
-        BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=NUM_WARPS, num_stages=1,
-        enable_fp_fusion=False)
+        BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, FR=FINISH_ROWS, num_warps=NUM_WARPS,
+        num_stages=1, enable_fp_fusion=False)
     _check_dot_order(c, "exl3 grouped kernel", x.device)
     if split_loop:
         _rotate_out_kernel[(triton.cdiv(P, ROT_ROWS), triton.cdiv(n_out, 128), W)](

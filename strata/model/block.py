@@ -17,6 +17,7 @@ from strata.model.mhc import HcWeights, collapse, hc_mixes, hc_update
 from strata.model.moe import MoE
 from strata.model.numerics import rms_norm
 from strata.runtime.state import State
+from strata.trace import scope
 
 
 def load_hc(cfg: ModelConfig, w: WeightReader, prefix: str) -> HcWeights:
@@ -63,17 +64,22 @@ class Block:
         """h [T, H, D], pre_mix [T, H] → (h, this block's FFN pre)."""
         cfg, nx = self.cfg, ctx.numerics
         if self.engram is not None:
-            h = self.engram.forward(h, ctx.engram_ids[self.layer], nx)
+            with scope("engram"):
+                h = self.engram.forward(h, ctx.engram_ids[self.layer], nx)
         if self.layer in cfg.dspark_target_layer_ids:
             ctx.main_hidden[self.layer] = h.float().mean(1)
 
-        pre_a, post_a, comb_a = self.mixes(self.hc_attn, h)
-        u = rms_norm(collapse(h, pre_mix), self.attn_norm, cfg.rms_norm_eps)
-        y = self.attend(u, ctx, state)
-        h = hc_update(y, h, post_a, comb_a)
-
-        pre_f, post_f, comb_f = self.mixes(self.hc_ffn, h)
-        u = rms_norm(collapse(h, pre_a), self.ffn_norm, cfg.rms_norm_eps)
-        y = self.ffn.forward(u, nx)
-        h = hc_update(y, h, post_f, comb_f)
+        with scope("mhc"):
+            pre_a, post_a, comb_a = self.mixes(self.hc_attn, h)
+            u = rms_norm(collapse(h, pre_mix), self.attn_norm, cfg.rms_norm_eps)
+        with scope("attention"):
+            y = self.attend(u, ctx, state)
+        with scope("mhc"):
+            h = hc_update(y, h, post_a, comb_a)
+            pre_f, post_f, comb_f = self.mixes(self.hc_ffn, h)
+            u = rms_norm(collapse(h, pre_a), self.ffn_norm, cfg.rms_norm_eps)
+        with scope("moe"):
+            y = self.ffn.forward(u, nx)
+        with scope("mhc"):
+            h = hc_update(y, h, post_f, comb_f)
         return h, pre_f

@@ -26,6 +26,7 @@ from strata.model.context import ForwardContext
 from strata.model.mhc import collapse
 from strata.model.numerics import Numerics, rms_norm, row_matmul
 from strata.runtime.state import State
+from strata.trace import scope
 
 
 class DSparkStage(Block):
@@ -82,6 +83,11 @@ class DSparkHead:
     def commit_context(self, main_hidden: torch.Tensor, start: int, state: State,
                        nx: Numerics) -> None:
         """Write the stage windows for committed main rows at positions start.. ."""
+        with scope("draft"):
+            self._commit_context(main_hidden, start, state, nx)
+
+    def _commit_context(self, main_hidden: torch.Tensor, start: int, state: State,
+                        nx: Numerics) -> None:
         cfg = self.cfg
         positions = torch.arange(start, start + main_hidden.shape[0], device=main_hidden.device)
         ctx = ForwardContext(cfg, nx, start, positions)
@@ -97,6 +103,11 @@ class DSparkHead:
         `pick(logits [1, V], position) -> token` chooses each draft token (the request's own
         sampler, so a draft coupled to the target's noise is accepted more often).
         """
+        with scope("draft"):
+            return self._draft(embed, head, anchor, state, nx, pick)
+
+    def _draft(self, embed: torch.Tensor, head, anchor: int, state: State, nx: Numerics,
+               pick) -> Draft:
         cfg = self.cfg
         g = cfg.dspark_block_size
         P = state.position

@@ -26,6 +26,7 @@ from strata.model.ngram_hash import NgramHashConfig, NgramHasher, token_map_cach
 from strata.model.numerics import Numerics, rms_norm
 from strata.runtime.state import State
 from strata.tokenizer import tokenizer_path
+from strata.trace import scope
 
 
 @dataclass(frozen=True)
@@ -234,11 +235,13 @@ class Model:
 
     def _forward(self, tokens: torch.Tensor, state: State, logits: str,
                  nx: Numerics, decoder: bool = True) -> tuple[torch.Tensor | None, ForwardContext]:
-        ctx = self.new_context(tokens, state, nx)
-        h, pre = self.embed_stream(tokens, nx)
+        with scope("embed"):
+            ctx = self.new_context(tokens, state, nx)
+            h, pre = self.embed_stream(tokens, nx)
         h, pre = self.run_layers(h, pre, ctx, state, decoder)
         self.end_forward(tokens, ctx, state)
-        return self.logits(h, pre, logits, nx), ctx
+        with scope("head"):
+            return self.logits(h, pre, logits, nx), ctx
 
     # -- the pieces of a forward: a multi-device group runs them on different ranks --------
     # (runtime/parallel.py: embed on the first, a contiguous layer range on each, the head on

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.errors import StrataError
+from strata.trace import scope
 
 _M32 = 0xFFFFFFFF
 
@@ -71,6 +72,11 @@ def sample(logits: torch.Tensor, positions: torch.Tensor, params: SamplingParams
     top-p nucleus (smallest prefix by descending probability, ties by id, whose mass reaches
     top_p), sampled by Gumbel-max with the position-keyed noise.
     """
+    with scope("sampling"):
+        return _sample(logits, positions, params)
+
+
+def _sample(logits: torch.Tensor, positions: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = logits.float()
     if params.greedy:
         return logits.argmax(dim=-1)

@@ -1,0 +1,88 @@
+"""Where a decode step's time goes: `step_breakdown(run, steps, device)` profiles `run()` (which
+makes `steps` decode steps) with the model's trace scopes on (strata/trace.py) and sorts the
+time into attention, MoE, mHC/norms, Engram, embed, head, DSpark drafting, sampling,
+communication (NCCL kernels) and other — then, on CUDA, the launch gaps: wall time minus the
+GPU's busy time (Python, launches and host waits the GPU sat idle for).
+
+On CUDA each kernel's GPU time counts for the nearest enclosing scope of the op that launched
+it (a DSpark stage's attention counts as drafting); on CPU each op's own CPU time does."""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+from torch.autograd import DeviceType
+
+from strata import trace
+
+CATEGORIES = trace.SCOPES + ("communication", "other")
+
+
+def _category(evt, kernel_name: str | None = None) -> str:
+    if kernel_name is not None and "nccl" in kernel_name.lower():
+        return "communication"
+    nearest = None
+    e = evt
+    while e is not None:
+        if e.name.startswith("strata."):
+            name = e.name[len("strata."):]
+            if name == "draft":
+                return "draft"  # whatever runs inside a draft is drafting
+            nearest = nearest or name
+        e = e.cpu_parent
+    return nearest if nearest in trace.SCOPES else "other"
+
+
+def step_breakdown(run: Callable[[], None], steps: int, device: torch.device) -> dict:
+    """Per-step milliseconds by category (see module doc), the wall time per step and, on
+    CUDA, the GPU busy time and the launch gaps."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    was = trace.enabled()
+    trace.enable(True)
+    try:
+        with profile(activities=activities) as prof:
+            if cuda:
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            run()
+            if cuda:
+                torch.cuda.synchronize(device)
+            wall = time.perf_counter() - t0
+    finally:
+        trace.enable(was)
+    us: dict[str, float] = defaultdict(float)
+    kernels = 0
+    for evt in prof.events():
+        if evt.device_type != DeviceType.CPU:
+            continue
+        if cuda:
+            for k in evt.kernels:
+                us[_category(evt, k.name)] += k.duration
+                kernels += 1
+        elif not evt.name.startswith("strata."):
+            us[_category(evt)] += evt.self_cpu_time_total
+    n = max(1, steps)
+    out = {"steps": steps, "device": str(device), "wall_ms": 1e3 * wall / n,
+           "ms": {c: us[c] / 1e3 / n for c in CATEGORIES if us.get(c)}}
+    if cuda:
+        busy = sum(us.values()) / 1e3 / n
+        out.update(busy_ms=busy, launch_gaps_ms=max(0.0, out["wall_ms"] - busy),
+                   kernels_per_step=kernels / n)
+    return out
+
+
+def format_breakdown(b: dict) -> str:
+    total = b["wall_ms"]
+    lines = [f"decode step breakdown ({b['steps']} steps on {b['device']}): "
+             f"{total:.2f} ms per step" + (f", {b['kernels_per_step']:.0f} kernels, GPU busy "
+                                           f"{b['busy_ms']:.2f} ms" if "busy_ms" in b else "")]
+    parts = sorted(b["ms"].items(), key=lambda kv: -kv[1])
+    if "launch_gaps_ms" in b:
+        parts.append(("launch gaps", b["launch_gaps_ms"]))
+    for name, ms in parts:
+        lines.append(f"  {name:<14}{ms:>9.3f} ms  {100 * ms / total:5.1f} %")
+    return "\n".join(lines)
