@@ -834,9 +834,8 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     Cost: two launches (the grouped Hadamard-in for all sets and pairs, then the grouped decode
     kernel, which also finishes the output Hadamard·svh); each selected expert's tiles are
     decoded once per BLOCK_M (64) pairs routed to it, for every set. Everything stays on the
-    device; note that group_by_expert's torch.bincount synchronises with the host on CUDA (it
-    sizes its output from the maximum), which a CUDA-graph capture of this call would trip
-    over.
+    device with static shapes (group_by_expert included), so the call can be captured in a
+    CUDA graph.
     """
     _require_triton()
     W = len(weights)
