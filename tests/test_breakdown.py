@@ -31,6 +31,8 @@ def test_time_lands_in_the_enclosing_scope_and_drafting_takes_all_inside_it():
     ms = b["ms"]
     assert set(ms) == {"attention", "draft", "mhc"}, ms
     assert ms["attention"] > ms["draft"] > ms["mhc"] > 0
+    mm = next(r for r in b["host_top"] if r["name"] == "aten::mm")  # 30 matmuls in the step
+    assert mm["calls"] == 30 and mm["self_ms"] > 0
     assert not trace.enabled()  # restored
 
 

@@ -67,12 +67,21 @@ def step_breakdown(run: Callable[[], None], steps: int, device: torch.device) ->
             us[_category(evt)] += evt.self_cpu_time_total
     n = max(1, steps)
     out = {"steps": steps, "device": str(device), "wall_ms": 1e3 * wall / n,
-           "ms": {c: us[c] / 1e3 / n for c in CATEGORIES if us.get(c)}}
+           "ms": {c: us[c] / 1e3 / n for c in CATEGORIES if us.get(c)},
+           "host_top": _host_top(prof, n)}
     if cuda:
         busy = sum(us.values()) / 1e3 / n
         out.update(busy_ms=busy, launch_gaps_ms=max(0.0, out["wall_ms"] - busy),
                    kernels_per_step=kernels / n)
     return out
+
+
+def _host_top(prof, n: int, top: int = 15) -> list[dict]:
+    """Where the host's time goes: the events with the most own CPU time per step (torch ops,
+    CUDA runtime/driver calls such as launches and synchronisations, Python-side scopes)."""
+    rows = [{"name": e.key, "calls": e.count / n, "self_ms": e.self_cpu_time_total / 1e3 / n}
+            for e in prof.key_averages()]
+    return sorted(rows, key=lambda r: -r["self_ms"])[:top]
 
 
 def format_breakdown(b: dict) -> str:
@@ -85,4 +94,7 @@ def format_breakdown(b: dict) -> str:
         parts.append(("launch gaps", b["launch_gaps_ms"]))
     for name, ms in parts:
         lines.append(f"  {name:<14}{ms:>9.3f} ms  {100 * ms / total:5.1f} %")
+    lines.append("host: own CPU time per step (calls per step), largest first:")
+    for r in b["host_top"]:
+        lines.append(f"  {r['name'][:48]:<48}{r['self_ms']:>9.3f} ms {r['calls']:>8.1f}")
     return "\n".join(lines)
