@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from strata.kernels.device import on_tensor_device
+
 try:
     import triton
     import triton.language as tl
@@ -44,6 +46,7 @@ if triton is not None:
                      mask=k < K)
 
 
+@on_tensor_device
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """w ⊙ x·rsqrt(mean(x²)+eps) over the last dim, in x's dtype (any leading shape)."""
     K = x.shape[-1]
