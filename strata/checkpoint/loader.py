@@ -125,8 +125,8 @@ class TensorLoader:
                     pass
                 self._free.append(buf)
             raise
-        # CUDA: no host wait here. Later work on the current stream is ordered after these
-        # copies, and the next tensor's reads overlap them.
+        # CUDA: no host wait here. Later work on the destination GPU's current stream is
+        # ordered after these copies, and the next tensor's reads overlap them.
         self.tensors_loaded += 1
         return out
 
@@ -197,8 +197,10 @@ class TensorLoader:
             fut.result()  # re-raises the reader's CheckpointError (truncated file, ...)
             if self.device.type == "cuda":
                 dest[start:start + n].copy_(buf.data[:n], non_blocking=self.pin)
+                # The copy runs on the destination GPU's current stream, which need not be
+                # the current device's: record there, or the buffer is refilled mid-DMA.
                 buf.event = torch.cuda.Event()
-                buf.event.record()
+                buf.event.record(torch.cuda.current_stream(dest.device))
             else:
                 dest[start:start + n].copy_(buf.data[:n])
         finally:

@@ -74,7 +74,7 @@ from typing import Sequence
 
 import torch
 
-from strata.kernels.device import on_tensor_device
+from strata.current_device import on_tensor_device
 from strata.kernels.moe_grouping import ExpertGroups, group_by_expert
 
 try:

@@ -53,7 +53,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from strata.kernels.device import on_tensor_device
+from strata.current_device import on_tensor_device
 
 try:
     import triton

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.kernels.device import on_tensor_device
+from strata.current_device import on_tensor_device
 from strata.kernels.moe_grouping import group_by_expert
 
 

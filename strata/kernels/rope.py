@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from strata.kernels.device import on_tensor_device
+from strata.current_device import on_tensor_device
 
 try:
     import triton

@@ -20,6 +20,7 @@ import torch
 
 from strata.checkpoint.weights import WeightReader
 from strata.config import ModelConfig
+from strata.current_device import made_current
 from strata.model.attention import sparse_attention
 from strata.model.block import Block
 from strata.model.context import ForwardContext
@@ -83,7 +84,7 @@ class DSparkHead:
     def commit_context(self, main_hidden: torch.Tensor, start: int, state: State,
                        nx: Numerics) -> None:
         """Write the stage windows for committed main rows at positions start.. ."""
-        with scope("draft"):
+        with scope("draft"), made_current(main_hidden.device):
             self._commit_context(main_hidden, start, state, nx)
 
     def _commit_context(self, main_hidden: torch.Tensor, start: int, state: State,
@@ -103,7 +104,7 @@ class DSparkHead:
         `pick(logits [1, V], position) -> token` chooses each draft token (the request's own
         sampler, so a draft coupled to the target's noise is accepted more often).
         """
-        with scope("draft"):
+        with scope("draft"), made_current(embed.device):
             return self._draft(embed, head, anchor, state, nx, pick)
 
     def _draft(self, embed: torch.Tensor, head, anchor: int, state: State, nx: Numerics,

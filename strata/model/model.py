@@ -16,6 +16,7 @@ from strata.checkpoint.loader import TensorLoader
 from strata.checkpoint.pack import open_checkpoint
 from strata.checkpoint.weights import WeightReader
 from strata.config import ModelConfig
+from strata.current_device import made_current
 from strata.engram_store import EngramDiskWeights
 from strata.errors import ConfigError
 from strata.model.block import Block
@@ -147,7 +148,8 @@ class Model:
             return
         start = state.position
         hist = state.tokens[max(0, start - self.cfg.engram_max_ngram_size + 1):start]
-        ids = self.hasher.ids(tokens.to(self.device).view(-1).long(), hist)
+        with made_current(self.device):
+            ids = self.hasher.ids(tokens.to(self.device).view(-1).long(), hist)
         for layer, store in self.engram_stores.items():
             store.prefetch(ids[layer])
 
@@ -206,7 +208,8 @@ class Model:
         if own_journal:
             state.begin()
         try:
-            out = self._forward(tokens, state, logits, nx, decoder)
+            with made_current(self.device):
+                out = self._forward(tokens, state, logits, nx, decoder)
         except BaseException:
             if own_journal:
                 state.rollback()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.current_device import made_current
 from strata.errors import StrataError
 from strata.trace import scope
 
@@ -72,7 +73,7 @@ def sample(logits: torch.Tensor, positions: torch.Tensor, params: SamplingParams
     top-p nucleus (smallest prefix by descending probability, ties by id, whose mass reaches
     top_p), sampled by Gumbel-max with the position-keyed noise.
     """
-    with scope("sampling"):
+    with scope("sampling"), made_current(logits.device):
         return _sample(logits, positions, params)
 
 

@@ -62,7 +62,7 @@ def test_modes_equal_one_gpu(tiny, mode, devices, numerics):
 def test_kernels_launch_on_their_tensors_gpu():
     """Triton launches on the current CUDA device: with cuda:0 current, the kernels given
     cuda:1 tensors (a model on cuda:1, or rank 0 on the second GPU) still run there and give
-    what they give on cuda:0 (strata/kernels/device.py)."""
+    what they give on cuda:0 (strata/current_device.py)."""
     from strata.bench.kernels import random_linear
     from strata.kernels import exl3, mhc, norm
     torch.cuda.set_device(0)

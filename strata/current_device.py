@@ -1,0 +1,40 @@
+"""Compute on a tensor's own GPU: make it the *current* CUDA device around the work.
+
+Two things launch on the current device whatever device the data is on: Triton kernels (the
+launcher takes the current device and its stream), and — torch 2.11 on the H200 machine — some
+torch ops mixing a GPU tensor with a wrapped Python scalar (`torch.ldexp(x, e)` on cuda:1 with
+cuda:0 current faulted with an illegal memory access). A model on cuda:1 in a process whose
+current device is cuda:0 (a server started with --device cuda:1, a test holding a reference
+model on the second GPU) would run such work on the wrong GPU. So the model's entry points
+(Model.forward, the DSpark head's draft/commit, sampling) run with their device current, and
+every strata.kernels entry point that launches a kernel is wrapped in `on_tensor_device`.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+_NULL = contextlib.nullcontext()
+
+
+def made_current(device: torch.device):
+    """A context making `device` the current CUDA device for its body (no-op when it already
+    is, or for a non-CUDA device)."""
+    if device.type == "cuda" and device.index is not None \
+            and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return _NULL
+
+
+def on_tensor_device(fn):
+    """Run fn with the current CUDA device set to that of its first tensor argument."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                with made_current(a.device):
+                    return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return wrapper
