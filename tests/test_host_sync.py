@@ -1,9 +1,12 @@
-"""A decode step and a verify window read nothing back from the device inside the model.
+"""A decode step and a verify window read nothing back from the device inside the model, and
+upload nothing to it.
 
 On a GPU every value read back to the host (int(t), .item(), .nonzero(), torch.unique, a
 boolean test of a tensor) waits for all the work queued before it, so the host cannot run ahead
-of the GPU, and a step containing one cannot be captured in a CUDA graph. This probe counts the
-ATen ops that read back (or size their output from data) while the layers of one forward run
+of the GPU, and a step containing one cannot be captured in a CUDA graph. A tensor built from
+host data inside the forward (torch.tensor(x, device=…), indexing with a Python list) is a copy
+from pageable memory, which also waits for the stream. This probe counts the ATen ops that read
+back (or size their output from data) or lift host data into a tensor while one forward runs
 — on CPU, where the same Python code runs — and requires none. (Validating the caller's token
 ids happens on the host before they move, in Model.check_forward, outside the probe.)"""
 from __future__ import annotations
@@ -21,7 +24,8 @@ from strata.runtime.session import Session
 from util import random_tokens
 
 READS_BACK = {"_local_scalar_dense", "item", "nonzero", "unique", "_unique", "_unique2",
-              "unique_consecutive", "unique_dim", "masked_select", "is_nonzero", "equal"}
+              "unique_consecutive", "unique_dim", "masked_select", "is_nonzero", "equal",
+              "lift_fresh", "lift_fresh_copy"}  # (the last two: uploads of host data)
 
 
 class HostReads(TorchDispatchMode):

@@ -273,7 +273,7 @@ class Model:
         h = self.embed[tokens].to(nx.act_dtype)
         h = h[:, None, :].expand(T, cfg.hc_mult, cfg.hidden_size).contiguous()
         pre = torch.zeros((T, cfg.hc_mult), dtype=torch.float32, device=self.device)
-        pre[:, 0] = 1.0
+        pre[:, 0].fill_(1.0)
         return h, pre
 
     def run_layers(self, h: torch.Tensor, pre: torch.Tensor, ctx: ForwardContext,
