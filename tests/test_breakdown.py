@@ -27,12 +27,15 @@ def test_time_lands_in_the_enclosing_scope_and_drafting_takes_all_inside_it():
         with trace.scope("moe"):
             with trace.scope("mhc"):  # the nearest scope wins
                 a.sum()
-    b = step_breakdown(run, 1, torch.device("cpu"))
+    b = step_breakdown(run, 1, torch.device("cpu"), python_run=run)
     ms = b["ms"]
     assert set(ms) == {"attention", "draft", "mhc"}, ms
     assert ms["attention"] > ms["draft"] > ms["mhc"] > 0
     mm = next(r for r in b["host_top"] if r["name"] == "aten::mm")  # 30 matmuls in the step
     assert mm["calls"] == 30 and mm["self_ms"] > 0
+    py = {r["name"]: r for r in b["python_top"]}
+    assert py["<method 'sum' of 'torch._C.TensorBase' objects>"]["calls"] == 1
+    assert any(name.endswith("(run)") for name in py)  # our own function, by file:line
     assert not trace.enabled()  # restored
 
 

@@ -71,6 +71,7 @@ def test_bench_synthetic_cli(tiny_dir, tmp_path, capsys):
     data = json.loads(out.read_text())
     assert set(data["results"]) == {"plain", "oracle"} and data["meta"]["layers"] == [0, 1, 2, 3]
     assert {"attention", "moe", "mhc", "head"} <= set(data["breakdown"]["ms"])
+    assert data["breakdown"]["unprofiled_ms"] > 0 and data["breakdown"]["python_top"]
     assert main(["bench", "synthetic", "--config", str(tiny_dir), "--layers", "5-99",
                  "--device", "cpu"]) == 2
     assert "layers run 0..7" in capsys.readouterr().err

@@ -35,23 +35,52 @@ def _category(evt, kernel_name: str | None = None) -> str:
     return nearest if nearest in trace.SCOPES else "other"
 
 
-def step_breakdown(run: Callable[[], None], steps: int, device: torch.device) -> dict:
+def _timed(run: Callable[[], None], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def _python_top(run: Callable[[], None], n: int, top: int = 20) -> list[dict]:
+    """Python functions by own time under cProfile (Triton's launcher, torch's Python layers
+    and ours alike), per step."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    prof.runcall(run)
+    rows = []
+    for (file, line, fn), (cc, nc, tt, ct, _) in pstats.Stats(prof).stats.items():
+        where = fn if file == "~" else f"{'/'.join(file.split('/')[-2:])}:{line}({fn})"
+        rows.append({"name": where, "calls": nc / n, "self_ms": 1e3 * tt / n,
+                     "cum_ms": 1e3 * ct / n})
+    return sorted(rows, key=lambda r: -r["self_ms"])[:top]
+
+
+def step_breakdown(run: Callable[[], None], steps: int, device: torch.device,
+                   plain_run: Callable[[], None] | None = None,
+                   python_run: Callable[[], None] | None = None) -> dict:
     """Per-step milliseconds by category (see module doc), the wall time per step and, on
-    CUDA, the GPU busy time and the launch gaps."""
+    CUDA, the GPU busy time and the launch gaps. `plain_run` / `python_run`: two more runs of
+    `steps` steps, timed without any profiler (`unprofiled_ms`) and under cProfile
+    (`python_top`: where the host's Python time goes)."""
     from torch.profiler import ProfilerActivity, profile
     cuda = device.type == "cuda"
+    n = max(1, steps)
+    extra = {}
+    if plain_run is not None:
+        extra["unprofiled_ms"] = 1e3 * _timed(plain_run, device) / n
+    if python_run is not None:
+        extra["python_top"] = _python_top(python_run, n)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     was = trace.enabled()
     trace.enable(True)
     try:
         with profile(activities=activities) as prof:
-            if cuda:
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            run()
-            if cuda:
-                torch.cuda.synchronize(device)
-            wall = time.perf_counter() - t0
+            wall = _timed(run, device)
     finally:
         trace.enable(was)
     us: dict[str, float] = defaultdict(float)
@@ -65,10 +94,9 @@ def step_breakdown(run: Callable[[], None], steps: int, device: torch.device) ->
                 kernels += 1
         elif not evt.name.startswith("strata."):
             us[_category(evt)] += evt.self_cpu_time_total
-    n = max(1, steps)
     out = {"steps": steps, "device": str(device), "wall_ms": 1e3 * wall / n,
            "ms": {c: us[c] / 1e3 / n for c in CATEGORIES if us.get(c)},
-           "host_top": _host_top(prof, n)}
+           "host_top": _host_top(prof, n), **extra}
     if cuda:
         busy = sum(us.values()) / 1e3 / n
         out.update(busy_ms=busy, launch_gaps_ms=max(0.0, out["wall_ms"] - busy),
@@ -88,7 +116,8 @@ def format_breakdown(b: dict) -> str:
     total = b["wall_ms"]
     lines = [f"decode step breakdown ({b['steps']} steps on {b['device']}): "
              f"{total:.2f} ms per step" + (f", {b['kernels_per_step']:.0f} kernels, GPU busy "
-                                           f"{b['busy_ms']:.2f} ms" if "busy_ms" in b else "")]
+                                           f"{b['busy_ms']:.2f} ms" if "busy_ms" in b else "")
+             + (f" (unprofiled: {b['unprofiled_ms']:.2f} ms)" if "unprofiled_ms" in b else "")]
     parts = sorted(b["ms"].items(), key=lambda kv: -kv[1])
     if "launch_gaps_ms" in b:
         parts.append(("launch gaps", b["launch_gaps_ms"]))
@@ -97,4 +126,8 @@ def format_breakdown(b: dict) -> str:
     lines.append("host: own CPU time per step (calls per step), largest first:")
     for r in b["host_top"]:
         lines.append(f"  {r['name'][:48]:<48}{r['self_ms']:>9.3f} ms {r['calls']:>8.1f}")
+    if b.get("python_top"):
+        lines.append("host: Python functions by own time per step under cProfile (calls):")
+        for r in b["python_top"]:
+            lines.append(f"  {r['name'][-60:]:<60}{r['self_ms']:>9.3f} ms {r['calls']:>8.1f}")
     return "\n".join(lines)

@@ -389,16 +389,22 @@ def prefill_report(rows: list[dict], scale: float) -> str:
 
 
 def decode_breakdown(model, prompt: list[int], steps: int) -> dict:
-    """strata.bench.breakdown over `steps` plain greedy decode steps after the prompt (and two
-    unprofiled ones, so the profile sees steady state)."""
+    """strata.bench.breakdown over `steps` plain greedy decode steps after the prompt (three
+    steps first, so the profile sees steady state), then as many timed without a profiler and
+    as many under cProfile."""
     from strata.bench.breakdown import step_breakdown
     from strata.runtime.sampling import SamplingParams
     from strata.runtime.session import Session
-    s = Session(model, len(prompt) + steps + 4)
-    gen = s.generate(prompt, steps + 3, SamplingParams(), stop_ids=frozenset(), mode="plain")
+    s = Session(model, len(prompt) + 3 * steps + 4)
+    gen = s.generate(prompt, 3 * steps + 3, SamplingParams(), stop_ids=frozenset(),
+                     mode="plain")
     for _ in range(3):
         next(gen)
-    return step_breakdown(lambda: [next(gen) for _ in range(steps)], steps, s.state.device)
+
+    def run():
+        for _ in range(steps):
+            next(gen)
+    return step_breakdown(run, steps, s.state.device, plain_run=run, python_run=run)
 
 
 def _launch(args, cfg: ModelConfig):

@@ -27,17 +27,13 @@ class ForwardContext:
     published_keys: list[int] = field(default_factory=list)  # kv sources with new keys
     main_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # DSpark taps [T, D]
     _rope: dict[bool, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    _rope_inv: dict[bool, torch.Tensor] = field(default_factory=dict)
 
     @property
     def T(self) -> int:
         return self.positions.numel()
 
     def inv_freq(self, ratio: int) -> torch.Tensor:
-        key = ratio > 0
-        if key not in self._rope_inv:
-            self._rope_inv[key] = rope_inv_freq(self.cfg, ratio)
-        return self._rope_inv[key]
+        return rope_inv_freq(self.cfg, ratio, self.positions.device)
 
     def rope(self, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin at this forward's positions for the table of a layer of this ratio."""

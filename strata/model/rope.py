@@ -8,32 +8,42 @@ positions of a forward, so there is no table sized by a maximum length.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import torch
 
 from strata.config import ModelConfig
 
 
-def rope_inv_freq(cfg: ModelConfig, ratio: int) -> torch.Tensor:
-    """Per-pair angular frequencies f_k, k = 0..rope_dim/2-1 (fp64 for exact tables)."""
-    rd = cfg.qk_rope_head_dim
+def rope_inv_freq(cfg: ModelConfig, ratio: int,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    """Per-pair angular frequencies f_k, k = 0..rope_dim/2-1 (fp64 for exact tables), on
+    `device` — made once per table and device (an upload per forward would wait for the GPU
+    stream)."""
+    yarn = ratio > 0 and cfg.original_max_position_embeddings > 0
     theta = cfg.compress_rope_theta if ratio > 0 else cfg.rope_theta
+    return _inv_freq(cfg.qk_rope_head_dim, theta, yarn, cfg.original_max_position_embeddings,
+                     cfg.beta_fast, cfg.beta_slow, cfg.rope_factor, torch.device(device))
+
+
+@lru_cache(maxsize=64)
+def _inv_freq(rd: int, theta: float, yarn: bool, orig: int, beta_fast: float,
+              beta_slow: float, factor: float, device: torch.device) -> torch.Tensor:
     k = torch.arange(0, rd, 2, dtype=torch.float64)
     freqs = theta ** (-k / rd)
-    orig = cfg.original_max_position_embeddings
-    if ratio > 0 and orig > 0:
+    if yarn:
         def corr(rot: float) -> float:
             return rd * math.log(orig / (2 * math.pi * rot)) / (2 * math.log(theta))
-        lo = max(math.floor(corr(cfg.beta_fast)), 0)
-        hi = min(math.ceil(corr(cfg.beta_slow)), rd - 1)
+        lo = max(math.floor(corr(beta_fast)), 0)
+        hi = min(math.ceil(corr(beta_slow)), rd - 1)
         ramp = ((torch.arange(rd // 2, dtype=torch.float64) - lo) / max(hi - lo, 1e-3)).clamp(0, 1)
-        freqs = freqs / cfg.rope_factor * ramp + freqs * (1 - ramp)
-    return freqs
+        freqs = freqs / factor * ramp + freqs * (1 - ramp)
+    return freqs.to(device)
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [T, rope_dim/2] in fp32 for integer positions [T]."""
-    ang = positions.to(torch.float64)[:, None] * inv_freq.to(positions.device)[None, :]
+    ang = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     return torch.cos(ang).float(), torch.sin(ang).float()
 
 
