@@ -2,8 +2,9 @@
 the same ops, shapes and scalar arguments — so two decode steps at different positions may
 differ only in the *values* held by device tensors. `op_signature(fn)` records every ATen op a
 call runs (its tensor shapes and dtypes, its other arguments) with the trace scope it ran in
-(strata/trace.py); `differing_scopes(a, b)` names the scopes whose op sequences differ, with
-the first difference in each. On CPU the same Python runs as on a GPU, so this is checked
+(strata/trace.py) and its instance ("attention#2": the third attention entered);
+`differing_scopes(a, b)` names the scopes whose op sequences differ, with the first difference
+in each, by scope or by instance. On CPU the same Python runs as on a GPU, so this is checked
 without one (tests/test_graph_check.py); Triton launches are not ATen ops and are not seen.
 """
 from __future__ import annotations
@@ -38,14 +39,14 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.namespace == "profiler":  # the scopes' own record_function ops
             return func(*args, **kwargs)
-        self.ops.append((trace.current() or "other", str(func),
+        self.ops.append((trace.current(instance=True) or "other", str(func),
                          (_describe(args), tuple(sorted((k, _describe(v))
                                                         for k, v in kwargs.items())))))
         return func(*args, **kwargs)
 
 
 def op_signature(fn: Callable[[], object]) -> list[tuple[str, str, tuple]]:
-    """(scope, op, arguments described) for every ATen op `fn()` runs, in order."""
+    """(scope instance, op, arguments described) for every ATen op `fn()` runs, in order."""
     was = trace.enabled()
     trace.enable(True)
     rec = _Recorder()
@@ -57,14 +58,14 @@ def op_signature(fn: Callable[[], object]) -> list[tuple[str, str, tuple]]:
     return rec.ops
 
 
-def differing_scopes(a: list, b: list) -> dict[str, str]:
-    """Scope → the first difference between the two signatures' ops in that scope."""
+def differing_scopes(a: list, b: list, by_instance: bool = False) -> dict[str, str]:
+    """Scope (or scope instance) → the first difference between the two signatures' ops in
+    it."""
     per_a: dict[str, list] = defaultdict(list)
     per_b: dict[str, list] = defaultdict(list)
-    for scope, op, args in a:
-        per_a[scope].append((op, args))
-    for scope, op, args in b:
-        per_b[scope].append((op, args))
+    for sig, per in ((a, per_a), (b, per_b)):
+        for scope, op, args in sig:
+            per[scope if by_instance else scope.split("#", 1)[0]].append((op, args))
     out = {}
     for scope in sorted(set(per_a) | set(per_b)):
         x, y = per_a.get(scope, []), per_b.get(scope, [])

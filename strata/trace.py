@@ -22,6 +22,8 @@ SCOPES = ("embed", "engram", "mhc", "attention", "moe", "head", "draft", "sampli
 
 def enable(on: bool) -> None:
     global _ON
+    if on and not _ON:
+        _ENTERED.clear()
     _ON = on
 
 
@@ -30,6 +32,7 @@ def enabled() -> bool:
 
 
 _STACK: list[str] = []
+_ENTERED: dict[str, int] = {}  # times each scope was entered since enable(True)
 
 
 class _Scope:
@@ -38,7 +41,9 @@ class _Scope:
         self.range = torch.profiler.record_function("strata." + name)
 
     def __enter__(self) -> "_Scope":
-        _STACK.append(self.name)
+        n = _ENTERED.get(self.name, 0)
+        _ENTERED[self.name] = n + 1
+        _STACK.append(f"{self.name}#{n}")
         self.range.__enter__()
         return self
 
@@ -54,6 +59,10 @@ def scope(name: str):
     return _Scope(name)
 
 
-def current() -> str | None:
-    """The innermost open scope (tracing on), else None."""
-    return _STACK[-1] if _STACK else None
+def current(instance: bool = False) -> str | None:
+    """The innermost open scope (tracing on), else None; `instance`: with the number of times
+    that scope had been entered before since tracing started ("attention#0" is the first
+    layer's attention in a forward)."""
+    if not _STACK:
+        return None
+    return _STACK[-1] if instance else _STACK[-1].split("#", 1)[0]

@@ -83,13 +83,14 @@ class Attention:
         # key set per query keeps the result independent of the chunk it came in.
         ring = state.window[self.layer]
         W = cfg.sliding_window
+        first = ctx.positions[:1]  # (a device tensor: the ops do not depend on the position)
         kpos = ctx.positions[:, None] - (W - 1) + torch.arange(W, device=u.device)[None]
-        in_chunk = kpos >= ctx.start
+        in_chunk = kpos >= first
         slot = kpos.clamp(min=0) % ring.size
         valid = (kpos >= 0) & (in_chunk | (ring.tags[slot] == kpos))
-        win_rows = torch.where(in_chunk[..., None], kv[(kpos - ctx.start).clamp(min=0)].float(),
+        win_rows = torch.where(in_chunk[..., None], kv[(kpos - first).clamp(min=0)].float(),
                                ring.rows[slot].float())
-        ring.write(ctx.start, kv, state.journal)
+        ring.write(ctx.start, ctx.positions, kv, state.journal)
 
         comp_rows = comp_mask = None
         if self.ratio > 0:

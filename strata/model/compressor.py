@@ -42,7 +42,7 @@ class Compressor:
             kg_all = torch.cat((prev, kg), dim=0)
         else:
             kg_all = kg
-        ring.write(ctx.start, kg, state.journal)
+        ring.write(ctx.start, ctx.positions, kg, state.journal)
         n = j1 - j0
         if n == 0:
             return kg.new_zeros((0, self.cfg.head_dim)), j0

@@ -94,7 +94,8 @@ class DSparkHead:
         ctx = ForwardContext(cfg, nx, start, positions)
         main_x = rms_norm(self.main_proj(main_hidden, nx), self.main_norm, cfg.rms_norm_eps)
         for stage in self.stages:
-            state.dspark[stage.index].write(start, stage.context_keys(main_x, ctx), None)
+            state.dspark[stage.index].write(start, positions, stage.context_keys(main_x, ctx),
+                                            None)
 
     @torch.no_grad()
     def draft(self, embed: torch.Tensor, head, anchor: int, state: State, nx: Numerics,

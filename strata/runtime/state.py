@@ -43,9 +43,11 @@ class PositionRing:
         """Rows of the given positions (the caller guarantees they are present)."""
         return self.rows[positions % self.size]
 
-    def write(self, first: int, rows: torch.Tensor, journal: "Journal | None") -> None:
-        """Write rows for the consecutive positions first, first + 1, ...; journal the
-        displaced slots. (`first` is a host int: no device read, so a forward never waits.)
+    def write(self, first: int, positions: torch.Tensor, rows: torch.Tensor,
+              journal: "Journal | None") -> None:
+        """Write rows for the consecutive positions first, first + 1, ... (`positions`: the
+        same, on the device — the caller's forward positions, so the ops do not depend on
+        `first`, a host int kept for the journal's bookkeeping); journal the displaced slots.
 
         Only the last `size` rows can be stored; a journaled write that drops earlier rows
         can then be rolled back wholly, or to a point whose history it still holds.
@@ -53,8 +55,7 @@ class PositionRing:
         n = rows.shape[0]
         kept_from = first + max(0, n - self.size)
         if n > self.size:
-            rows = rows[-self.size:]
-        positions = torch.arange(kept_from, first + n, device=self.rows.device)
+            rows, positions = rows[-self.size:], positions[-self.size:]
         slots = positions % self.size
         if journal is not None:
             journal.writes.append(RingWrite(self, first, kept_from, slots, positions,
