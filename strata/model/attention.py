@@ -109,10 +109,10 @@ class Attention:
         layers read; nothing for a layer without a compressor."""
         if self.compressor is None:
             return
-        latent, j0 = self.compressor.forward(u, ctx, state)
-        self._store_entries(latent, j0, ctx, state)
+        latent, entries = self.compressor.forward(u, ctx, state)
+        self._store_entries(latent, entries, ctx, state)
         if self.indexer is not None and latent.shape[0]:
-            self.indexer.publish_keys(latent, j0, ctx, state)
+            self.indexer.publish_keys(latent, entries, ctx, state)
         if latent.shape[0]:
             ctx.published_keys.append(self.layer)
 
@@ -123,18 +123,17 @@ class Attention:
         return sparse_attention(q, rows, mask, comp_rows, comp_mask, self.attn_sink,
                                 self.cfg.head_dim ** -0.5)
 
-    def _store_entries(self, latent: torch.Tensor, j0: int, ctx: ForwardContext,
+    def _store_entries(self, latent: torch.Tensor, entries: torch.Tensor, ctx: ForwardContext,
                        state: State) -> None:
-        """Rotate new latents at their group's first position and append to the cache."""
-        n = latent.shape[0]
-        if n == 0:
+        """Rotate new latents at their group's first position and store them at their entry
+        indices (a device tensor)."""
+        if latent.shape[0] == 0:
             return
-        pos = torch.arange(j0, j0 + n, device=latent.device) * self.ratio
-        cos, sin = ctx.rope_at(self.ratio, pos)
+        cos, sin = ctx.rope_at(self.ratio, entries * self.ratio)
         kv = apply_rope(latent, cos, sin)
         if ctx.numerics.quantize:
             kv = fp4_qdq_e4m3_scale(kv)
-        state.comp_kv[self.layer][j0:j0 + n] = kv.to(state.comp_kv[self.layer].dtype)
+        state.comp_kv[self.layer][entries] = kv.to(state.comp_kv[self.layer].dtype)
 
 
 def sparse_attention(q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,

@@ -25,14 +25,17 @@ class Compressor:
         self.wgate = w.linear(f"{prefix}.wgate", hd, D) if self.ratio > 1 else None
         self.norm = w.float_tensor(f"{prefix}.norm.weight", (hd,))
 
-    def forward(self, u: torch.Tensor, ctx: ForwardContext, state: State) -> tuple[torch.Tensor, int]:
-        """Latents of the groups completed by this forward: ([n, hd] fp32, first entry index)."""
+    def forward(self, u: torch.Tensor, ctx: ForwardContext,
+                state: State) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents of the groups completed by this forward and their entry indices:
+        ([n, hd] fp32, [n] on the device). Ratio 1: one entry per token, at the token's
+        position (taken from the forward's device positions: no host int in the ops)."""
         r, start, T = self.ratio, ctx.start, ctx.T
         nx = ctx.numerics
         j0, j1 = start // r, (start + T) // r
         k = self.wkv(u, nx, torch.float32)
         if r == 1:
-            return rms_norm(k, self.norm, self.cfg.rms_norm_eps), j0
+            return rms_norm(k, self.norm, self.cfg.rms_norm_eps), ctx.positions
         g = self.wgate(u, nx, torch.float32)
         kg = torch.stack((k, g), dim=1)  # [T, 2, hd]
         ring = state.comp_tail[self.layer]
@@ -44,9 +47,10 @@ class Compressor:
             kg_all = kg
         ring.write(ctx.start, ctx.positions, kg, state.journal)
         n = j1 - j0
+        entries = torch.arange(j0, j1, device=u.device)
         if n == 0:
-            return kg.new_zeros((0, self.cfg.head_dim)), j0
+            return kg.new_zeros((0, self.cfg.head_dim)), entries
         groups = kg_all[:n * r].view(n, r, 2, -1)
         weights = torch.softmax(groups[:, :, 1], dim=1)
         pooled = (weights * groups[:, :, 0]).sum(dim=1)
-        return rms_norm(pooled, self.norm, self.cfg.rms_norm_eps), j0
+        return rms_norm(pooled, self.norm, self.cfg.rms_norm_eps), entries

@@ -19,7 +19,7 @@ from strata.model.context import ForwardContext
 from strata.model.numerics import rms_norm, rows_bmm
 from strata.model.rope import apply_rope
 from strata.quant.qdq import fp4_qdq_ue8m0
-from strata.runtime.state import State
+from strata.runtime.state import State, entry_bucket
 
 
 def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -67,31 +67,32 @@ class Indexer:
             self.wk = w.linear(f"{prefix}.wk", ihd, cfg.head_dim)
             self.k_norm = w.float_tensor(f"{prefix}.k_norm.weight", (ihd,))
 
-    def publish_keys(self, latent: torch.Tensor, j0: int, ctx: ForwardContext,
+    def publish_keys(self, latent: torch.Tensor, entries: torch.Tensor, ctx: ForwardContext,
                      state: State) -> None:
-        """Index keys of new entries j0.. from their pre-RoPE latents, into the state."""
-        n = latent.shape[0]
-        if n == 0:
+        """Index keys of new entries (indices on the device) from their pre-RoPE latents, into
+        the state."""
+        if latent.shape[0] == 0:
             return
         nx = ctx.numerics
         k = rms_norm(self.wk(latent, nx, torch.float32), self.k_norm, self.cfg.rms_norm_eps)
-        pos = torch.arange(j0, j0 + n, device=latent.device) * self.ratio
-        cos, sin = ctx.rope_at(self.ratio, pos)
+        cos, sin = ctx.rope_at(self.ratio, entries * self.ratio)
         k = apply_rope(k, cos, sin)
         if nx.quantize:
             k = fp4_qdq_ue8m0(k)
-        state.index_k[self.layer][j0:j0 + n] = k.to(state.index_k[self.layer].dtype)
+        state.index_k[self.layer][entries] = k.to(state.index_k[self.layer].dtype)
 
     def select(self, u: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext,
                state: State) -> torch.Tensor:
         """Top-k entries [T, k] (ascending, −1 = none) for every query of the forward."""
         cfg, nx, r = self.cfg, ctx.numerics, self.ratio
         nh, ihd = cfg.index_n_heads, cfg.index_head_dim
-        n = (ctx.start + ctx.T) // r
         key_src = cfg.kv_source_of(self.layer)
         if (nx.vendor_stale_index_k and self.owns_keys and r > 1
                 and self.layer not in ctx.published_keys and state.stale_index_source is not None):
             key_src = state.stale_index_source  # vendor quirk, spec §2.6
+        # Scored over a bucketed number of entries (the invisible ones masked below), so the
+        # ops' shapes change only at bucket edges: a CUDA graph per bucket.
+        n = entry_bucket((ctx.start + ctx.T) // r)
         keys = state.index_k[key_src][:n].float()
         q = self.wq_b(qr, nx, torch.float32).view(ctx.T, nh, ihd)
         cos, sin = ctx.rope(r)

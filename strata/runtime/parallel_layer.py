@@ -32,7 +32,7 @@ from strata.model.context import ForwardContext
 from strata.model.model import Model
 from strata.model.numerics import Numerics
 from strata.runtime.parallel_comm import Comm
-from strata.runtime.state import State, cache_sources
+from strata.runtime.state import State, cache_sources, entry_bucket
 
 ALIGN = 16
 
@@ -100,7 +100,7 @@ class LayerExecutor:
             pieces.append((f"sel.{done[-1]}", (T, cfg.index_topk), torch.int64))
         c = cfg.candidate_source_layer_id
         if cfg.candidates_enabled and c < hi and any(cfg.is_reindex(l) for l in later):
-            pieces.append(("cand", (T, (start + T) // cfg.ratio(c)), torch.bool))
+            pieces.append(("cand", (T, entry_bucket((start + T) // cfg.ratio(c))), torch.bool))
         for s in sorted(self._needed_after(r)):
             if s < hi:
                 rr = cfg.ratio(s)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from strata.checkpoint.safetensors_io import CheckpointFolder
 from strata.config import ModelConfig
 from strata.errors import StrataError
+from strata.runtime.state import entry_bucket
 
 GiB = 1 << 30
 DEFAULT_RESERVE_BYTES = 4 * GiB
@@ -103,8 +104,9 @@ def layer_cache_bytes(cfg: ModelConfig, layer: int, context: int, kv_format: str
         if r > 1:
             n += rows * (2 * hd * 4 + 8)  # compressor tail ring, fp32 (k, gate)
         n += (context // r) * _entry_bytes(hd, kv_format, KV_SCALE_BLOCK)
-        if cfg.is_index_source(layer):
-            n += (context // r) * _entry_bytes(cfg.index_head_dim, kv_format, INDEX_SCALE_BLOCK)
+        if cfg.is_index_source(layer):  # sized to the bucket a selection scores (State)
+            n += entry_bucket(context // r) * _entry_bytes(cfg.index_head_dim, kv_format,
+                                                           INDEX_SCALE_BLOCK)
     return n
 
 

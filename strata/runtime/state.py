@@ -27,6 +27,16 @@ from strata.config import ModelConfig
 from strata.errors import CapacityError
 
 
+def entry_bucket(n: int) -> int:
+    """The number of compressed entries a selection scores when n are written: n rounded up
+    to a multiple of max(256, 2^(bits(n) − 4)) — at most ~6 % more past 4K entries, ~16 sizes
+    per doubling. Invisible entries are masked to −inf, which the selection never picks, so
+    the result is that of scoring n. (The index-key caches are sized to the bucket of their
+    capacity; the layer split's carry sizes the candidate mask with it.)"""
+    step = max(256, 1 << max(0, n.bit_length() - 4))
+    return -(-n // step) * step
+
+
 class PositionRing:
     """A ring of `size` rows addressed by absolute position (slot = pos % size), with tags."""
 
@@ -164,7 +174,9 @@ class State:
             n = capacity // r
             self.comp_kv[l] = torch.zeros((n, hd), dtype=kv_dtype, device=device)
             if cfg.is_index_source(l):
-                self.index_k[l] = torch.zeros((n, ihd), dtype=kv_dtype, device=device)
+                # Room for the bucketed number of entries a selection scores (indexer.py).
+                self.index_k[l] = torch.zeros((entry_bucket(n), ihd), dtype=kv_dtype,
+                                              device=device)
         # DSpark: each stage's window of target-derived keys, committed positions only.
         self.dspark = [PositionRing(self.ring_size, (hd,), kv_dtype, device, keep=W - 1)
                        for _ in range(cfg.num_nextn_predict_layers if dspark else 0)]
