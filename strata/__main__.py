@@ -1,4 +1,4 @@
-"""`python -m strata …`: the same as the `strata` command (where the entry point is not installed)."""
+"""`python -m strata …`: the `strata` command (where its entry point is not installed)."""
 from strata.cli import main
 
 raise SystemExit(main())

@@ -129,8 +129,11 @@ def test_global_kv_is_890_bytes_per_token_packed(v41):
     # Plus the window rings (256 rows of 512 bf16 + a tag, 40 layers) and the ratio-2
     # compressor tail rings (256 rows of 2×512 fp32 + a tag, layers 2, 8, 14).
     rings = 40 * 256 * (512 * 2 + 8) + 3 * 256 * (2 * 512 * 4 + 8)
+    # And the spare entry of each of the 4 kv sources (the unfinished group's provisional
+    # entry: a packed 512-value KV row, 256 + 32 B, and a 128-value index key, 64 + 4 B).
+    spare = 4 * (256 + 32 + 64 + 4)
     assert sum(layer_cache_bytes(cfg, l, ctx, "fp4") for l in range(cfg.n_layers)) == \
-        890 * ctx + rings
+        890 * ctx + rings + spare
 
 
 def test_four_96gb_devices_fit_with_contiguous_layers(v41):

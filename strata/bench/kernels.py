@@ -11,10 +11,9 @@ On a CUDA device, for random trellises (and suh/svh) at each shape × K × rows:
   exllamav3's whole linear on the same seeded tensors — `LinearEXL3.forward`, its own rows
   dispatch (at 1–144 rows its GEMV/GEMM kernels with suh/svh fused) — the speed-up peer/ours of
   the linear, the two outputs' largest difference, and our reconstructed Ŵ against
-  `ext.reconstruct` bit for bit (the whole weight). (Its bare `ext.exl3_gemm` without suh/svh
+  `ext.reconstruct` bit for bit (the whole weight). Its bare `ext.exl3_gemm` without suh/svh
   is not timed: 1.6.5 crashed the process there at 1 row on the H200, and no model of its runs
-  that path.); ours is always also checked against strata.quant.exl3.decode_trellis
-  on a slice.
+  that path. Ours is always also checked against strata.quant.exl3.decode_trellis on a slice.
 Targets (issue): ours ≥ exllamav3's rate at 1 row, ≥ 1.5× at 6 rows (reported per shape/K).
 
 `--smoke`: tiny shapes, CPU under TRITON_INTERPRET=1 (the harness logic, for the test suite).
@@ -382,8 +381,9 @@ def _read_peer_lines(path: Path) -> dict:
 
 def run_peer_child(args) -> None:
     """exllamav3's kernels on the same seeded tensors as the parent: its reconstruct against
-    ours bit for bit, LinearEXL3.forward timed, and our linear's output against its. Each result is appended to args.json as it comes (a crash or a kill
-    keeps what was measured); progress goes to stderr, so a crash shows where."""
+    ours bit for bit, LinearEXL3.forward timed, and our linear's output against its. Each
+    result is appended to args.json as it comes (a crash or a kill keeps what was measured);
+    progress goes to stderr, so a crash shows where."""
     dev = torch.device(args.device)
     from strata.kernels import exl3 as X
     if args.fused_max_rows is not None:
@@ -411,7 +411,7 @@ def run_peer_child(args) -> None:
                                                  peer_w.view(torch.int16))})
             del ours_w, peer_w
             for M in _csv(args.rows, int, ROWS):
-                x, xr = _inputs(X, M, k, suh, dev)
+                x, _ = _inputs(X, M, k, suh, dev)
                 for path in paths or (("fused" if M <= X.FUSED_MAX_ROWS else "gemm"),):
                     print(f"peer: {name} K={K} rows={M}", file=sys.stderr, flush=True)
                     r = {"shape": name, "K": K, "rows": M, "path": path}

@@ -109,11 +109,11 @@ class Attention:
         layers read; nothing for a layer without a compressor."""
         if self.compressor is None:
             return
-        latent, entries = self.compressor.forward(u, ctx, state)
+        latent, entries, n = self.compressor.forward(u, ctx, state)
         self._store_entries(latent, entries, ctx, state)
-        if self.indexer is not None and latent.shape[0]:
+        if self.indexer is not None:
             self.indexer.publish_keys(latent, entries, ctx, state)
-        if latent.shape[0]:
+        if n:  # (host bookkeeping: which sources completed entries in this forward)
             ctx.published_keys.append(self.layer)
 
     def attend_heads(self, q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
@@ -127,8 +127,6 @@ class Attention:
                        state: State) -> None:
         """Rotate new latents at their group's first position and store them at their entry
         indices (a device tensor)."""
-        if latent.shape[0] == 0:
-            return
         cos, sin = ctx.rope_at(self.ratio, entries * self.ratio)
         kv = apply_rope(latent, cos, sin)
         if ctx.numerics.quantize:

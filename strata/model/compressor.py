@@ -26,31 +26,35 @@ class Compressor:
         self.norm = w.float_tensor(f"{prefix}.norm.weight", (hd,))
 
     def forward(self, u: torch.Tensor, ctx: ForwardContext,
-                state: State) -> tuple[torch.Tensor, torch.Tensor]:
-        """Latents of the groups completed by this forward and their entry indices:
-        ([n, hd] fp32, [n] on the device). Ratio 1: one entry per token, at the token's
-        position (taken from the forward's device positions: no host int in the ops)."""
+                state: State) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Latents of the groups this forward may complete, their entry indices (on the
+        device) and how many of them it does complete: ([m, hd] fp32, [m], n ≤ m).
+
+        The ops depend on T only, never on the position (a CUDA graph replays them at any
+        position): ratio 1 gives one entry per token at the token's position; ratio r > 1
+        pools the m = ⌈T/r⌉ groups from the one holding the forward's first token — the first
+        n = (start+T)//r − start//r are complete; a last incomplete one (n < m) is written too,
+        at an entry no query can see yet (j ≥ (p+1)//r), which the forward completing that
+        group overwrites (the state keeps a spare entry row for it)."""
         r, start, T = self.ratio, ctx.start, ctx.T
         nx = ctx.numerics
-        j0, j1 = start // r, (start + T) // r
+        n = (start + T) // r - start // r
         k = self.wkv(u, nx, torch.float32)
         if r == 1:
-            return rms_norm(k, self.norm, self.cfg.rms_norm_eps), ctx.positions
+            return rms_norm(k, self.norm, self.cfg.rms_norm_eps), ctx.positions, n
         g = self.wgate(u, nx, torch.float32)
         kg = torch.stack((k, g), dim=1)  # [T, 2, hd]
         ring = state.comp_tail[self.layer]
-        lead = start - j0 * r  # tokens of the first group that earlier forwards saw
-        if lead:
-            prev = ring.gather(torch.arange(start - lead, start, device=u.device))
-            kg_all = torch.cat((prev, kg), dim=0)
-        else:
-            kg_all = kg
-        ring.write(ctx.start, ctx.positions, kg, state.journal)
-        n = j1 - j0
-        entries = torch.arange(j0, j1, device=u.device)
-        if n == 0:
-            return kg.new_zeros((0, self.cfg.head_dim)), entries
-        groups = kg_all[:n * r].view(n, r, 2, -1)
+        first = ctx.positions[:1]
+        # The r − 1 tokens before the forward (an unfinished group's start; rows of positions
+        # < 0 are never used), then this forward's: positions first − (r−1) .. first + T − 1.
+        back = torch.arange(1 - r, 0, device=u.device)
+        kg_all = torch.cat((ring.gather(first + back), kg), dim=0)
+        ring.write(start, ctx.positions, kg, state.journal)
+        m = -(-T // r)
+        entries = first // r + torch.arange(m, device=u.device)
+        rows = entries[:, None] * r + torch.arange(r, device=u.device)[None] - first + (r - 1)
+        groups = kg_all[rows.clamp(max=T + r - 2)]  # [m, r, 2, hd]
         weights = torch.softmax(groups[:, :, 1], dim=1)
         pooled = (weights * groups[:, :, 0]).sum(dim=1)
-        return rms_norm(pooled, self.norm, self.cfg.rms_norm_eps), entries
+        return rms_norm(pooled, self.norm, self.cfg.rms_norm_eps), entries, n

@@ -71,8 +71,6 @@ class Indexer:
                      state: State) -> None:
         """Index keys of new entries (indices on the device) from their pre-RoPE latents, into
         the state."""
-        if latent.shape[0] == 0:
-            return
         nx = ctx.numerics
         k = rms_norm(self.wk(latent, nx, torch.float32), self.k_norm, self.cfg.rms_norm_eps)
         cos, sin = ctx.rope_at(self.ratio, entries * self.ratio)

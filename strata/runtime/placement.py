@@ -103,10 +103,11 @@ def layer_cache_bytes(cfg: ModelConfig, layer: int, context: int, kv_format: str
         r = cfg.ratio(layer)
         if r > 1:
             n += rows * (2 * hd * 4 + 8)  # compressor tail ring, fp32 (k, gate)
-        n += (context // r) * _entry_bytes(hd, kv_format, KV_SCALE_BLOCK)
-        if cfg.is_index_source(layer):  # sized to the bucket a selection scores (State)
-            n += entry_bucket(context // r) * _entry_bytes(cfg.index_head_dim, kv_format,
-                                                           INDEX_SCALE_BLOCK)
+        e = context // r  # (+1: the spare entry; index keys: the bucket a selection scores)
+        n += (e + 1) * _entry_bytes(hd, kv_format, KV_SCALE_BLOCK)
+        if cfg.is_index_source(layer):
+            n += max(entry_bucket(e), e + 1) * _entry_bytes(cfg.index_head_dim, kv_format,
+                                                            INDEX_SCALE_BLOCK)
     return n
 
 

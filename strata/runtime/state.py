@@ -7,7 +7,8 @@ Everything a forward writes lives here, preallocated on the model's device:
   holding the unfinished group's first token across forwards;
 - `comp_kv[l]`, `index_k[l]`: compressed KV and index keys of kv-source layers, at absolute
   entry indices (entry j ↔ tokens [j·r, (j+1)·r)); entries past the committed position are
-  invisible by construction and overwritten when recomputed;
+  invisible by construction and overwritten when recomputed (a forward writes its unfinished
+  group's entry too: one spare row);
 - `dspark[k]`: each DSpark stage's window of keys projected from committed main rows (written
   only for committed positions, so verification never has to undo them);
 - `tokens`: the committed token ids (Engram history, prefix matching);
@@ -171,12 +172,14 @@ class State:
                 # As long as the window ring, so truncation reaches as far back for both.
                 self.comp_tail[l] = PositionRing(self.ring_size, (2, hd), torch.float32,
                                                  device, keep=r - 1)
+            # One spare entry: a forward also writes the group it leaves unfinished,
+            # invisible until a later forward completes and rewrites it (Compressor.forward);
+            # index keys: room for the bucketed number of entries a selection scores.
             n = capacity // r
-            self.comp_kv[l] = torch.zeros((n, hd), dtype=kv_dtype, device=device)
+            self.comp_kv[l] = torch.zeros((n + 1, hd), dtype=kv_dtype, device=device)
             if cfg.is_index_source(l):
-                # Room for the bucketed number of entries a selection scores (indexer.py).
-                self.index_k[l] = torch.zeros((entry_bucket(n), ihd), dtype=kv_dtype,
-                                              device=device)
+                self.index_k[l] = torch.zeros((max(entry_bucket(n), n + 1), ihd),
+                                              dtype=kv_dtype, device=device)
         # DSpark: each stage's window of target-derived keys, committed positions only.
         self.dspark = [PositionRing(self.ring_size, (hd,), kv_dtype, device, keep=W - 1)
                        for _ in range(cfg.num_nextn_predict_layers if dspark else 0)]
