@@ -15,6 +15,8 @@ import torch
 
 _ON = False
 _NULL = contextlib.nullcontext()
+_STACK: list[str] = []         # open scopes, innermost last ("attention#3")
+_ENTERED: dict[str, int] = {}  # times each scope was entered since enable(True)
 
 # Every scope name the model and runtime use, in report order (the breakdown's categories).
 SCOPES = ("embed", "engram", "mhc", "attention", "moe", "head", "draft", "sampling")
@@ -29,10 +31,6 @@ def enable(on: bool) -> None:
 
 def enabled() -> bool:
     return _ON
-
-
-_STACK: list[str] = []
-_ENTERED: dict[str, int] = {}  # times each scope was entered since enable(True)
 
 
 class _Scope:
