@@ -60,3 +60,44 @@ def test_the_captured_region_is_position_independent(tiny_dir):
         for other in sigs[1:]:
             differing = differing_scopes(sigs[0], other)
             assert not differing.keys() & STATIC, differing
+
+
+def test_a_static_step_rerun_on_its_buffers_gives_the_eager_logits(tiny_dir):
+    """What a CUDA-graph replay does — the same region run again on the first step's buffers,
+    the next step's inputs copied into them — gives the eager forward's logits bit for bit,
+    step after step (plain decode and 6-row windows). The capture itself is GPU-only:
+    tests/gpu/test_cuda_graph_gpu.py."""
+    from strata.runtime.static_step import StaticStep
+    model = Model.load(tiny_dir, "cpu", Numerics("vendor"))
+    for T, mode in ((1, "last"), (6, "all")):
+        s = Session(model, 512)
+        s.prefill(random_tokens(150, seed=3))
+        ref = s.state.clone()
+        step = StaticStep(model, s.state, T, mode)
+        for i in range(5):
+            tokens = random_tokens(T, seed=20 + i)
+            want, _ = model.forward(tokens, ref, logits=mode)
+            ctx = step.prepare(tokens)
+            step.run()
+            step.finish(ctx)
+            assert torch.equal(step.logits, want), (T, i)
+        assert s.state.position == ref.position
+
+
+def test_a_static_step_refuses_what_it_cannot_replay(tiny_dir):
+    import pytest
+
+    from strata.runtime.static_step import StaticStep
+    model = Model.load(tiny_dir, "cpu", Numerics("vendor"))
+    s = Session(model, 64)
+    s.prefill(random_tokens(10, seed=3))
+    step = StaticStep(model, s.state, 1)
+    with pytest.raises(ValueError, match="takes 1 tokens, got 2"):
+        step.prepare(random_tokens(2, seed=4))
+    s.state.begin()
+    with pytest.raises(ValueError, match="does not journal"):
+        step.prepare(random_tokens(1, seed=4))
+    s.state.rollback()
+    quirk = Model.load(tiny_dir, "cpu", Numerics("vendor", vendor_stale_index_k=True))
+    with pytest.raises(ValueError, match="stale-index-key quirk"):
+        StaticStep(quirk, quirk.new_state(64), 1)

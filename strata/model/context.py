@@ -32,6 +32,16 @@ class ForwardContext:
     def T(self) -> int:
         return self.positions.numel()
 
+    def reset_derived(self) -> None:
+        """Forget what a forward derived (RoPE tables, selections, candidate blocks, DSpark
+        taps, published keys) and keep its inputs (positions, Engram ids): the context can
+        then serve another forward whose inputs were copied into it (runtime/static_step)."""
+        self._rope.clear()
+        self.sel.clear()
+        self.candidates = None
+        self.published_keys.clear()
+        self.main_hidden.clear()
+
     def inv_freq(self, ratio: int) -> torch.Tensor:
         return rope_inv_freq(self.cfg, ratio, self.positions.device)
 

@@ -1,0 +1,64 @@
+"""A forward of T tokens whose every input lives in a fixed device buffer: the region a CUDA
+graph captures (embedding → layers → head) and replays at later positions.
+
+Graph replay runs the captured kernels on the captured buffers, so each step's inputs must be
+copied into the buffers the first step used: the token ids, the context's positions and Engram
+row ids. `prepare` does that on the host (validation, Engram hashing, the copies); `run` is the
+region — called directly it is an ordinary eager forward, under `torch.cuda.graph` it is what
+gets captured; `finish` records the tokens in the state. The layers' ops do not depend on the
+position within an entry bucket (strata/graph_check.py), so one capture serves every step of a
+bucket.
+
+Limits today: no rollback journal (the ring writes of a replay are not recorded, so a step run
+this way cannot be rolled back — plain decode only), and the vendor's stale-index-key quirk is
+refused (it needs per-forward bookkeeping that a replay does not run).
+"""
+from __future__ import annotations
+
+import torch
+
+from strata.model.context import ForwardContext
+from strata.runtime.state import State
+
+
+class StaticStep:
+    def __init__(self, model, state: State, T: int, logits: str = "last") -> None:
+        if model.numerics.vendor_stale_index_k:
+            raise ValueError("a static step cannot reproduce the stale-index-key quirk")
+        self.model, self.state, self.T, self.mode = model, state, T, logits
+        self.tokens = torch.zeros(T, dtype=torch.long, device=model.device)
+        self.ctx: ForwardContext | None = None
+        self.logits: torch.Tensor | None = None
+
+    def prepare(self, tokens: torch.Tensor) -> ForwardContext:
+        """This step's inputs into the fixed buffers; returns the step's own context (for
+        `finish`). The first call's context becomes the fixed one."""
+        model, state = self.model, self.state
+        if state.journal is not None:
+            raise ValueError("a static step does not journal its writes: no begin() around it")
+        tokens = model.check_forward(tokens, state, self.mode)
+        if tokens.numel() != self.T:
+            raise ValueError(f"this static step takes {self.T} tokens, got {tokens.numel()}")
+        ctx = model.new_context(tokens, state, model.numerics)
+        self.tokens.copy_(tokens)
+        if self.ctx is None:
+            self.ctx = ctx
+        else:
+            self.ctx.positions.copy_(ctx.positions)
+            for layer, ids in ctx.engram_ids.items():
+                self.ctx.engram_ids[layer].copy_(ids)
+            self.ctx.start = ctx.start  # (host bookkeeping only: no op reads it)
+        return ctx
+
+    def run(self) -> None:
+        """The region: embedding, the layers, the head; logits into self.logits. Everything
+        derived from the inputs is recomputed inside it (so a capture records it)."""
+        model, nx = self.model, self.model.numerics
+        self.ctx.reset_derived()
+        h, pre = model.embed_stream(self.tokens, nx)
+        h, pre = model.run_layers(h, pre, self.ctx, self.state)
+        self.logits = model.logits(h, pre, self.mode, nx)
+
+    def finish(self, ctx: ForwardContext) -> None:
+        """Record the step's tokens in the state (its position advances)."""
+        self.model.end_forward(self.tokens, ctx, self.state)

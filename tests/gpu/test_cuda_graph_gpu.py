@@ -1,0 +1,73 @@
+"""A forward captured in a CUDA graph (strata/runtime/static_step.StaticStep.run under
+torch.cuda.graph) and replayed at the following positions gives the eager forward's logits bit
+for bit — plain decode steps and 6-row windows, on the fp8/fp4 fixture and the EXL3 one — the
+mechanism the graphed decode is built on (issues 7 and 8). The time of a replayed step against
+the same step run eagerly is recorded ($STRATA_GPU_RESULTS), not asserted."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from conftest import record
+from strata.checkpoint.tiny import make_tiny
+from strata.model.model import Model
+from strata.model.numerics import Numerics
+from strata.runtime.session import Session
+from strata.runtime.static_step import StaticStep
+from util import random_tokens
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def exl3_dir(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("exl3"), "tiny", seed=0, fmt="exl3")
+
+
+def _ms(fn, n: int = 20) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t) / n
+
+
+@pytest.mark.parametrize("fixture", ["tiny_dir", "exl3_dir"])
+@pytest.mark.parametrize("T, mode", [(1, "last"), (6, "all")])
+def test_a_captured_step_replays_at_later_positions(cuda, request, fixture, T, mode):
+    model = Model.load(request.getfixturevalue(fixture), cuda, Numerics.for_device(cuda))
+    s = Session(model, 512)
+    s.prefill(random_tokens(150, seed=3))
+    ref = s.state.clone()
+    step = StaticStep(model, s.state, T, mode)
+
+    tokens = random_tokens(T, seed=20)
+    want, _ = model.forward(tokens, ref, logits=mode)
+    ctx = step.prepare(tokens)
+    side = torch.cuda.Stream()  # warm-up off the capture stream: kernels compile, buffers exist
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step.run()
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(step.logits, want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # the same step again: its writes are idempotent
+        step.run()
+    graph.replay()
+    assert torch.equal(step.logits, want)
+    eager_ms, replay_ms = _ms(step.run), _ms(graph.replay)  # (same position: idempotent)
+    step.finish(ctx)
+
+    for i in range(1, 6):
+        tokens = random_tokens(T, seed=20 + i)
+        want, _ = model.forward(tokens, ref, logits=mode)
+        ctx = step.prepare(tokens)
+        graph.replay()
+        assert torch.equal(step.logits, want), f"step {i}"
+        step.finish(ctx)
+    record(test="cuda_graph_step", fixture=fixture, T=T, eager_ms=eager_ms,
+           replay_ms=replay_ms)
+    print(f"{fixture} T={T}: eager {eager_ms:.2f} ms, graph replay {replay_ms:.2f} ms")
