@@ -6,13 +6,13 @@ torch ops mixing a GPU tensor with a wrapped Python scalar (`torch.ldexp(x, e)` 
 cuda:0 current faulted with an illegal memory access). A model on cuda:1 in a process whose
 current device is cuda:0 (a server started with --device cuda:1, a test holding a reference
 model on the second GPU) would run such work on the wrong GPU. So the model's entry points
-(Model.forward, the DSpark head's draft/commit, sampling) run with their device current, and
-every strata.kernels entry point that launches a kernel is wrapped in `on_tensor_device`.
+(Model.forward, Model.prefetch_engram, the DSpark head's draft/commit, sampling) run with their
+device current — once per call, not per op or kernel launch (the hot path pays nothing more);
+code that calls strata.kernels directly on a non-current GPU must do the same.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 
@@ -27,14 +27,3 @@ def made_current(device: torch.device):
         return torch.cuda.device(device)
     return _NULL
 
-
-def on_tensor_device(fn):
-    """Run fn with the current CUDA device set to that of its first tensor argument."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                with made_current(a.device):
-                    return fn(*args, **kwargs)
-        return fn(*args, **kwargs)
-    return wrapper

@@ -74,7 +74,6 @@ from typing import Sequence
 
 import torch
 
-from strata.current_device import on_tensor_device
 from strata.kernels.moe_grouping import ExpertGroups, group_by_expert
 
 try:
@@ -565,7 +564,6 @@ def _contig_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-@on_tensor_device
 def rotate_in(x: torch.Tensor, suh: torch.Tensor) -> torch.Tensor:
     """x [M, k_in] (any float dtype, k_in ≤ k_p) → x' = H128(fp16(x·suh)) [M, k_p] fp16."""
     _require_triton()
@@ -582,7 +580,6 @@ def rotate_in(x: torch.Tensor, suh: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@on_tensor_device
 def rotate_out(part: torch.Tensor, svh: torch.Tensor, bias: torch.Tensor | None = None,
                out_features: int | None = None,
                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -601,7 +598,6 @@ def rotate_out(part: torch.Tensor, svh: torch.Tensor, bias: torch.Tensor | None 
     return out
 
 
-@on_tensor_device
 def reconstruct(trellis: torch.Tensor, codebook: str, n_start: int = 0,
                 n_cols: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Ŵ[:, n_start : n_start + n_cols] fp16 from a trellis [kt, nt, 16·K], bit-identical to
@@ -643,7 +639,6 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return c
 
 
-@on_tensor_device
 def _fused(xr: torch.Tensor, trellis: torch.Tensor, codebook: str, svh=None, bias=None,
            out: torch.Tensor | None = None, sched_cols: int | None = None) -> torch.Tensor:
     """The fused kernel for x' [M, k_p]: split partials [S, M, n_p] (out None), or the finished
@@ -671,7 +666,6 @@ def _fused(xr: torch.Tensor, trellis: torch.Tensor, codebook: str, svh=None, bia
     return out if fuse else part
 
 
-@on_tensor_device
 def _gemm_partials(xr: torch.Tensor, trellis: torch.Tensor, codebook: str,
                    sched_cols: int | None = None) -> torch.Tensor:
     """Reconstruct Ŵ in column slices (≤ GEMM_SLICE_BYTES) and run the fixed-order GEMM; the
@@ -808,7 +802,6 @@ def _stack_sets(weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor
                  strides[2])
 
 
-@on_tensor_device
 def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
                     weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                     codebook: str, out_features: int | None = None,

@@ -53,8 +53,6 @@ from typing import Callable, Iterator
 
 import torch
 
-from strata.current_device import on_tensor_device
-
 try:
     import triton
     import triton.language as tl
@@ -334,7 +332,6 @@ def _ip(op: torch.dtype) -> str:
     return "ieee" if op == torch.float32 else "tf32"  # (tf32 is a no-op for bf16 operands)
 
 
-@on_tensor_device
 def quant_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: str,
                  out_dtype: torch.dtype, config: Config | None = None) -> torch.Tensor:
     """x [M, K] · Wᵀ → [M, N] in out_dtype, W given as stored: fp8 [N, K] + scale
@@ -380,7 +377,6 @@ def quant_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt
     return out
 
 
-@on_tensor_device
 def fp8_act_qdq_kernel(x: torch.Tensor) -> torch.Tensor:
     """The MoE epilogue's fp8 activation qdq on x [R, C] fp32 (C a power of two ≥ 32), for
     tests: must equal quant.qdq.fp8_act_qdq bit for bit."""

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from strata.current_device import on_tensor_device
-
 try:
     import triton
     import triton.language as tl
@@ -130,7 +128,6 @@ def _contig(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-@on_tensor_device
 def hc_coeffs(m: torch.Tensor, ms: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
               H: int, norm_eps: float, hc_eps: float,
               iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -152,7 +149,6 @@ def hc_coeffs(m: torch.Tensor, ms: torch.Tensor, scale: torch.Tensor, base: torc
     return pre, post, comb
 
 
-@on_tensor_device
 def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """Σ_i pre[i]·h[i]: h [T, H, D], pre [T, H] fp32 → [T, D] in h's dtype."""
     T, H, D = h.shape
@@ -166,7 +162,6 @@ def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@on_tensor_device
 def hc_update(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
               comb: torch.Tensor) -> torch.Tensor:
     """post[j]·y + Σ_i comb[i, j]·residual[i]: y [T, D], residual [T, H, D] → [T, H, D] in

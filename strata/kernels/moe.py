@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.current_device import on_tensor_device
 from strata.kernels.moe_grouping import group_by_expert
 
 
@@ -148,7 +147,6 @@ def exl3_moe_forward(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
     return out
 
 
-@on_tensor_device
 def moe_grouped(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w1: StoredExperts,
                 w3: StoredExperts, w2: StoredExperts, limit: float, nx) -> torch.Tensor:
     """Σ_k expert_{idx[t,k]}(x_t)·weight[t,k] → [T, D] fp32; same numerics as

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from strata.current_device import on_tensor_device
-
 try:
     import triton
     import triton.language as tl
@@ -46,7 +44,6 @@ if triton is not None:
                      mask=k < K)
 
 
-@on_tensor_device
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """w ⊙ x·rsqrt(mean(x²)+eps) over the last dim, in x's dtype (any leading shape)."""
     K = x.shape[-1]

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from strata.current_device import on_tensor_device
-
 try:
     import triton
     import triton.language as tl
@@ -45,7 +43,6 @@ if triton is not None:
         tl.store(orow + nh + 2 * p + 1, _round_out(a * s + b * c, dt), mask=pm)
 
 
-@on_tensor_device
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                inverse: bool = False) -> torch.Tensor:
     """As strata.model.rope.apply_rope: x [T, ..., d], cos/sin [T, rd/2] fp32."""

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from strata.current_device import on_tensor_device
-
 try:
     import triton
     import triton.language as tl
@@ -52,7 +50,6 @@ BLOCK_N = 32
 BLOCK_K = 64
 
 
-@on_tensor_device
 def rowwise_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [B, M, K], w [B or 1, N, K] (any strides) → [B, M, N] in x's dtype, batch-invariant."""
     if triton is None:

@@ -59,29 +59,24 @@ def test_modes_equal_one_gpu(tiny, mode, devices, numerics):
         assert s.run(prompt, 24, SamplingParams(), stop_ids=frozenset()).tokens == want
 
 
-def test_kernels_launch_on_their_tensors_gpu():
-    """Triton launches on the current CUDA device: with cuda:0 current, the kernels given
-    cuda:1 tensors (a model on cuda:1, or rank 0 on the second GPU) still run there and give
-    what they give on cuda:0 (strata/current_device.py)."""
-    from strata.bench.kernels import random_linear
-    from strata.kernels import exl3, mhc, norm
-    torch.cuda.set_device(0)
-    g = torch.Generator().manual_seed(5)
-    h = torch.randn(9, 4, 1024, generator=g).to(torch.bfloat16)
-    pre = torch.rand(9, 4, generator=g)
-    w = torch.rand(1024, generator=g) + 0.5
-    trellis, suh, svh = random_linear(1024, 512, 2.5, "cpu", 7)
-    out = {}
+def test_a_model_on_the_second_gpu_computes_there(tiny):
+    """Triton and some torch 2.11 ops launch on the *current* CUDA device: with cuda:0 current,
+    a model on cuda:1 still runs on cuda:1 (its entry points make it current:
+    strata/current_device.py), its decode and DSpark tokens equal a model's on cuda:0, and
+    the caller's current device is left as it was."""
+    prompt = random_tokens(40, seed=3)
+    got = {}
     for dev in ("cuda:1", "cuda:0"):
-        z = norm.rms_norm(mhc.collapse(h.to(dev), pre.to(dev)), w.to(dev), 1e-6)
-        y = exl3.exl3_linear(z, trellis.to(dev), suh.to(dev), svh.to(dev), "mul1")
-        ym = exl3.exl3_moe_linear(z, torch.zeros(9, 1, dtype=torch.long, device=dev),
-                                  [(trellis[None].to(dev), suh[None].to(dev),
-                                    svh[None].to(dev))], "mul1")[0]
-        assert torch.cuda.current_device() == 0
-        out[dev] = [t.cpu() for t in (z, y, ym)]
-    for a, b in zip(out["cuda:1"], out["cuda:0"]):
-        assert torch.equal(a, b)
+        torch.cuda.set_device(0)
+        model = Model.load(tiny, dev, Numerics.for_device(dev))
+        logits, _ = model.forward(prompt, model.new_state(64))
+        plain = Session(model, 256).run(prompt, 16, SamplingParams(), stop_ids=frozenset()).tokens
+        spec = Session(model, 256, speculative=SpecConfig()).run(
+            prompt, 16, SamplingParams(), stop_ids=frozenset()).tokens
+        assert torch.cuda.current_device() == 0 and logits.device == torch.device(dev)
+        got[dev] = (logits.cpu(), plain, spec)
+    assert torch.equal(got["cuda:1"][0], got["cuda:0"][0])
+    assert got["cuda:1"][1:] == got["cuda:0"][1:]
 
 
 def test_killed_rank_stops_rank0(tiny, tmp_path):
