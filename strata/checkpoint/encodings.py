@@ -15,6 +15,8 @@ Stored forms:
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 
@@ -65,18 +67,28 @@ def _as_bytes(t: torch.Tensor, what: str) -> torch.Tensor:
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
-def _lut_lookup(lut: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return lut.to(b.device)[b.to(torch.int64)]
+_LUTS = {"e4m3": E4M3_LUT, "e8m0": E8M0_LUT, "e2m1": E2M1_LUT}
+
+
+@lru_cache(maxsize=None)
+def _lut_on(name: str, device: torch.device) -> torch.Tensor:
+    """One copy of a decode table per device: a per-call upload would be a pageable host copy
+    inside every forward (a stream wait, and refused inside a CUDA graph capture)."""
+    return _LUTS[name].to(device)
+
+
+def _lut_lookup(name: str, b: torch.Tensor) -> torch.Tensor:
+    return _lut_on(name, b.device)[b.to(torch.int64)]
 
 
 def e4m3_to_float(x: torch.Tensor) -> torch.Tensor:
     """Decode e4m3fn (given as float8_e4m3fn or raw uint8/int8 bytes) to float32, exactly; 0x7F/0xFF -> NaN."""
-    return _lut_lookup(E4M3_LUT, _as_bytes(x, "e4m3_to_float"))
+    return _lut_lookup("e4m3", _as_bytes(x, "e4m3_to_float"))
 
 
 def e8m0_to_float(x: torch.Tensor) -> torch.Tensor:
     """Decode ue8m0 scale bytes (uint8 or float8_e8m0fnu) to float32 2^(b-127); byte 255 -> NaN."""
-    return _lut_lookup(E8M0_LUT, _as_bytes(x, "e8m0_to_float"))
+    return _lut_lookup("e8m0", _as_bytes(x, "e8m0_to_float"))
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -110,8 +122,8 @@ def dequant_fp8_block(
 def _unpack_fp4(w: torch.Tensor) -> torch.Tensor:
     """[..., k] packed bytes -> [..., 2k] float32 e2m1 values (low nibble first)."""
     b = _as_bytes(w, "fp4 weight")
-    lo = _lut_lookup(E2M1_LUT, b & 0x0F)
-    hi = _lut_lookup(E2M1_LUT, b >> 4)
+    lo = _lut_lookup("e2m1", b & 0x0F)
+    hi = _lut_lookup("e2m1", b >> 4)
     return torch.stack((lo, hi), dim=-1).flatten(-2)
 
 
@@ -162,7 +174,7 @@ def ceil_log2(r: torch.Tensor) -> torch.Tensor:
 
 def _pow2(e: torch.Tensor) -> torch.Tensor:
     """2^e as float32 for int exponents in [-127, 127], exact (via the e8m0 table)."""
-    return _lut_lookup(E8M0_LUT, (e + 127).to(torch.int64))
+    return _lut_lookup("e8m0", (e + 127).to(torch.int64))
 
 
 def _group_exponent(amax: torch.Tensor, maxval: float) -> torch.Tensor:

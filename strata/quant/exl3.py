@@ -138,11 +138,17 @@ def hadamard128() -> torch.Tensor:
     return (1 - 2 * parity).float() / math.sqrt(128)
 
 
+@lru_cache(maxsize=None)
+def _hadamard128_on(device: torch.device) -> torch.Tensor:
+    """One copy per device (an upload per call would be a host copy inside every forward)."""
+    return hadamard128().to(device)
+
+
 def _rotate(x: torch.Tensor) -> torch.Tensor:
     """Apply H to each contiguous 128-block of the last dim (fp32)."""
     shape = x.shape
     xb = x.reshape(-1, 128).float()
-    return row_matmul(xb, hadamard128().to(x.device)).reshape(shape)  # H is symmetric
+    return row_matmul(xb, _hadamard128_on(x.device)).reshape(shape)  # H is symmetric
 
 
 def codebook_from_marker(marker_name: str | None, value: int | None, where: str) -> str:
