@@ -101,3 +101,28 @@ def test_a_static_step_refuses_what_it_cannot_replay(tiny_dir):
     quirk = Model.load(tiny_dir, "cpu", Numerics("vendor", vendor_stale_index_k=True))
     with pytest.raises(ValueError, match="stale-index-key quirk"):
         StaticStep(quirk, quirk.new_state(64), 1)
+
+
+def test_graph_keys_change_at_entry_bucket_edges_only(tiny_dir):
+    """The graph key of a forward (Model.graph_key) is the entry bucket of every indexer
+    ratio at the forward's end: constant within a bucket, new past its edge."""
+    model = Model.load(tiny_dir, "cpu", Numerics("vendor"))
+    assert model.index_ratios == sorted({model.cfg.ratio(b.layer) for b in model.layers
+                                         if model.cfg.is_index_source(b.layer)})
+    r = min(model.index_ratios)
+    edge = 257 * r - 1  # the first position whose step has 257 entries of ratio r: bucket 512
+    keys = {model.graph_key(p, 1) for p in range(max(model.index_ratios), edge)}
+    assert len(keys) == 1
+    assert model.graph_key(edge, 1) != model.graph_key(edge - 1, 1)
+    assert model.graph_key(100, 6) == model.graph_key(101, 6)
+
+
+def test_graphed_decode_falls_back_to_eager_where_no_graph_can_run(tiny_dir):
+    """On a CPU model (no CUDA graphs) Session(graphs=True) decodes eagerly, the same tokens;
+    the capture and replay themselves are GPU tests (tests/gpu/test_cuda_graph_gpu.py)."""
+    model = Model.load(tiny_dir, "cpu", Numerics("vendor"))
+    prompt = random_tokens(40, seed=5)
+    want = Session(model, 64).run(prompt, 6, mode="plain").tokens
+    s = Session(model, 64, graphs=True)
+    assert s.run(prompt, 6, mode="plain").tokens == want
+    assert (s.graphed.captures, s.graphed.replays) == (0, 0)

@@ -27,7 +27,9 @@ from strata.runtime.session import Session
 from strata.runtime.speculative import SpecConfig, measure_costs
 
 PROMPT = "Write a thread-safe LRU cache in Python."
-MODES = ("plain", "dspark", "oracle")  # and "oracle:X": X committed tokens per window
+# "graphs": plain decoding with each step replayed from a CUDA graph (runtime/graphs.py);
+# "oracle:X": X committed tokens per window
+MODES = ("plain", "graphs", "dspark", "oracle")
 
 
 def oracle_target(mode: str, block: int) -> float | None:
@@ -87,7 +89,8 @@ class ModeResult:
 
 def _run_once(model, prompt: list[int], n: int, mode: str, reference: list[int] | None,
               costs, length: int | None) -> tuple[list[int], float, Session]:
-    spec = None if (mode == "plain" or model.dspark is None) else SpecConfig(length=length)
+    plain = mode in ("plain", "graphs")
+    spec = None if (plain or model.dspark is None) else SpecConfig(length=length)
     override = None
     if mode.startswith("oracle"):
         # Drafts = plain decoding's own continuation: all accepted, or with "oracle:X" the
@@ -109,16 +112,18 @@ def _run_once(model, prompt: list[int], n: int, mode: str, reference: list[int] 
             return out
     cap = len(prompt) + n + model.cfg.dspark_block_size + 2
     s = Session(model, cap, speculative=spec, draft_override=override,
-                costs=costs if mode == "dspark" else None)
+                costs=costs if mode == "dspark" else None, graphs=mode == "graphs")
     gen = s.generate(prompt, n, SamplingParams(), stop_ids=frozenset(),
-                     mode="plain" if mode == "plain" else "dspark")
+                     mode="plain" if plain else "dspark")
     out = [next(gen)]
+    if mode == "graphs":  # the first step captures its graph: steady state is timed after it
+        out.append(next(gen))
     t0 = time.perf_counter()
     out.extend(gen)
     if s.state.device.type == "cuda":
         torch.cuda.synchronize(s.state.device)
     dt = time.perf_counter() - t0
-    return out, (len(out) - 1) / dt, s
+    return out, (len(out) - (2 if mode == "graphs" else 1)) / dt, s
 
 
 def bench_decode(model, prompt: list[int], modes: list[str], n: int = 96, runs: int = 3,
@@ -132,7 +137,7 @@ def bench_decode(model, prompt: list[int], modes: list[str], n: int = 96, runs: 
             raise StrataError(f"unknown mode {m!r}; choose from {', '.join(MODES)}, oracle:X")
         if m.startswith("oracle:"):
             oracle_target(m, model.cfg.dspark_block_size)
-        if m != "plain" and model.dspark is None:
+        if m not in ("plain", "graphs") and model.dspark is None:
             raise StrataError(f"mode {m} needs a model with DSpark stages")
     reference, _, _ = _run_once(model, prompt, n, "plain", None, None, None)
     costs = measure_costs(model, model.cfg.dspark_block_size + 1) \
@@ -193,7 +198,7 @@ def parallel_split(model, prompt: list[int], modes: list[str], n: int = 96,
     comm time includes waiting for the ranks before it."""
     out = {}
     for mode in modes:
-        if mode.startswith("oracle"):
+        if mode.startswith("oracle") or mode == "graphs":
             continue
         spec = None if mode == "plain" else SpecConfig(length=length or model.cfg.dspark_block_size)
         cap = len(prompt) + n + model.cfg.dspark_block_size + 2

@@ -25,7 +25,7 @@ from strata.model.dspark import DSparkHead
 from strata.model.mhc import collapse
 from strata.model.ngram_hash import NgramHashConfig, NgramHasher, token_map_cached
 from strata.model.numerics import Numerics, rms_norm
-from strata.runtime.state import State
+from strata.runtime.state import State, entry_bucket
 from strata.tokenizer import tokenizer_path
 from strata.trace import scope
 
@@ -63,6 +63,9 @@ class Model:
         self.engram_stores = {b.layer: b.engram.table for b in self.layers
                               if b.engram is not None and getattr(b.engram.table, "prefetches",
                                                                   False)}
+        # The ratios of the held indexers: their scored-entry buckets shape a forward's ops.
+        self.index_ratios = sorted({b.attn.indexer.ratio for b in self.layers
+                                    if b.attn.indexer is not None})
         # Model.load(draft_experts="cache"): the ExpertCache holding the draft stages' experts.
         self.draft_expert_cache = None
 
@@ -217,6 +220,11 @@ class Model:
         if own_journal:
             state.commit()
         return out
+
+    def graph_key(self, start: int, T: int) -> tuple[int, ...]:
+        """What, besides T and the logits mode, the ops of a forward of T rows at `start`
+        depend on: the entry bucket each held indexer scores (runtime/graphs.py)."""
+        return tuple(entry_bucket((start + T) // r) for r in self.index_ratios)
 
     def check_forward(self, tokens: torch.Tensor, state: State, logits: str) -> torch.Tensor:
         """The forward's arguments checked (before anything runs); tokens as int64 [T]."""

@@ -13,6 +13,7 @@ import torch
 
 from strata.errors import StrataError
 from strata.model.model import Model
+from strata.runtime.graphs import GraphedForward
 from strata.runtime.sampling import SamplingParams, sample
 from strata.runtime.speculative import DraftOverride, DSparkDecoder, SpecConfig, SpecStats
 from strata.runtime.state import State
@@ -29,7 +30,8 @@ class Session:
     def __init__(self, model: Model, capacity: int, prefill_chunk: int = 512,
                  speculative: SpecConfig | None = None, draft_override: DraftOverride | None = None,
                  costs: tuple[list[float], float] | None = None,
-                 state: State | None = None, decoder_skip: bool = False) -> None:
+                 state: State | None = None, decoder_skip: bool = False,
+                 graphs: bool = False) -> None:
         """`speculative` enables DSpark: the state then also keeps the draft stages' windows
         of every committed row (prefill included), and generate() can run mode 'dspark'.
         `costs` = (seconds per verify window of 1.. rows, seconds per draft) for the adaptive
@@ -38,7 +40,8 @@ class Session:
         `decoder_skip`: prefill long prompts with Model.forward(decoder=False) for the rows far
         from the end (exact; its decoder window rings then hold only the prompt's last
         rows, so a later truncation into the skipped part must not be continued — the
-        server's prefix reuse does not use it yet)."""
+        server's prefix reuse does not use it yet).
+        `graphs`: plain decode steps replay CUDA graphs (runtime/graphs.py; the same tokens)."""
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be ≥ 1")
         if speculative is not None and model.dspark is None:
@@ -51,6 +54,7 @@ class Session:
         self.costs = costs
         self.decoder_skip = decoder_skip
         self.stats: SpecStats | None = None  # of the last dspark generation
+        self.graphed = GraphedForward(model, self.state) if graphs else None
 
     @property
     def position(self) -> int:
@@ -133,7 +137,7 @@ class Session:
                 return
             if mode == "plain":
                 start = self.state.position
-                logits, ctx = self.model.forward(torch.tensor([tok]), self.state, logits="last")
+                logits, ctx = self._decode_forward(torch.tensor([tok]))
                 if self.speculative is not None:  # keep the draft windows complete
                     self.model.dspark.commit_context(self.model.dspark.main_hidden(ctx), start,
                                                      self.state, self.model.numerics)
@@ -146,6 +150,11 @@ class Session:
                 if t in stop_ids or (should_stop and should_stop()):
                     return
             tok = more[-1]
+
+    def _decode_forward(self, tokens: torch.Tensor):
+        if self.graphed is not None:
+            return self.graphed.forward(tokens, "last")
+        return self.model.forward(tokens, self.state, logits="last")
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams,
               scripted: Sequence[int] | None, i: int) -> int:

@@ -53,12 +53,15 @@ def test_a_captured_step_replays_at_later_positions(cuda, request, fixture, T, m
         step.run()
     torch.cuda.current_stream().wait_stream(side)
     assert torch.equal(step.logits, want)
+    # Eager time before the capture: an eager run after it would rebind step.logits to its
+    # own output, away from the buffer the graph writes. (Same position: writes idempotent.)
+    eager_ms = _ms(step.run)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):  # the same step again: its writes are idempotent
         step.run()
     graph.replay()
     assert torch.equal(step.logits, want)
-    eager_ms, replay_ms = _ms(step.run), _ms(graph.replay)  # (same position: idempotent)
+    replay_ms = _ms(graph.replay)
     step.finish(ctx)
 
     for i in range(1, 6):
@@ -71,3 +74,18 @@ def test_a_captured_step_replays_at_later_positions(cuda, request, fixture, T, m
     record(test="cuda_graph_step", fixture=fixture, T=T, eager_ms=eager_ms,
            replay_ms=replay_ms)
     print(f"{fixture} T={T}: eager {eager_ms:.2f} ms, graph replay {replay_ms:.2f} ms")
+
+
+@pytest.mark.parametrize("fixture", ["tiny_dir", "exl3_dir"])
+def test_graphed_decode_gives_the_eager_tokens(cuda, request, fixture):
+    """Session(graphs=True): plain decode replayed from graphs (runtime/graphs.py), across an
+    entry-bucket edge (a new capture there), gives eager decoding's tokens; the graphed
+    steps are replays after one capture per bucket."""
+    model = Model.load(request.getfixturevalue(fixture), cuda, Numerics.for_device(cuda))
+    edge = 257 * min(model.index_ratios) - 1  # a step here needs the second entry bucket
+    prompt = random_tokens(edge - 10, seed=5)
+    want = Session(model, edge + 64).run(prompt, 40, mode="plain").tokens
+    s = Session(model, edge + 64, graphs=True)
+    assert s.run(prompt, 40, mode="plain").tokens == want
+    g = s.graphed
+    assert g.captures == 2 and g.replays == 39 - 2, (g.captures, g.replays)

@@ -68,7 +68,7 @@ def test_rms_norm_near_the_torch_code_and_row_invariant(cuda, monkeypatch):
 def test_rope_equals_the_torch_code(cuda, monkeypatch, dtype):
     from strata.model import rope
     g = torch.Generator().manual_seed(7)
-    inv_freq = 10000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    inv_freq = (10000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)).to(cuda)
     cos, sin = rope.rope_cos_sin(inv_freq, torch.arange(1000, 1037).to(cuda))
     x = torch.randn(37, 64, 512, generator=g).to(cuda, dtype)  # q: 64 heads of 512, rope 64
     for inverse in (False, True):
