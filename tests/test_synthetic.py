@@ -64,14 +64,18 @@ def test_bench_synthetic_cli(tiny_dir, tmp_path, capsys):
     assert main(["bench", "synthetic", "--config", str(tiny_dir), "--layers", "0-3",
                  "--device", "cpu", "--prompt-tokens", "12", "--tokens", "4", "--runs", "1",
                  "--warmup", "0", "--engram-rows", "32", "--breakdown", "2",
-                 "--json", str(out)]) == 0
+                 "--modes", "plain,graphs,oracle", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "4 of 8 layers held" in text and "scaled to all layers" in text
-    assert "decode step breakdown (2 steps on cpu)" in text
+    assert "[plain] decode step breakdown (2 steps on cpu)" in text
+    assert "[graphs] decode step breakdown (2 steps on cpu)" in text  # (eager on a CPU)
     data = json.loads(out.read_text())
-    assert set(data["results"]) == {"plain", "oracle"} and data["meta"]["layers"] == [0, 1, 2, 3]
-    assert {"attention", "moe", "mhc", "head"} <= set(data["breakdown"]["ms"])
-    assert data["breakdown"]["unprofiled_ms"] > 0 and data["breakdown"]["python_top"]
+    assert set(data["results"]) == {"plain", "graphs", "oracle"}
+    assert data["meta"]["layers"] == [0, 1, 2, 3]
+    assert set(data["breakdown"]) == {"plain", "graphs"}
+    assert {"attention", "moe", "mhc", "head"} <= set(data["breakdown"]["plain"]["ms"])
+    assert data["breakdown"]["plain"]["unprofiled_ms"] > 0
+    assert data["breakdown"]["plain"]["python_top"]
     assert main(["bench", "synthetic", "--config", str(tiny_dir), "--layers", "5-99",
                  "--device", "cpu"]) == 2
     assert "layers run 0..7" in capsys.readouterr().err

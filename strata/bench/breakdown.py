@@ -5,7 +5,9 @@ communication (NCCL kernels) and other — then, on CUDA, the launch gaps: wall 
 GPU's busy time (Python, launches and host waits the GPU sat idle for).
 
 On CUDA each kernel's GPU time counts for the nearest enclosing scope of the op that launched
-it (a DSpark stage's attention counts as drafting); on CPU each op's own CPU time does."""
+it (a DSpark stage's attention counts as drafting) — kernels with no launching op (Triton's,
+a CUDA graph's) are "unattributed", and every kernel is listed by name; on CPU each op's own
+CPU time does."""
 from __future__ import annotations
 
 import time
@@ -84,23 +86,38 @@ def step_breakdown(run: Callable[[], None], steps: int, device: torch.device,
     finally:
         trace.enable(was)
     us: dict[str, float] = defaultdict(float)
-    kernels = 0
     for evt in prof.events():
         if evt.device_type != DeviceType.CPU:
             continue
         if cuda:
             for k in evt.kernels:
                 us[_category(evt, k.name)] += k.duration
-                kernels += 1
         elif not evt.name.startswith("strata."):
             us[_category(evt)] += evt.self_cpu_time_total
     out = {"steps": steps, "device": str(device), "wall_ms": 1e3 * wall / n,
-           "ms": {c: us[c] / 1e3 / n for c in CATEGORIES if us.get(c)},
            "host_top": _host_top(prof, n), **extra}
     if cuda:
-        busy = sum(us.values()) / 1e3 / n
+        # Every kernel the GPU ran, linked to a launching op or not: Triton's driver-API
+        # launches and the kernels of a CUDA-graph replay reach no op's `kernels`, so the
+        # busy time and the kernel table come from the device's own events; what no scope
+        # claims is "unattributed".
+        per_kernel: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+        for evt in prof.events():
+            if evt.device_type == DeviceType.CUDA:
+                row = per_kernel[evt.name]
+                row[0] += 1
+                row[1] += evt.time_range.elapsed_us()
+        linked = sum(us.values())
+        busy_us = max(linked, sum(t for _, t in per_kernel.values()))
+        if busy_us > linked:
+            us["unattributed"] = busy_us - linked
+        busy = busy_us / 1e3 / n
         out.update(busy_ms=busy, launch_gaps_ms=max(0.0, out["wall_ms"] - busy),
-                   kernels_per_step=kernels / n)
+                   kernels_per_step=sum(c for c, _ in per_kernel.values()) / n,
+                   kernel_top=[{"name": k, "calls": c / n, "ms": t / 1e3 / n}
+                               for k, (c, t) in sorted(per_kernel.items(),
+                                                       key=lambda kv: -kv[1][1])[:20]])
+    out["ms"] = {c: us[c] / 1e3 / n for c in CATEGORIES + ("unattributed",) if us.get(c)}
     return out
 
 
@@ -123,6 +140,10 @@ def format_breakdown(b: dict) -> str:
         parts.append(("launch gaps", b["launch_gaps_ms"]))
     for name, ms in parts:
         lines.append(f"  {name:<14}{ms:>9.3f} ms  {100 * ms / total:5.1f} %")
+    if b.get("kernel_top"):
+        lines.append("GPU: kernels by time per step (calls per step), largest first:")
+        for r in b["kernel_top"]:
+            lines.append(f"  {r['name'][:60]:<60}{r['ms']:>9.3f} ms {r['calls']:>8.1f}")
     lines.append("host: own CPU time per step (calls per step), largest first:")
     for r in b["host_top"]:
         lines.append(f"  {r['name'][:48]:<48}{r['self_ms']:>9.3f} ms {r['calls']:>8.1f}")

@@ -388,14 +388,14 @@ def prefill_report(rows: list[dict], scale: float) -> str:
     return "\n".join(lines)
 
 
-def decode_breakdown(model, prompt: list[int], steps: int) -> dict:
+def decode_breakdown(model, prompt: list[int], steps: int, graphs: bool = False) -> dict:
     """strata.bench.breakdown over `steps` plain greedy decode steps after the prompt (three
-    steps first, so the profile sees steady state), then as many timed without a profiler and
-    as many under cProfile."""
+    steps first, so the profile sees steady state — and, with `graphs`, the step's graph
+    captured), then as many timed without a profiler and as many under cProfile."""
     from strata.bench.breakdown import step_breakdown
     from strata.runtime.sampling import SamplingParams
     from strata.runtime.session import Session
-    s = Session(model, len(prompt) + 3 * steps + 4)
+    s = Session(model, len(prompt) + 3 * steps + 4, graphs=graphs)
     gen = s.generate(prompt, 3 * steps + 3, SamplingParams(), stop_ids=frozenset(),
                      mode="plain")
     for _ in range(3):
@@ -468,7 +468,10 @@ def run(args) -> int:
             lengths = [parse_length(t) for t in args.prefill.split(",") if t.strip()]
             prefill = bench_prefill(model, lengths, args.prefill_chunk, args.prefill_skip,
                                     args.seed)
-        breakdown = decode_breakdown(model, prompt, args.breakdown) if args.breakdown else None
+        # Eager plain steps, and graphed ones too when mode "graphs" was measured.
+        breakdown = {m: decode_breakdown(model, prompt, args.breakdown, graphs=m == "graphs")
+                     for m in ("plain", "graphs") if m == "plain" or m in modes} \
+            if args.breakdown else None
     finally:
         if args.parallel:
             model.close()  # the other ranks exit
@@ -486,7 +489,8 @@ def run(args) -> int:
         lines.append(prefill_report(prefill, held / cfg.n_layers))
     if breakdown:
         from strata.bench.breakdown import format_breakdown
-        lines.append(format_breakdown(breakdown))
+        for mode, b in breakdown.items():
+            lines.append(f"[{mode}] " + format_breakdown(b))
     scaled = {}
     if held < cfg.n_layers:
         # Time per token scales with the layers held (embed/head/draft counted once: the
