@@ -35,6 +35,23 @@ def test_strided_weight_and_batch_invariance():
     assert torch.equal(full, alone)
 
 
+def test_rows_split_over_tiles_give_the_same_bits():
+    """M ≥ 2 rows share a tile shape whatever M (tensor parallelism halves the heads): a split
+    gives the full call's bits, with rows crossing a 16-row tile; M = 1 rows alone or batched."""
+    from strata.kernels.rowwise import tile_shape
+    assert tile_shape(2) == tile_shape(64) != tile_shape(1)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 20, 40, generator=g)
+    w = torch.randn(2, 24, 40, generator=g)
+    full = rowwise_bmm(x, w)
+    torch.testing.assert_close(full, rowwise_bmm_reference(x, w), rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.cat([rowwise_bmm(x[:, :10], w), rowwise_bmm(x[:, 10:], w)], 1),
+                       full)
+    one = rowwise_bmm(x[:, :1], w)
+    assert torch.equal(torch.cat([rowwise_bmm(x[i:i + 1, :1], w[i:i + 1]) for i in range(2)]),
+                       one)
+
+
 def test_shape_mismatch():
     with pytest.raises(ValueError, match="do not match"):
         rowwise_bmm(torch.zeros(2, 1, 8), torch.zeros(1, 4, 9))

@@ -103,7 +103,8 @@ def step_breakdown(run: Callable[[], None], steps: int, device: torch.device,
         # claims is "unattributed".
         per_kernel: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
         for evt in prof.events():
-            if evt.device_type == DeviceType.CUDA:
+            # (the scopes also appear on the device's timeline as annotation spans: not kernels)
+            if evt.device_type == DeviceType.CUDA and not evt.name.startswith("strata."):
                 row = per_kernel[evt.name]
                 row[0] += 1
                 row[1] += evt.time_range.elapsed_us()

@@ -1,10 +1,10 @@
-"""Batch-invariant batched products: out[b, m, :] = x[b, m, :] · w[b]ᵀ, one row at a time.
+"""Batch-invariant batched products: out[b, m, :] = x[b, m, :] · w[b]ᵀ.
 
 cuBLAS picks its kernel (tiling, split-K) from the whole problem's shape, so the same row can
 round differently in a decode step, a verify window and a prefill chunk. This kernel computes
 every output row with the same fixed-order reduction over K (blocks of BLOCK_K, fp32
-accumulation) whatever B, M or the grid, which makes forwards bit-identical across batch
-shapes on the GPU. It is the exactness path, not the fast one (no tensor cores); the fast
+accumulation) whatever B or the grid — and, for M ≥ 2, whatever M (`tile_shape`) — which
+makes forwards bit-identical across batch shapes on the GPU. It is the exactness path, not the fast one (no tensor cores); the fast
 quantized kernels (issue 5) must keep the same property.
 
 `rowwise_bmm_reference` is the torch definition it is tested against (under TRITON_INTERPRET=1
@@ -28,26 +28,40 @@ def rowwise_bmm_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 if triton is not None:
     @triton.jit
-    def _rowwise_kernel(x_ptr, w_ptr, o_ptr, M, N, K,
+    def _rowwise_kernel(x_ptr, w_ptr, o_ptr, M, N, K, m_blocks,
                         sxb, sxm, sxk, swb, swn, swk, sob, som, son,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        row = tl.program_id(0)  # b·M + m
-        b = row // M
-        m = row % M
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # A tile of BLOCK_M rows × BLOCK_N outputs of one batch element: the w tile is read
+        # once for BLOCK_M rows (attention reads each query's keys once per 16 heads, not
+        # once per head). Every output is the same fixed-order sum over K whatever the tile
+        # holds: products of a BLOCK_K slice summed along k, slices added in order.
+        pid = tl.program_id(0)  # b · m_blocks + m_block
+        b = pid // m_blocks
+        offs_m = (pid % m_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            xk = tl.load(x_ptr + b * sxb + m * sxm + offs_k * sxk, mask=offs_k < K, other=0.0)
+            xk = tl.load(x_ptr + b * sxb + offs_m[:, None] * sxm + offs_k[None, :] * sxk,
+                         mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
             wt = tl.load(w_ptr + b * swb + offs_n[:, None] * swn + offs_k[None, :] * swk,
                          mask=(offs_n[:, None] < N) & (offs_k[None, :] < K), other=0.0)
-            acc += tl.sum(wt.to(tl.float32) * xk.to(tl.float32)[None, :], axis=1)
-        tl.store(o_ptr + b * sob + m * som + offs_n * son, acc.to(o_ptr.dtype.element_ty),
-                 mask=offs_n < N)
+            acc += tl.sum(xk.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :],
+                          axis=2)
+        tl.store(o_ptr + b * sob + offs_m[:, None] * som + offs_n[None, :] * son,
+                 acc.to(o_ptr.dtype.element_ty),
+                 mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
 BLOCK_N = 32
-BLOCK_K = 64
+
+
+def tile_shape(M: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_K) for a call with M rows per batch element. A call site's M is
+    structural (1 for row products, the heads of a layer for attention and the indexer) and
+    every M ≥ 2 gets the same tile, so a row's bits never depend on the batch (decode, verify
+    window, prefill chunk) nor on how tensor parallelism splits the heads."""
+    return (1, 64) if M == 1 else (16, 16)
 
 
 def rowwise_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -62,8 +76,10 @@ def rowwise_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if B * M == 0 or N == 0:
         return out
     swb = 0 if Bw == 1 else w.stride(0)
-    grid = (B * M, triton.cdiv(N, BLOCK_N))
-    _rowwise_kernel[grid](x, w, out, M, N, K, x.stride(0), x.stride(1), x.stride(2),
+    bm, bk = tile_shape(M)
+    m_blocks = triton.cdiv(M, bm)
+    grid = (B * m_blocks, triton.cdiv(N, BLOCK_N))
+    _rowwise_kernel[grid](x, w, out, M, N, K, m_blocks, x.stride(0), x.stride(1), x.stride(2),
                           swb, w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-                          out.stride(2), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+                          out.stride(2), BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=bk)
     return out

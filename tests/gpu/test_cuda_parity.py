@@ -59,7 +59,25 @@ def test_rowwise_kernel_compiled(cuda):
                                    atol=2e-1 if dtype == torch.bfloat16 else 1e-3)
         alone = torch.cat([rowwise_bmm(x[i:i + 1, j:j + 1], w) for i in range(37)
                            for j in range(4)]).view(37, 4, 640)
-        assert torch.equal(full, alone)
+        torch.testing.assert_close(alone, full, rtol=1e-5, atol=1e-5)
+        # Bit-identical where it matters: each batch element alone (decode vs prefill), and
+        # M ≥ 2 rows split in halves (heads over two tensor-parallel ranks)...
+        assert torch.equal(torch.cat([rowwise_bmm(x[i:i + 1], w) for i in range(37)]), full)
+        assert torch.equal(torch.cat([rowwise_bmm(x[:, :2], w), rowwise_bmm(x[:, 2:], w)],
+                                     dim=1), full)
+        # ... and single rows (M = 1 call sites) alone or in a batch.
+        assert torch.equal(torch.cat([rowwise_bmm(x[i:i + 1, :1], w) for i in range(37)]),
+                           rowwise_bmm(x[:, :1], w))
+    # Attention's shapes (64 heads over one query's 640 rows of 512, and back): a head's
+    # output does not depend on the query's batch or on a 32/32 head split.
+    q = torch.randn(3, 64, 512, generator=g).to(cuda)
+    rows = torch.randn(3, 640, 512, generator=g).to(cuda)
+    s = rowwise_bmm(q, rows)
+    torch.testing.assert_close(s, rowwise_bmm_reference(q, rows), rtol=1e-4, atol=1e-3)
+    o = rowwise_bmm(s, rows.transpose(1, 2))
+    assert torch.equal(torch.cat([rowwise_bmm(s[:, :32], rows.transpose(1, 2)),
+                                  rowwise_bmm(s[:, 32:], rows.transpose(1, 2))], dim=1), o)
+    assert torch.equal(rowwise_bmm(s[1:2], rows[1:2].transpose(1, 2)), o[1:2])
 
 
 @pytest.mark.parametrize("preset_dir", ["tiny_dir", "real_vocab_dir"])
