@@ -559,6 +559,7 @@ class ParallelModel:
             State.begin(state)  # this rank's own; the followers open theirs the same way
         try:
             out = self.executor.forward(tokens, state, logits, nx, decoder)
+            self.comm.wait_device()  # (a dead peer raises here, not hangs the caller later)
         except BaseException as e:
             if own:
                 State.rollback(state)

@@ -13,7 +13,10 @@ Failure handling. A collective blocked on a peer that died must not hang the oth
   (`strata/abort`) or losing the store (rank 0, which hosts it, is gone) is a failure;
 - on a failure a follower prints why and exits (status 75); rank 0 aborts the process group so
   the blocked collective returns with an error, and exits itself if it is still blocked after a
-  grace period. Every later call raises ParallelError with the first reason seen.
+  grace period. Every later call raises ParallelError with the first reason seen;
+- an NCCL collective returns before it runs, so rank 0 is not blocked in it but in whatever
+  next waits for the GPU: each forward ends waiting for its GPU work in a loop that watches
+  the heartbeat (Comm.wait_device), which aborts the group and raises.
 The process group's own timeout is set far out: an idle server's followers wait for the next
 command indefinitely, and liveness is the heartbeat's job, not the collectives'.
 """
@@ -233,6 +236,24 @@ class Comm:
             self.broken = self.monitor.failure
         if self.broken is not None:
             raise ParallelError(f"the parallel group is broken: {self.broken}")
+
+    def wait_device(self) -> None:
+        """Wait for this rank's queued GPU work (its collectives with it) while watching the
+        group. NCCL collectives return at once and run on the GPU; a peer that died leaves
+        one waiting forever, and a plain synchronize (sampling reading the logits) would wait
+        with it, out of the heartbeat's reach. Here a failure the heartbeat finds aborts the
+        group (the stuck kernel returns) and raises ParallelError."""
+        if self.device.type != "cuda":
+            return
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        t0 = time.monotonic()
+        while not done.query():
+            if self.monitor.failure is not None or self.broken is not None:
+                self._abort_pg()
+                self.check()
+            # Yield the GIL (the heartbeat thread needs it); past 2 ms, sleep between polls.
+            time.sleep(0 if time.monotonic() - t0 < 2e-3 else 1e-4)
 
     # ---- collectives --------------------------------------------------------------------------
     def _op(self, name: str, nbytes: int, fn, idle: bool = False) -> None:
