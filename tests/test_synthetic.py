@@ -64,15 +64,15 @@ def test_bench_synthetic_cli(tiny_dir, tmp_path, capsys):
     assert main(["bench", "synthetic", "--config", str(tiny_dir), "--layers", "0-3",
                  "--device", "cpu", "--prompt-tokens", "12", "--tokens", "4", "--runs", "1",
                  "--warmup", "0", "--engram-rows", "32", "--breakdown", "2",
-                 "--modes", "plain,graphs,oracle", "--json", str(out)]) == 0
+                 "--modes", "plain,plain+graphs,oracle", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "4 of 8 layers held" in text and "scaled to all layers" in text
     assert "[plain] decode step breakdown (2 steps on cpu)" in text
-    assert "[graphs] decode step breakdown (2 steps on cpu)" in text  # (eager on a CPU)
+    assert "[plain+graphs] decode step breakdown (2 steps on cpu)" in text  # (eager on CPU)
     data = json.loads(out.read_text())
-    assert set(data["results"]) == {"plain", "graphs", "oracle"}
+    assert set(data["results"]) == {"plain", "plain+graphs", "oracle"}
     assert data["meta"]["layers"] == [0, 1, 2, 3]
-    assert set(data["breakdown"]) == {"plain", "graphs"}
+    assert set(data["breakdown"]) == {"plain", "plain+graphs"}
     assert {"attention", "moe", "mhc", "head"} <= set(data["breakdown"]["plain"]["ms"])
     assert data["breakdown"]["plain"]["unprofiled_ms"] > 0
     assert data["breakdown"]["plain"]["python_top"]

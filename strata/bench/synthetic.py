@@ -468,9 +468,10 @@ def run(args) -> int:
             lengths = [parse_length(t) for t in args.prefill.split(",") if t.strip()]
             prefill = bench_prefill(model, lengths, args.prefill_chunk, args.prefill_skip,
                                     args.seed)
-        # Eager plain steps, and graphed ones too when mode "graphs" was measured.
-        breakdown = {m: decode_breakdown(model, prompt, args.breakdown, graphs=m == "graphs")
-                     for m in ("plain", "graphs") if m == "plain" or m in modes} \
+        # Eager plain steps, and graphed ones too when "plain+graphs" was measured.
+        breakdown = {m: decode_breakdown(model, prompt, args.breakdown,
+                                         graphs=m == "plain+graphs")
+                     for m in ("plain", "plain+graphs") if m == "plain" or m in modes} \
             if args.breakdown else None
     finally:
         if args.parallel:

@@ -1,88 +1,150 @@
-"""Decode forwards replayed from CUDA graphs: one capture per (rows, logits, entry buckets).
+"""Forwards replayed from CUDA graphs: one capture per (rows, logits, journal, entry buckets).
 
 A decode step launches a few thousand small kernels; eagerly, the host's Python and launch
 cost is most of the step (bench/results/performance.md). A graph replays the whole region
 (runtime/static_step.StaticStep: embedding → layers → head) in one launch. Its ops depend on
-the number of rows, the logits mode and, through the indexer's scored-entry count, on the
-entry bucket of each indexer ratio at the forward's end (Model.graph_key) — never on the
-position within a bucket (strata/graph_check.py) — so one capture serves every step of a
-bucket, and a step crossing into a new bucket captures once more.
+the number of rows, the logits mode, whether a journal is open (then the ring rows a write
+displaces are saved too) and, through the indexer's scored-entry count, on the entry bucket
+of each indexer ratio at the forward's end (Model.graph_key) — never on the position within
+a bucket (strata/graph_check.py) — so one capture serves every step of a bucket, and a step
+crossing into a new bucket captures once more.
 
-What a graph cannot replay runs eagerly instead (`Model.forward`): a forward inside a
-journal (verify windows: their ring writes must be undoable), a CPU model, and Engram tables
-read from disk (the store's host-side cache runs inside the forward).
+Verify windows run inside a journal (state.begin(): the rejected rows are rolled back). A
+replay saves the displaced rows into the tensors of the writes recorded at capture; after
+it, those writes — shifted to the replay's position — are filed in the live journal. They
+are valid until the same graph replays again, so a graphed forward must be the journal's
+only one (a journal that already holds writes runs eagerly).
 
-All of one model's graphs share one memory pool: they replay one at a time on one stream, so
+What a graph cannot replay runs eagerly instead (`Model.forward`): a CPU model, Engram
+tables read from disk (the store's host-side cache runs inside the forward) and the
+vendor's stale-index-key quirk.
+
+All of a session's graphs share one memory pool: they replay one at a time on one stream, so
 a later capture may reuse what an earlier one freed; what a step returns is copied out of
 the pool before the next replay.
 """
 from __future__ import annotations
+
+import time
+from dataclasses import dataclass
 
 import torch
 
 from strata.current_device import made_current
 from strata.errors import StrataError
 from strata.model.context import ForwardContext
-from strata.runtime.state import State
+from strata.runtime.state import Journal, RingWrite, State
 from strata.runtime.static_step import StaticStep
 
 
+@dataclass
+class Captured:
+    step: StaticStep
+    graph: object              # .replay()
+    start: int                 # the position it was captured at
+    writes: list[RingWrite]    # its journaled writes (empty without a journal)
+
+
+class CudaGraphs:
+    """How a step is captured and replayed: torch's CUDA graphs, all in one memory pool (the
+    one seam a CPU test replaces, tests/test_graphs.py)."""
+
+    def __init__(self) -> None:
+        self.pool = None
+
+    def supports(self, device: torch.device) -> bool:
+        return device.type == "cuda"
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def warm_up(self, run) -> None:
+        """Run once off the capture stream: Triton compiles, lazily built tables are made
+        outside the graph's pool."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+
+    def capture(self, run, state: State) -> torch.cuda.CUDAGraph:
+        """Record run()'s kernels (they do not run: replay() runs them)."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            run()
+        return graph
+
+
 class GraphedForward:
-    def __init__(self, model, state: State) -> None:
+    def __init__(self, model, state: State, backend: CudaGraphs | None = None) -> None:
         if not hasattr(model, "graph_key"):
             raise StrataError("CUDA graphs run a model on one device for now (not a "
                               f"{type(model).__name__})")
         self.model, self.state = model, state
-        self.steps: dict[tuple, tuple[StaticStep, torch.cuda.CUDAGraph]] = {}
-        self.pool = None
+        self.backend = backend or CudaGraphs()
+        self.captured: dict[tuple, Captured] = {}
         self.captures = self.replays = 0  # (counts, for tests and benchmarks)
+        self.capture_s = 0.0  # time spent warming up and capturing (benchmarks subtract it)
 
     def usable(self) -> bool:
-        m = self.model
-        return (m.device.type == "cuda" and not m.engram_stores
-                and not m.numerics.vendor_stale_index_k and self.state.journal is None)
+        m, j = self.model, self.state.journal
+        return (self.backend.supports(m.device) and not m.engram_stores
+                and not m.numerics.vendor_stale_index_k
+                and (j is None or (not j.writes and not j.n_written)))
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, logits: str = "last") -> tuple[torch.Tensor,
                                                                           ForwardContext]:
         """Model.forward(tokens, state, logits), from a graph where one can run: the same
-        logits bit for bit, and the state advanced the same way. Returns (logits, the step's
-        context — its DSpark taps valid until the next call)."""
+        logits bit for bit, the state advanced (and, inside a journal, journaled) the same
+        way. Returns (logits, the step's context — its DSpark taps valid until the next
+        call)."""
         model, state = self.model, self.state
         if not self.usable():
             return model.forward(tokens, state, logits=logits)
         T = tokens.numel()
-        key = (T, logits) + model.graph_key(state.position, T)
+        journaled = state.journal is not None
+        key = (T, logits, journaled) + model.graph_key(state.position, T)
         with made_current(model.device):
-            if key not in self.steps:
-                step, graph, ctx = self._capture(tokens, logits)  # (checks the arguments)
-                self.steps[key] = step, graph
+            c = self.captured.get(key)
+            if c is None:
+                c, ctx = self._capture(tokens, logits)  # (checks the arguments)
+                self.captured[key] = c
             else:
-                step, graph = self.steps[key]
-                ctx = step.prepare(tokens)  # (checks the arguments)
-                graph.replay()
+                ctx = c.step.prepare(tokens)  # (checks the arguments)
+                c.graph.replay()
                 self.replays += 1
-            out = step.logits.clone()
-            step.finish(ctx)
-        return out, step.ctx
+                if journaled:
+                    state.journal.writes.extend(w.shifted(ctx.start - c.start)
+                                                for w in c.writes)
+            out = c.step.logits.clone()
+            c.step.finish(ctx)
+        return out, c.step.ctx
 
-    def _capture(self, tokens: torch.Tensor, logits: str):
-        """Warm up on a side stream (Triton compiles, lazily built tables are made outside
-        the graph's pool), capture, and replay once: the step's results are computed by the
-        replay (a capture records kernels without running them). The warm-up's writes to the
-        state are those of the same step, which the replay makes again."""
-        step = StaticStep(self.model, self.state, tokens.numel(), logits)
+    def _capture(self, tokens: torch.Tensor, logits: str) -> tuple[Captured, ForwardContext]:
+        """Warm up, capture, and replay once: the step's results are computed by the replay
+        (a capture records kernels without running them). The warm-up's writes to the state
+        are those of the same step, which the replay makes again — and the warm-up journals
+        them in the live journal with the rows they displaced; the capture's journaled
+        writes go to a journal of their own, the graph's."""
+        state, backend = self.state, self.backend
+        step = StaticStep(self.model, state, tokens.numel(), logits)
         ctx = step.prepare(tokens)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step.run()
-        torch.cuda.current_stream().wait_stream(side)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            step.run()
+        backend.synchronize()
+        t0 = time.perf_counter()
+        backend.warm_up(step.run)
+        live = state.journal
+        if live is not None:
+            state.journal = Journal(start=live.start)
+        try:
+            graph = backend.capture(step.run, state)
+        finally:
+            writes = state.journal.writes if live is not None else []
+            state.journal = live
+        backend.synchronize()
+        self.capture_s += time.perf_counter() - t0
         graph.replay()
         self.captures += 1
-        return step, graph, ctx
+        return Captured(step, graph, ctx.start, writes), ctx

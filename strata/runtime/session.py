@@ -41,7 +41,8 @@ class Session:
         from the end (exact; its decoder window rings then hold only the prompt's last
         rows, so a later truncation into the skipped part must not be continued — the
         server's prefix reuse does not use it yet).
-        `graphs`: plain decode steps replay CUDA graphs (runtime/graphs.py; the same tokens)."""
+        `graphs`: decode steps and verify windows replay CUDA graphs (runtime/graphs.py; the
+        same tokens)."""
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be ≥ 1")
         if speculative is not None and model.dspark is None:
@@ -137,7 +138,7 @@ class Session:
                 return
             if mode == "plain":
                 start = self.state.position
-                logits, ctx = self._decode_forward(torch.tensor([tok]))
+                logits, ctx = self.forward(torch.tensor([tok]), "last")
                 if self.speculative is not None:  # keep the draft windows complete
                     self.model.dspark.commit_context(self.model.dspark.main_hidden(ctx), start,
                                                      self.state, self.model.numerics)
@@ -151,10 +152,12 @@ class Session:
                     return
             tok = more[-1]
 
-    def _decode_forward(self, tokens: torch.Tensor):
+    def forward(self, tokens: torch.Tensor, logits: str):
+        """A decode-time forward on the session's state (a step, a verify window): replayed
+        from a CUDA graph when the session has them, else Model.forward."""
         if self.graphed is not None:
-            return self.graphed.forward(tokens, "last")
-        return self.model.forward(tokens, self.state, logits="last")
+            return self.graphed.forward(tokens, logits)
+        return self.model.forward(tokens, self.state, logits=logits)
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams,
               scripted: Sequence[int] | None, i: int) -> int:

@@ -138,7 +138,7 @@ class DSparkDecoder:
                 L = len(drafts)
         if L == 0:
             self.stats.plain_steps += 1
-            logits, ctx = model.forward(torch.tensor([anchor]), state, logits="all")
+            logits, ctx = s.forward(torch.tensor([anchor]), "all")
             model.dspark.commit_context(model.dspark.main_hidden(ctx), P, state, nx)
             return [int(sample(logits, torch.tensor([P + 1]), params)[0])]
 
@@ -147,7 +147,7 @@ class DSparkDecoder:
         model.prefetch_engram(window, state)  # the drafts' rows, as soon as they are known
         state.begin()
         try:
-            logits, ctx = model.forward(window, state, logits="all")
+            logits, ctx = s.forward(window, "all")
         except BaseException:
             state.rollback()
             raise

@@ -99,10 +99,19 @@ class RingWrite:
         if self.first < to < kept_from + self.ring.keep and kept_from > self.first:
             raise ValueError(f"cannot roll back to position {to}: this write kept only "
                              f"positions ≥ {kept_from} of the {self.ring.keep} it needs before {to}")
+        # Every slot is rewritten, with its old or its current row: no boolean indexing, so
+        # no wait for the device (the undo mask lives there).
         undo = self.positions >= to
-        s = self.slots[undo]
-        self.ring.rows[s] = self.old_rows[undo]
-        self.ring.tags[s] = self.old_tags[undo]
+        rows, tags = self.ring.rows, self.ring.tags
+        mask = undo.view(-1, *([1] * (self.old_rows.dim() - 1)))
+        rows[self.slots] = torch.where(mask, self.old_rows, rows[self.slots])
+        tags[self.slots] = torch.where(undo, self.old_tags, tags[self.slots])
+
+    def shifted(self, delta: int) -> "RingWrite":
+        """The same write `delta` positions later (its device tensors shared): a CUDA graph's
+        recorded write, replayed at another position (runtime/graphs.py)."""
+        return RingWrite(self.ring, self.first + delta, self.kept_from + delta, self.slots,
+                         self.positions, self.old_rows, self.old_tags)
 
 
 @dataclass

@@ -9,9 +9,10 @@ gets captured; `finish` records the tokens in the state. The layers' ops do not 
 position within an entry bucket (strata/graph_check.py), so one capture serves every step of a
 bucket.
 
-Limits today: no rollback journal (the ring writes of a replay are not recorded, so a step run
-this way cannot be rolled back — plain decode only), and the vendor's stale-index-key quirk is
-refused (it needs per-forward bookkeeping that a replay does not run).
+Inside a journal (state.begin()) the region also saves the ring rows it displaces, as an eager
+forward does; runtime/graphs.py re-files a replay's saved rows in the live journal. The
+vendor's stale-index-key quirk is refused (it needs per-forward bookkeeping that a replay
+does not run).
 """
 from __future__ import annotations
 
@@ -34,8 +35,6 @@ class StaticStep:
         """This step's inputs into the fixed buffers; returns the step's own context (for
         `finish`). The first call's context becomes the fixed one."""
         model, state = self.model, self.state
-        if state.journal is not None:
-            raise ValueError("a static step does not journal its writes: no begin() around it")
         tokens = model.check_forward(tokens, state, self.mode)
         if tokens.numel() != self.T:
             raise ValueError(f"this static step takes {self.T} tokens, got {tokens.numel()}")

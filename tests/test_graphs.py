@@ -1,0 +1,120 @@
+"""runtime/graphs.GraphedForward's bookkeeping — one capture per key, replays at later
+positions, a replay's journaled writes filed (shifted) in the live journal so rejected rows
+roll back — on CPU, through a stand-in for CUDA graphs (there is no CUDA here): `Rerun`
+"captures" by keeping the region and "replays" by running it again, with the replay's
+journaled writes copied into the tensors recorded at capture, which is what a real replay
+does to them. The real capture and replay are GPU tests (tests/gpu/test_cuda_graph_gpu.py)."""
+from __future__ import annotations
+
+import torch
+
+from strata.model.model import Model
+from strata.model.numerics import Numerics
+from strata.runtime.graphs import CudaGraphs, GraphedForward
+from strata.runtime.session import Session
+from strata.runtime.speculative import SpecConfig
+from strata.runtime.state import Journal
+from util import random_tokens
+
+
+class RerunGraph:
+    def __init__(self, run, state, recorded) -> None:
+        self.run, self.state, self.recorded = run, state, recorded
+
+    def replay(self) -> None:
+        live = self.state.journal
+        self.state.journal = None if self.recorded is None else Journal(start=0)
+        try:
+            self.run()
+            if self.recorded is not None:
+                fresh = self.state.journal.writes
+                assert len(fresh) == len(self.recorded)
+                for old, new in zip(self.recorded, fresh):
+                    for name in ("slots", "positions", "old_rows", "old_tags"):
+                        getattr(old, name).copy_(getattr(new, name))
+        finally:
+            self.state.journal = live
+
+
+class Rerun(CudaGraphs):
+    def supports(self, device: torch.device) -> bool:
+        return device.type == "cpu"
+
+    def synchronize(self) -> None:
+        pass
+
+    def warm_up(self, run) -> None:
+        run()
+
+    def capture(self, run, state):
+        # A CUDA capture records without running; running here writes the same step's rows
+        # again and journals them in the graph's own journal, as the capture records them.
+        own = state.journal
+        run()
+        return RerunGraph(run, state, None if own is None else own.writes)
+
+
+def _graphed(model, session) -> GraphedForward:
+    session.graphed = GraphedForward(model, session.state, Rerun())
+    return session.graphed
+
+
+def test_plain_decode_captures_once_per_key_and_replays(tiny_dir):
+    model = Model.load(tiny_dir, "cpu", Numerics("vendor"))
+    prompt = random_tokens(246, seed=5)  # the step at 255 → 256 crosses an entry bucket
+    ref = Session(model, 320)
+    want = ref.run(prompt, 20, mode="plain").tokens
+    s = Session(model, 320)
+    g = _graphed(model, s)
+    assert s.run(prompt, 20, mode="plain").tokens == want
+    assert (g.captures, g.replays) == (2, 19 - 2)
+    live, ref_live = s.state.live_tensors(), ref.state.live_tensors()
+    assert live.keys() == ref_live.keys()
+    assert all(torch.equal(live[k], ref_live[k]) for k in live)
+
+
+def test_verify_windows_replay_and_roll_back_rejected_rows(tiny_dir):
+    """DSpark with fixed-length windows whose drafts are plain decoding's continuation made
+    wrong every third draft: the windows replay from graphs inside journals, the rejected
+    rows roll back through the replayed writes, and tokens and live state equal plain
+    decoding's."""
+    model = Model.load(tiny_dir, "cpu", Numerics("vendor"))
+    prompt = random_tokens(60, seed=6)
+    ref = Session(model, 160)
+    want = ref.run(prompt, 40, mode="plain").tokens
+    block = model.cfg.dspark_block_size
+
+    def override(P, drafts):
+        i = P - len(prompt)
+        out = list(want[i + 1:i + 1 + len(drafts)])
+        if len(out) > 2:
+            out[2] = (out[2] + 1) % model.cfg.vocab_size
+        return out
+
+    spec = SpecConfig(length=block, low_windows=10 ** 9)
+    s = Session(model, 160, speculative=spec, draft_override=override)
+    g = _graphed(model, s)
+    got = s.run(prompt, 40, mode="dspark").tokens
+    assert got == want
+    assert s.stats.windows > 3 and s.stats.accepted < s.stats.drafted  # rejections happened
+    assert g.replays >= s.stats.windows - 2
+    eager = Session(model, 160, speculative=spec, draft_override=override)
+    assert eager.run(prompt, 40, mode="dspark").tokens == want
+    live, ref_live = s.state.live_tensors(), eager.state.live_tensors()
+    assert all(torch.equal(live[k], ref_live[k]) for k in live)
+
+
+def test_a_journal_with_writes_runs_eagerly(tiny_dir):
+    """A replay's journaled writes live in the graph's tensors until it replays again, so a
+    graphed forward must be its journal's only one: a second forward runs eagerly."""
+    model = Model.load(tiny_dir, "cpu", Numerics("vendor"))
+    s = Session(model, 64)
+    s.prefill(random_tokens(20, seed=7))
+    g = _graphed(model, s)
+    s.state.begin()
+    g.forward(random_tokens(2, seed=8), "all")
+    assert g.captures == 1
+    g.forward(random_tokens(2, seed=9), "all")
+    assert (g.captures, g.replays) == (1, 0)
+    s.state.rollback()
+    assert s.state.position == 20
