@@ -180,6 +180,21 @@ def test_wrong_state_and_numerics_are_refused(group, tiny_reference):
     assert logits.shape == (1, 320)
 
 
+def test_graphs_on_a_group(group, tiny_reference):
+    """Session(graphs=True) on a group: tensor parallel takes it (on CPU ranks no graph can
+    run, so every forward goes the eager way: the same tokens; the captures themselves are
+    tests/gpu/test_parallel_gpu.py), the layer split refuses it by name."""
+    prompt = random_tokens(30, seed=9)
+    if group.mode != "tp":
+        with pytest.raises(StrataError, match="need --parallel tp"):
+            Session(group, 64, graphs=True)
+        return
+    want = Session(tiny_reference, 64).run(prompt, 6, GREEDY, stop_ids=frozenset()).tokens
+    s = Session(group, 64, graphs=True)
+    assert s.run(prompt, 6, GREEDY, stop_ids=frozenset()).tokens == want
+    assert (s.graphed.captures, s.graphed.replays) == (0, 0)
+
+
 def test_stats(group):
     group.stats(reset=True)
     st = group.new_state(16)

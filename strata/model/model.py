@@ -221,6 +221,11 @@ class Model:
             state.commit()
         return out
 
+    def graphed(self, state: State):
+        """Forwards on `state` replayed from CUDA graphs (runtime/graphs.py)."""
+        from strata.runtime.graphs import GraphedForward
+        return GraphedForward(self, state)
+
     def graph_key(self, start: int, T: int) -> tuple[int, ...]:
         """What, besides T and the logits mode, the ops of a forward of T rows at `start`
         depend on: the entry bucket each held indexer scores (runtime/graphs.py)."""

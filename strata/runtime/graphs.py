@@ -101,16 +101,23 @@ class GraphedForward:
         logits bit for bit, the state advanced (and, inside a journal, journaled) the same
         way. Returns (logits, the step's context — its DSpark taps valid until the next
         call)."""
-        model, state = self.model, self.state
         if not self.usable():
-            return model.forward(tokens, state, logits=logits)
+            return self.model.forward(tokens, self.state, logits=logits)
+        return self.run(tokens, logits)
+
+    def run(self, tokens: torch.Tensor, logits: str,
+            compute_logits: bool = True) -> tuple[torch.Tensor | None, ForwardContext]:
+        """The graph path (the caller checked `usable`). `compute_logits=False`: a tensor-
+        parallel follower, which has no head — its captures still follow the requested
+        logits mode, so every rank captures (and runs its collectives) at the same forwards."""
+        model, state = self.model, self.state
         T = tokens.numel()
         journaled = state.journal is not None
         key = (T, logits, journaled) + model.graph_key(state.position, T)
         with made_current(model.device):
             c = self.captured.get(key)
             if c is None:
-                c, ctx = self._capture(tokens, logits)  # (checks the arguments)
+                c, ctx = self._capture(tokens, logits if compute_logits else "none")
                 self.captured[key] = c
             else:
                 ctx = c.step.prepare(tokens)  # (checks the arguments)
@@ -119,7 +126,7 @@ class GraphedForward:
                 if journaled:
                     state.journal.writes.extend(w.shifted(ctx.start - c.start)
                                                 for w in c.writes)
-            out = c.step.logits.clone()
+            out = None if c.step.logits is None else c.step.logits.clone()
             c.step.finish(ctx)
         return out, c.step.ctx
 

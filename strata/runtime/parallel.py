@@ -58,6 +58,7 @@ from strata.runtime.parallel_comm import (EXIT_PEER_LOST, Comm, ParallelError, R
                                           backend_for, connect_store)
 from strata.runtime.parallel_layer import LayerExecutor
 from strata.runtime.parallel_tp import TPPlan, apply_tp, check_tp, sharding_reader
+from strata.runtime.graphs import GraphedForward
 from strata.runtime.state import Bookmark, State
 
 MODES = ("layer", "tp")
@@ -268,6 +269,7 @@ class Follower:
         self.m, self.comm, self.executor = model, comm, executor
         self.states: dict[int, State] = {}
         self.bookmarks: dict[int, Bookmark] = {}
+        self.graphed: dict[int, GraphedForward] = {}  # a state's graphs (tensor parallel)
 
     def serve(self) -> None:
         comm, dev = self.comm, self.comm.device
@@ -285,17 +287,27 @@ class Follower:
                         tokens = torch.tensor(hdr[off:off + a], dtype=torch.long, device=dev)
                     else:
                         tokens = comm.broadcast(torch.empty(a, dtype=torch.long, device=dev), 0)
-                    self._forward(sid, tokens, LOGITS[b], _nx_of(c), d, bool(e))
+                    self._forward(sid, tokens, LOGITS[b], _nx_of(c), d, bool(e & 1),
+                                  bool(e & 2))
                 else:
                     self._control(Op(op), sid, a)
 
     def _forward(self, sid: int, tokens: torch.Tensor, logits: str, nx: Numerics,
-                 start: int, decoder: bool) -> None:
+                 start: int, decoder: bool, graphs: bool = False) -> None:
         state = self.states[sid]
         if state.position != start:
             raise RuntimeError(f"state {sid} is at position {state.position} here but rank 0 "
                                f"forwards from {start}: the ranks' states diverged")
         t0 = time.perf_counter()
+        if graphs:  # rank 0's decision (GraphedForward.usable holds here alike)
+            g = self.graphed.get(sid)
+            if g is None:
+                g = self.graphed[sid] = GraphedForward(self.m, state)
+            g.run(tokens, logits, compute_logits=False)
+            st = self.comm.stats
+            st.forwards += 1
+            st.forward_s += time.perf_counter() - t0
+            return
         own = state.journal is None
         if own:
             state.begin()
@@ -313,6 +325,7 @@ class Follower:
             s[sid] = self.m.new_state(a)
         elif op == Op.FREE_STATE:
             s.pop(sid, None)
+            self.graphed.pop(sid, None)
         elif op == Op.CLONE_STATE:
             s[a] = s[sid].clone()
         elif op == Op.BEGIN:
@@ -534,11 +547,21 @@ class ParallelModel:
     decoder_start = Model.decoder_start
     prefill_reach = Model.prefill_reach
 
+    def graphed(self, state: State) -> "GraphedGroup":
+        """Forwards on `state` replayed from CUDA graphs on every rank (tensor parallel)."""
+        if self.mode != "tp":
+            raise StrataError("CUDA graphs over several devices need --parallel tp (the layer "
+                              "split's point-to-point hand-offs are not captured yet)")
+        return GraphedGroup(self, state)
+
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, state: State, logits: str = "all",
-                numerics: Numerics | None = None, decoder: bool = True):
+                numerics: Numerics | None = None, decoder: bool = True,
+                graphed: GraphedForward | None = None):
         """Model.forward over the group: (logits on rank 0, the forward's context);
-        decoder=False as in Model.forward (the decoder-skipping prefill)."""
+        decoder=False as in Model.forward (the decoder-skipping prefill). `graphed` (tensor
+        parallel, rank 0's GraphedForward of `state`): where it can run, every rank replays
+        its graph of the forward (captured together, collectives included)."""
         nx = numerics or self.numerics
         if not decoder and (logits != "none" or self.decoder_start is None):
             raise ValueError("decoder=False needs logits='none' and a model with an "
@@ -551,9 +574,19 @@ class ParallelModel:
         self.comm.check()
         host = tokens.detach().reshape(-1).cpu()
         tokens = self.local.check_forward(tokens, state, logits)
+        graphs = (graphed is not None and decoder and numerics is None
+                  and graphed.usable())
         t0 = time.perf_counter()
         self.driver.send((int(Op.FORWARD), state.sid, tokens.numel(), LOGITS.index(logits),
-                          _nx_code(nx), state.position, int(decoder)), host.tolist())
+                          _nx_code(nx), state.position, int(decoder) | graphs << 1),
+                         host.tolist())
+        if graphs:
+            # No journal of its own: a replay does not fail part-way (a lost peer breaks
+            # the group, whose states are then gone anyway).
+            out = graphed.run(host, logits)
+            self.comm.wait_device()
+            self._count(t0)
+            return out
         own = state.journal is None
         if own:
             State.begin(state)  # this rank's own; the followers open theirs the same way
@@ -568,10 +601,13 @@ class ParallelModel:
             raise
         if own:
             State.commit(state)
+        self._count(t0)
+        return out
+
+    def _count(self, t0: float) -> None:
         st = self.comm.stats
         st.forwards += 1
         st.forward_s += time.perf_counter() - t0
-        return out
 
     # ---- measurement -------------------------------------------------------------------------
     def set_timing(self, on: bool) -> None:
@@ -620,6 +656,21 @@ class ParallelModel:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class GraphedGroup:
+    """A Session's graphs of one state over a tensor-parallel group: rank 0's own
+    GraphedForward, driven through ParallelModel.forward so that every rank captures and
+    replays the same forwards together (each rank its own graph, collectives inside)."""
+
+    def __init__(self, model: ParallelModel, state: State) -> None:
+        self.model, self.local = model, GraphedForward(model.local, state)
+
+    def forward(self, tokens: torch.Tensor, logits: str = "last"):
+        return self.model.forward(tokens, self.local.state, logits, graphed=self.local)
+
+    def __getattr__(self, name: str):  # captures, replays, capture_s: rank 0's counts
+        return getattr(self.local, name)
 
 
 def close_all() -> None:

@@ -13,7 +13,6 @@ import torch
 
 from strata.errors import StrataError
 from strata.model.model import Model
-from strata.runtime.graphs import GraphedForward
 from strata.runtime.sampling import SamplingParams, sample
 from strata.runtime.speculative import DraftOverride, DSparkDecoder, SpecConfig, SpecStats
 from strata.runtime.state import State
@@ -55,7 +54,7 @@ class Session:
         self.costs = costs
         self.decoder_skip = decoder_skip
         self.stats: SpecStats | None = None  # of the last dspark generation
-        self.graphed = GraphedForward(model, self.state) if graphs else None
+        self.graphed = model.graphed(self.state) if graphs else None
 
     @property
     def position(self) -> int:

@@ -89,3 +89,40 @@ def test_graphed_decode_gives_the_eager_tokens(cuda, request, fixture):
     assert s.run(prompt, 40, mode="plain").tokens == want
     g = s.graphed
     assert g.captures == 2 and g.replays == 39 - 2, (g.captures, g.replays)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_dir", "exl3_dir"])
+def test_graphed_verify_windows(cuda, request, fixture):
+    """DSpark verify windows replayed from graphs inside journals: a replayed window rolled
+    back equals the eager one ring for ring, and DSpark with rejected drafts gives plain
+    decoding's tokens."""
+    from strata.runtime.speculative import SpecConfig
+    model = Model.load(request.getfixturevalue(fixture), cuda, Numerics.for_device(cuda))
+    s = Session(model, 128, graphs=True)
+    s.prefill(random_tokens(30, seed=10))
+    ref = s.state.clone()
+    for i, keep in enumerate((6, 2, 4)):
+        window = random_tokens(6, seed=11 + i)
+        for state, forward in ((s.state, lambda w: s.graphed.forward(w, "all")),
+                               (ref, lambda w: model.forward(w, ref, logits="all"))):
+            start = state.position
+            state.begin()
+            forward(window)
+            state.rollback(to=start + keep)
+        full, want = s.state.tensors(), ref.tensors()
+        assert all(torch.equal(full[k], want[k]) for k in want), f"window {i}"
+    assert (s.graphed.captures, s.graphed.replays) == (1, 2)
+
+    prompt = random_tokens(60, seed=6)
+    want = Session(model, 160).run(prompt, 40, mode="plain").tokens
+
+    def override(P, drafts):
+        i = P - len(prompt)
+        out = list(want[i + 1:i + 1 + len(drafts)])
+        if len(out) > 2:
+            out[2] = (out[2] + 1) % model.cfg.vocab_size
+        return out
+    spec = SpecConfig(length=model.cfg.dspark_block_size, low_windows=10 ** 9)
+    g = Session(model, 160, speculative=spec, draft_override=override, graphs=True)
+    assert g.run(prompt, 40, mode="dspark").tokens == want
+    assert g.stats.accepted < g.stats.drafted and g.graphed.replays >= g.stats.windows - 2

@@ -59,6 +59,35 @@ def test_modes_equal_one_gpu(tiny, mode, devices, numerics):
         assert s.run(prompt, 24, SamplingParams(), stop_ids=frozenset()).tokens == want
 
 
+def test_tp_graphs_equal_one_gpu(tiny):
+    """Tensor parallel with CUDA graphs on both ranks (captured together, their all_gathers
+    inside): plain decode across an entry-bucket edge and DSpark verify windows with
+    rejected drafts give one GPU's eager tokens; the steps were replays."""
+    ref = Model.load(tiny, "cuda:0", Numerics.for_device("cuda:0"))
+    edge = 257 * min(ref.index_ratios) - 1
+    prompt = random_tokens(edge - 10, seed=5)
+    want = Session(ref, edge + 64).run(prompt, 30, mode="plain").tokens
+    block = ref.cfg.dspark_block_size
+
+    def override(P, drafts):
+        i = P - len(prompt)
+        out = list(want[i + 1:i + 1 + len(drafts)])
+        if len(out) > 2:
+            out[2] = (out[2] + 1) % ref.cfg.vocab_size
+        return out
+    with launch(ParallelSpec("tp", ("cuda:0", "cuda:1"), str(tiny))) as pm:
+        s = Session(pm, edge + 64, graphs=True)
+        assert s.run(prompt, 30, mode="plain").tokens == want
+        assert (s.graphed.captures, s.graphed.replays) == (2, 29 - 2)
+        spec = SpecConfig(length=block, low_windows=10 ** 9)
+        d = Session(pm, edge + 64, speculative=spec, draft_override=override, graphs=True)
+        assert d.run(prompt, 30, mode="dspark").tokens == want
+        assert d.stats.accepted < d.stats.drafted and d.graphed.replays > 0
+    with launch(ParallelSpec("layer", ("cuda:0", "cuda:1"), str(tiny))) as pm:
+        with pytest.raises(Exception, match="need --parallel tp"):
+            Session(pm, 64, graphs=True)
+
+
 def test_a_model_on_the_second_gpu_computes_there(tiny):
     """Triton and some torch 2.11 ops launch on the *current* CUDA device: with cuda:0 current,
     a model on cuda:1 still runs on cuda:1 (its entry points make it current:
