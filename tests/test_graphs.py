@@ -142,3 +142,26 @@ def test_a_replayed_window_rolls_back_like_an_eager_one(tiny_dir):
         full, want = s.state.tensors(), ref.tensors()
         assert all(torch.equal(full[k], want[k]) for k in want), f"window {i}"
     assert (g.captures, g.replays) == (1, 2)
+
+
+def test_a_replayed_draft_equals_the_eager_one(tiny_dir):
+    """The DSpark draft's stages and head from one capture, replayed at later positions:
+    the same drafts, logits and confidences as DSparkHead.draft."""
+    model = Model.load(tiny_dir, "cpu", Numerics("vendor"))
+    s = Session(model, 96, speculative=SpecConfig())
+    s.prefill(random_tokens(40, seed=12))
+    g = _graphed(model, s)
+    assert g.can_draft()
+    nx = model.numerics
+
+    def pick(lg, pos):
+        return int(lg.argmax())
+    for i, anchor in enumerate((7, 100, 31)):
+        want = model.dspark.draft(model.embed, model.head, anchor, s.state, nx, pick)
+        got = g.draft(anchor, pick)
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logits, want.logits)
+        assert torch.equal(got.confidence, want.confidence)
+        start = s.state.position
+        _, ctx = model.forward(torch.tensor([anchor]), s.state, logits="none")
+        model.dspark.commit_context(model.dspark.main_hidden(ctx), start, s.state, nx)
+    assert (g.captures, g.replays) == (1, 2)

@@ -42,7 +42,9 @@ class DSparkStage(Block):
         _, q = attn.project_q(u, ctx)
         kv = attn.project_kv(u, ctx)  # the block rows' own keys, in stored form
         ring = state.dspark[self.index]
-        P = ctx.start  # the anchor's position: the window is the W positions before it
+        # The anchor's position P (on the device: a graph replays this at any position); the
+        # window is the W positions before it.
+        P = ctx.positions[:1]
         valid = (ring.tags >= 0) & (ring.tags < P) & (ring.tags >= P - cfg.sliding_window)
         rows = torch.cat((ring.rows.float(), kv.float()), dim=0)
         mask = torch.cat((valid, torch.ones(ctx.T, dtype=torch.bool, device=u.device)))
@@ -116,19 +118,30 @@ class DSparkHead:
         dev = embed.device
         tokens = torch.full((g,), cfg.dspark_noise_token_id, dtype=torch.long, device=dev)
         tokens[0] = anchor
-        positions = torch.arange(P, P + g, device=dev)
-        ctx = ForwardContext(cfg, nx, P, positions)
+        ctx = ForwardContext(cfg, nx, P, torch.arange(P, P + g, device=dev))
+        x, base = self.draft_rows(embed, head, tokens, ctx, state)
+        return self.markov(x, base, anchor, P, pick)
+
+    def draft_rows(self, embed: torch.Tensor, head, tokens: torch.Tensor, ctx: ForwardContext,
+                   state: State) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block [anchor, noise…] through the stages: (pre-norm rows x [γ, D] fp32, base
+        logits [γ, V] fp32). Its ops do not depend on the position (runtime/graphs.py
+        replays them)."""
+        cfg, nx, g = self.cfg, ctx.numerics, tokens.numel()
         h = embed[tokens].to(nx.act_dtype)[:, None, :].expand(g, cfg.hc_mult, -1).contiguous()
-        pre = torch.zeros((g, cfg.hc_mult), dtype=torch.float32, device=dev)
+        pre = torch.zeros((g, cfg.hc_mult), dtype=torch.float32, device=tokens.device)
         pre[:, 0] = 1.0
         for stage in self.stages:
             h, pre = stage.forward(h, pre, ctx, state)
         x = collapse(h, pre).float()  # pre-norm rows: the confidence head reads these
-        base = head(rms_norm(x, self.norm, cfg.rms_norm_eps), nx, torch.float32)
+        return x, head(rms_norm(x, self.norm, cfg.rms_norm_eps), nx, torch.float32)
+
+    def markov(self, x: torch.Tensor, base: torch.Tensor, anchor: int, P: int, pick) -> Draft:
+        """The semi-autoregressive picks: each bias depends on the previous pick."""
         embed_m, head_m = self.markov_embed.float(), self.markov_head.float()
         out_tokens, out_logits, conf = [], [], []
         prev = anchor
-        for i in range(g):  # semi-autoregressive: each bias depends on the previous pick
+        for i in range(base.shape[0]):
             m = embed_m[prev]
             logits = base[i] + row_matmul(m[None], head_m)[0]
             c = self.confidence_proj[0] @ torch.cat((x[i], m))
@@ -137,5 +150,5 @@ class DSparkHead:
             out_logits.append(logits)
             conf.append(torch.sigmoid(c))
             prev = tok
-        return Draft(torch.tensor(out_tokens, device=dev), torch.stack(out_logits),
+        return Draft(torch.tensor(out_tokens, device=x.device), torch.stack(out_logits),
                      torch.stack(conf))

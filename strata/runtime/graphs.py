@@ -33,6 +33,7 @@ import torch
 from strata.current_device import made_current
 from strata.errors import StrataError
 from strata.model.context import ForwardContext
+from strata.model.dspark import Draft
 from strata.runtime.state import Journal, RingWrite, State
 from strata.runtime.static_step import StaticStep
 
@@ -77,6 +78,32 @@ class CudaGraphs:
         return graph
 
 
+class DraftRegion:
+    """The DSpark draft's block through the stages and the head on fixed buffers (anchor and
+    positions copied in), the region its graph captures."""
+
+    def __init__(self, model, state: State) -> None:
+        cfg, dev = model.cfg, model.device
+        g = cfg.dspark_block_size
+        self.model, self.state = model, state
+        self.tokens = torch.full((g,), cfg.dspark_noise_token_id, dtype=torch.long, device=dev)
+        self.ctx = ForwardContext(cfg, model.numerics, 0, torch.zeros(g, dtype=torch.long,
+                                                                     device=dev))
+        self.x = self.base = None
+
+    def prepare(self, anchor: int, P: int) -> None:
+        g = self.tokens.numel()
+        self.tokens[0] = anchor  # (a fill with a scalar: no host upload)
+        self.ctx.positions.copy_(torch.arange(P, P + g, device=self.tokens.device))
+        self.ctx.start = P  # (host bookkeeping only: no op reads it)
+
+    def run(self) -> None:
+        m = self.model
+        self.ctx.reset_derived()
+        self.x, self.base = m.dspark.draft_rows(m.embed, m.head, self.tokens, self.ctx,
+                                                self.state)
+
+
 class GraphedForward:
     def __init__(self, model, state: State, backend: CudaGraphs | None = None) -> None:
         if not hasattr(model, "graph_key"):
@@ -87,6 +114,7 @@ class GraphedForward:
         self.captured: dict[tuple, Captured] = {}
         self.captures = self.replays = 0  # (counts, for tests and benchmarks)
         self.capture_s = 0.0  # time spent warming up and capturing (benchmarks subtract it)
+        self._draft: tuple[DraftRegion, object] | None = None
 
     def usable(self) -> bool:
         m, j = self.model, self.state.journal
@@ -129,6 +157,36 @@ class GraphedForward:
             out = None if c.step.logits is None else c.step.logits.clone()
             c.step.finish(ctx)
         return out, c.step.ctx
+
+    def can_draft(self) -> bool:
+        m = self.model
+        return getattr(m, "dspark", None) is not None and self.backend.supports(m.device)
+
+    @torch.no_grad()
+    def draft(self, anchor: int, pick) -> Draft:
+        """DSparkHead.draft with the stages and the head replayed from a graph (one for the
+        session: the block's size is fixed and its ops do not depend on the position); the
+        Markov picks run eagerly after it."""
+        model, state = self.model, self.state
+        P = state.position
+        with made_current(model.device):
+            if self._draft is None:
+                region = DraftRegion(model, state)
+                region.prepare(anchor, P)
+                self.backend.synchronize()
+                t0 = time.perf_counter()
+                self.backend.warm_up(region.run)
+                graph = self.backend.capture(region.run, state)
+                self.backend.synchronize()
+                self.capture_s += time.perf_counter() - t0
+                self.captures += 1
+                self._draft = region, graph
+            else:
+                region, graph = self._draft
+                region.prepare(anchor, P)
+                self.replays += 1
+            graph.replay()
+            return model.dspark.markov(region.x, region.base, anchor, P, pick)
 
     def _capture(self, tokens: torch.Tensor, logits: str) -> tuple[Captured, ForwardContext]:
         """Warm up, capture, and replay once: the step's results are computed by the replay

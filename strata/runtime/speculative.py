@@ -128,8 +128,11 @@ class DSparkDecoder:
         elif budget > 1:
             t0 = time.perf_counter()
             model.prefetch_engram(torch.tensor([anchor]), state)  # read while drafting
-            draft = model.dspark.draft(model.embed, model.head, anchor, state, nx,
-                                       lambda lg, pos: sample(lg, torch.tensor([pos]), params)[0])
+            def pick(lg, pos):
+                return sample(lg, torch.tensor([pos]), params)[0]
+            g = s.graphed
+            draft = (g.draft(anchor, pick) if g is not None and g.can_draft() else
+                     model.dspark.draft(model.embed, model.head, anchor, state, nx, pick))
             self.stats.draft_s += time.perf_counter() - t0
             L = min(self._length(draft.confidence), budget - 1, state.capacity - P - 1)
             drafts = draft.tokens[:L].tolist()

@@ -126,3 +126,26 @@ def test_graphed_verify_windows(cuda, request, fixture):
     g = Session(model, 160, speculative=spec, draft_override=override, graphs=True)
     assert g.run(prompt, 40, mode="dspark").tokens == want
     assert g.stats.accepted < g.stats.drafted and g.graphed.replays >= g.stats.windows - 2
+
+
+@pytest.mark.parametrize("fixture", ["tiny_dir", "exl3_dir"])
+def test_graphed_draft(cuda, request, fixture):
+    """The DSpark draft's stages and head replayed from a graph at later positions give
+    DSparkHead.draft's drafts, logits and confidences bit for bit."""
+    from strata.runtime.speculative import SpecConfig
+    model = Model.load(request.getfixturevalue(fixture), cuda, Numerics.for_device(cuda))
+    s = Session(model, 96, speculative=SpecConfig(), graphs=True)
+    s.prefill(random_tokens(40, seed=12))
+    nx = model.numerics
+
+    def pick(lg, pos):
+        return int(lg.argmax())
+    for anchor in (7, 100, 31):
+        want = model.dspark.draft(model.embed, model.head, anchor, s.state, nx, pick)
+        got = s.graphed.draft(anchor, pick)
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logits, want.logits)
+        assert torch.equal(got.confidence, want.confidence)
+        start = s.state.position
+        _, ctx = model.forward(torch.tensor([anchor]), s.state, logits="none")
+        model.dspark.commit_context(model.dspark.main_hidden(ctx), start, s.state, nx)
+    assert (s.graphed.captures, s.graphed.replays) == (1, 2)
