@@ -55,3 +55,19 @@ def test_rows_split_over_tiles_give_the_same_bits():
 def test_shape_mismatch():
     with pytest.raises(ValueError, match="do not match"):
         rowwise_bmm(torch.zeros(2, 1, 8), torch.zeros(1, 4, 9))
+
+
+@pytest.mark.parametrize("M", [1, 3])
+def test_long_reductions_split_over_k_chunks(M):
+    """K past the chunk size runs as chunks in parallel, added in chunk order (the partition
+    depends on K alone): the reference's values, each batch element's bits alone or batched.
+    (The chunk is lowered to 64 here to keep the interpreter's shapes small.)"""
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(3, M, 200, generator=g)
+    w = torch.randn(1, 24, 200, generator=g)
+    full = rowwise_bmm(x, w, k_chunk=64)
+    torch.testing.assert_close(full, rowwise_bmm_reference(x, w), rtol=1e-5, atol=1e-4)
+    assert torch.equal(torch.cat([rowwise_bmm(x[i:i + 1], w, k_chunk=64) for i in range(3)]),
+                       full)
+    one = rowwise_bmm(x, w, k_chunk=256)  # a single chunk: the unsplit kernel
+    torch.testing.assert_close(one, full, rtol=1e-5, atol=1e-4)

@@ -28,32 +28,49 @@ def rowwise_bmm_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 if triton is not None:
     @triton.jit
-    def _rowwise_kernel(x_ptr, w_ptr, o_ptr, M, N, K, m_blocks,
-                        sxb, sxm, sxk, swb, swn, swk, sob, som, son,
+    def _rowwise_kernel(x_ptr, w_ptr, o_ptr, M, N, K, m_blocks, k_chunk,
+                        sxb, sxm, sxk, swb, swn, swk, soc, sob, som, son,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # A tile of BLOCK_M rows × BLOCK_N outputs of one batch element: the w tile is read
-        # once for BLOCK_M rows (attention reads each query's keys once per 16 heads, not
-        # once per head). Every output is the same fixed-order sum over K whatever the tile
-        # holds: products of a BLOCK_K slice summed along k, slices added in order.
+        # A tile of BLOCK_M rows × BLOCK_N outputs of one batch element over one K chunk: the
+        # w tile is read once for BLOCK_M rows (attention reads each query's keys once per 16
+        # heads, not once per head). Every output is the same fixed-order sum over its chunk
+        # whatever the tile holds: products of a BLOCK_K slice summed along k, slices added
+        # in order.
         pid = tl.program_id(0)  # b · m_blocks + m_block
         b = pid // m_blocks
         offs_m = (pid % m_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        chunk = tl.program_id(2)
+        k_start = chunk * k_chunk
+        k_end = tl.minimum(k_start + k_chunk, K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_start, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             xk = tl.load(x_ptr + b * sxb + offs_m[:, None] * sxm + offs_k[None, :] * sxk,
-                         mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+                         mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_end), other=0.0)
             wt = tl.load(w_ptr + b * swb + offs_n[:, None] * swn + offs_k[None, :] * swk,
-                         mask=(offs_n[:, None] < N) & (offs_k[None, :] < K), other=0.0)
+                         mask=(offs_n[:, None] < N) & (offs_k[None, :] < k_end), other=0.0)
             acc += tl.sum(xk.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :],
                           axis=2)
-        tl.store(o_ptr + b * sob + offs_m[:, None] * som + offs_n[None, :] * son,
+        tl.store(o_ptr + chunk * soc + b * sob + offs_m[:, None] * som + offs_n[None, :] * son,
                  acc.to(o_ptr.dtype.element_ty),
                  mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
+    @triton.jit
+    def _chunk_sum_kernel(p_ptr, o_ptr, n, chunks, BLOCK: tl.constexpr):
+        # The chunks' partial sums added in chunk order, element by element.
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for c in range(0, chunks):
+            acc += tl.load(p_ptr + c * n + offs, mask=offs < n, other=0.0)
+        tl.store(o_ptr + offs, acc.to(o_ptr.dtype.element_ty), mask=offs < n)
+
 
 BLOCK_N = 32
+# Long reductions (mHC's 4·D inputs, Engram's row sums) split K into chunks of this many,
+# computed in parallel and added in chunk order: the partition depends on K alone, so a row's
+# bits still do not depend on the batch. One chunk up to K_CHUNK (attention, the indexer).
+K_CHUNK = 1024
 
 
 def tile_shape(M: int) -> tuple[int, int]:
@@ -64,8 +81,9 @@ def tile_shape(M: int) -> tuple[int, int]:
     return (1, 64) if M == 1 else (16, 16)
 
 
-def rowwise_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [B, M, K], w [B or 1, N, K] (any strides) → [B, M, N] in x's dtype, batch-invariant."""
+def rowwise_bmm(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK) -> torch.Tensor:
+    """x [B, M, K], w [B or 1, N, K] (any strides) → [B, M, N] in x's dtype, batch-invariant.
+    (`k_chunk`: a multiple of 64; tests lower it to split small shapes.)"""
     if triton is None:
         raise RuntimeError("rowwise_bmm needs triton")
     B, M, K = x.shape
@@ -78,8 +96,16 @@ def rowwise_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     swb = 0 if Bw == 1 else w.stride(0)
     bm, bk = tile_shape(M)
     m_blocks = triton.cdiv(M, bm)
-    grid = (B * m_blocks, triton.cdiv(N, BLOCK_N))
-    _rowwise_kernel[grid](x, w, out, M, N, K, m_blocks, x.stride(0), x.stride(1), x.stride(2),
-                          swb, w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-                          out.stride(2), BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=bk)
+    chunks = triton.cdiv(K, k_chunk) if K > k_chunk else 1
+    dest = out if chunks == 1 else torch.empty((chunks, B, M, N), dtype=torch.float32,
+                                               device=x.device)
+    ds = dest.stride()[-3:]
+    grid = (B * m_blocks, triton.cdiv(N, BLOCK_N), chunks)
+    _rowwise_kernel[grid](x, w, dest, M, N, K, m_blocks, k_chunk if chunks > 1 else K,
+                          x.stride(0), x.stride(1), x.stride(2), swb, w.stride(1), w.stride(2),
+                          dest.stride(0) if chunks > 1 else 0, *ds,
+                          BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=bk)
+    if chunks > 1:
+        n = B * M * N
+        _chunk_sum_kernel[(triton.cdiv(n, 1024),)](dest, out, n, chunks, BLOCK=1024)
     return out

@@ -292,10 +292,18 @@ class ExpertParallelMoE:
         T, k = idx.shape
         shared = moe.shared is not None
         ys = torch.zeros((T, k + shared, u.shape[1]), dtype=torch.float32, device=u.device)
+        # Every (token, slot) pair as its own row, with static shapes (no host read of which
+        # pairs are ours: a decode step stays free of host waits and capturable in a graph).
+        # Other ranks' pairs borrow one of our selected experts (no extra weights read);
+        # their rows are computed and then ignored — the gather below takes every slot from
+        # its owner.
         lo, hi = self.mine.start, self.mine.stop
-        t, s = ((idx >= lo) & (idx < hi)).nonzero(as_tuple=True)
-        if t.numel():
-            ys[t, s] = self.local.forward(u[t], (idx[t, s] - lo)[:, None], w[t, s][:, None], nx)
+        ours = (idx >= lo) & (idx < hi)
+        local = idx - lo
+        borrow = local.masked_fill(~ours, hi - lo).min().clamp(max=hi - lo - 1)
+        local = torch.where(ours, local, borrow)
+        ys[:, :k] = self.local.forward(u.repeat_interleave(k, dim=0), local.reshape(-1, 1),
+                                       w.reshape(-1, 1), nx).view(T, k, -1)
         if shared and self.rank == self.shared_owner:
             ys[:, k] = moe.shared.forward(u, nx)
         every = self.comm.all_gather(ys)  # [W, T, k(+1), D]
