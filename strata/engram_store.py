@@ -293,10 +293,15 @@ class EngramStore:
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 rows [..., d] for ids [...], on the store's device, dequantised exactly like
         `dequant_engram_rows` on the stored bytes."""
-        raw = self.records(ids)
-        rows = torch.from_numpy(raw).to(self.device)  # one host→device copy
-        out = dequant_engram_rows(rows[:, :self.dim], rows[:, self.dim:])
-        return out.view(*ids.shape, self.dim)
+        raw = torch.from_numpy(self.records(ids)).to(self.device)  # one host→device copy
+        return self.from_records(raw, ids.shape)
+
+    def from_records(self, raw: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """fp32 rows [*shape, d] from records already on the device (uint8 [n, row_bytes], as
+        `records` returns them): the part of `lookup` a CUDA graph replays when the records
+        were read before it (runtime/static_step.py)."""
+        out = dequant_engram_rows(raw[:, :self.dim], raw[:, self.dim:])
+        return out.view(*shape, self.dim)
 
     def records(self, ids: torch.Tensor) -> np.ndarray:
         """The raw records (d e4m3 bytes, then d/32 ue8m0 bytes) of the flattened ids, uint8

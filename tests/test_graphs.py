@@ -165,3 +165,22 @@ def test_a_replayed_draft_equals_the_eager_one(tiny_dir):
         _, ctx = model.forward(torch.tensor([anchor]), s.state, logits="none")
         model.dspark.commit_context(model.dspark.main_hidden(ctx), start, s.state, nx)
     assert (g.captures, g.replays) == (1, 2)
+
+
+def test_disk_engram_is_read_before_the_replay(tiny_dir):
+    """Engram tables on disk: a graphed step reads its records on the host before the
+    replay (the store's cache cannot run inside a graph) into a fixed buffer the graph
+    dequantises — the tokens of the in-memory model, the rows counted as read."""
+    mem = Model.load(tiny_dir, "cpu", Numerics("vendor"))
+    disk = Model.load(tiny_dir, "cpu", Numerics("vendor"), engram="disk",
+                      engram_cache_bytes=1 << 16)
+    assert disk.engram_stores
+    prompt = random_tokens(30, seed=13)
+    want = Session(mem, 64).run(prompt, 8, mode="plain").tokens
+    s = Session(disk, 64)
+    g = _graphed(disk, s)
+    assert s.run(prompt, 8, mode="plain").tokens == want
+    assert (g.captures, g.replays) == (1, 6)
+    assert all(st.stats().lookups >= 7 for st in disk.engram_stores.values())
+    for store in disk.engram_stores.values():
+        store.close()

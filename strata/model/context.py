@@ -21,6 +21,8 @@ class ForwardContext:
     start: int                      # absolute position of the first new token
     positions: torch.Tensor         # [T] absolute positions
     engram_ids: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [T, n_ids]
+    # layer -> a disk table's raw records of engram_ids, read before the forward (graphs only)
+    engram_records: dict[int, torch.Tensor] = field(default_factory=dict)
     # index-source layer -> [T, topk] selected compressed entries (ascending, -1 = empty)
     sel: dict[int, torch.Tensor] = field(default_factory=dict)
     candidates: torch.Tensor | None = None   # [T, n_entries] bool, from the candidate source
@@ -34,8 +36,9 @@ class ForwardContext:
 
     def reset_derived(self) -> None:
         """Forget what a forward derived (RoPE tables, selections, candidate blocks, DSpark
-        taps, published keys) and keep its inputs (positions, Engram ids): the context can
-        then serve another forward whose inputs were copied into it (runtime/static_step)."""
+        taps, published keys) and keep its inputs (positions, Engram ids and records): the
+        context can then serve another forward whose inputs were copied into it
+        (runtime/static_step)."""
         self._rope.clear()
         self.sel.clear()
         self.candidates = None

@@ -49,11 +49,15 @@ class Engram:
         k_w = w.float_tensor(f"{prefix}.k_weight", (H, D))
         self.qk_weight = q_w * k_w  # only their product is used
 
-    def forward(self, h: torch.Tensor, ids: torch.Tensor, nx: Numerics) -> torch.Tensor:
-        """h [T, H, D] → h + gate·value; ids [T, n_ids]."""
+    def forward(self, h: torch.Tensor, ids: torch.Tensor, nx: Numerics,
+                records: torch.Tensor | None = None) -> torch.Tensor:
+        """h [T, H, D] → h + gate·value; ids [T, n_ids]. `records`: a disk table's raw
+        records of ids, already read onto the device (a graphed step reads them before the
+        graph runs); otherwise the table looks the rows up itself."""
         cfg = self.cfg
         T, H, D = h.shape
-        mem = self.table.lookup(ids).flatten(1)  # [T, n_ids·hd] fp32
+        mem = (self.table.lookup(ids) if records is None
+               else self.table.from_records(records, ids.shape)).flatten(1)  # [T, n_ids·hd]
         kv = self.wkv(mem, nx, torch.float32)
         key, value = kv[:, :H * D].view(T, H, D), kv[:, H * D:]
         hf = h.float()

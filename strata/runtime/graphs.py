@@ -15,8 +15,10 @@ it, those writes — shifted to the replay's position — are filed in the live 
 are valid until the same graph replays again, so a graphed forward must be the journal's
 only one (a journal that already holds writes runs eagerly).
 
-What a graph cannot replay runs eagerly instead (`Model.forward`): a CPU model, Engram
-tables read from disk (the store's host-side cache runs inside the forward) and the
+Engram tables on disk: a step's records are read on the host before the replay
+(StaticStep.prepare) into a fixed device buffer, which the graph dequantises.
+
+What a graph cannot replay runs eagerly instead (`Model.forward`): a CPU model and the
 vendor's stale-index-key quirk.
 
 All of a session's graphs share one memory pool: they replay one at a time on one stream, so
@@ -118,8 +120,7 @@ class GraphedForward:
 
     def usable(self) -> bool:
         m, j = self.model, self.state.journal
-        return (self.backend.supports(m.device) and not m.engram_stores
-                and not m.numerics.vendor_stale_index_k
+        return (self.backend.supports(m.device) and not m.numerics.vendor_stale_index_k
                 and (j is None or (not j.writes and not j.n_written)))
 
     @torch.no_grad()

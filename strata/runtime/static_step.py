@@ -39,6 +39,14 @@ class StaticStep:
         if tokens.numel() != self.T:
             raise ValueError(f"this static step takes {self.T} tokens, got {tokens.numel()}")
         ctx = model.new_context(tokens, state, model.numerics)
+        # Disk tables: the step's records are read here, on the host (the store's cache and
+        # reads cannot run inside a graph), into a fixed device buffer the region dequantises.
+        for layer, store in model.engram_stores.items():
+            raw = torch.from_numpy(store.records(ctx.engram_ids[layer]))
+            if self.ctx is None:
+                ctx.engram_records[layer] = raw.to(model.device)
+            else:
+                self.ctx.engram_records[layer].copy_(raw)
         self.tokens.copy_(tokens)
         if self.ctx is None:
             self.ctx = ctx
