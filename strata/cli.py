@@ -134,6 +134,12 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
+def _add_graphs_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--graphs", action="store_true",
+                   help="replay decode steps, DSpark verify windows and drafts from CUDA graphs "
+                        "(CUDA, one device or --parallel tp; the same tokens; a no-op on CPU)")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint folder (default: the embedded tiny fixture)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
@@ -184,7 +190,8 @@ def cmd_generate(args) -> int:
     cap = args.capacity or len(prompt) + args.max_tokens
     # One prompt, the state not reused afterwards: the exact decoder-skipping prefill applies
     # (single device; the multi-device forward has no skip yet).
-    session = Session(model, cap, decoder_skip=not getattr(args, "parallel", None))
+    session = Session(model, cap, decoder_skip=not getattr(args, "parallel", None),
+                      graphs=args.graphs)
     t0 = time.perf_counter()
     result = session.run(prompt, args.max_tokens, params)
     dt = time.perf_counter() - t0
@@ -474,6 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_graphs_arg(g)
     g.set_defaults(fn=cmd_generate)
 
     s = sub.add_parser("score", help="save per-position logits for a token sequence")
@@ -575,6 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="memory for retained conversation states (default 2048)")
     sv.add_argument("--max-body-mb", type=int, default=16, help="request size limit")
     sv.add_argument("--speculative", action="store_true", help="decode with DSpark")
+    _add_graphs_arg(sv)
     sv.add_argument("--drain-timeout", type=int, default=300,
                     help="seconds to wait for requests in flight on shutdown")
     sv.add_argument("--log-level", default="info")

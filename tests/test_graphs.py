@@ -184,3 +184,20 @@ def test_disk_engram_is_read_before_the_replay(tiny_dir):
     assert all(st.stats().lookups >= 7 for st in disk.engram_stores.values())
     for store in disk.engram_stores.values():
         store.close()
+
+
+def test_graphs_stay_with_their_state(tiny_dir):
+    """A state keeps its graphs (a retained conversation reuses its captures in the next
+    request); a clone — other buffers — starts without; the engine and the CLI take
+    --graphs (on CPU every forward runs eagerly: the same tokens)."""
+    from strata.cli import main
+    from strata.runtime.engine import Engine
+    model = Model.load(tiny_dir, "cpu", Numerics("vendor"))
+    st = model.new_state(32)
+    g = model.graphed(st)
+    assert model.graphed(st) is g and st.graphs is g
+    assert st.clone().graphs is None
+    assert Session(model, 32, state=st, graphs=True).graphed is g
+    assert Engine(model, 64, graphs=True).graphs
+    assert main(["generate", "--model", str(tiny_dir), "--tokens", "5 6 7", "--max-tokens",
+                 "3", "--graphs", "--quiet"]) == 0

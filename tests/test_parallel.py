@@ -186,8 +186,11 @@ def test_graphs_on_a_group(group, tiny_reference):
     tests/gpu/test_parallel_gpu.py), the layer split refuses it by name."""
     prompt = random_tokens(30, seed=9)
     if group.mode != "tp":
+        from strata.runtime.engine import Engine
         with pytest.raises(StrataError, match="need --parallel tp"):
             Session(group, 64, graphs=True)
+        with pytest.raises(StrataError, match="need --parallel tp"):
+            Engine(group, 64, graphs=True)
         return
     want = Session(tiny_reference, 64).run(prompt, 6, GREEDY, stop_ids=frozenset()).tokens
     s = Session(group, 64, graphs=True)

@@ -222,9 +222,12 @@ class Model:
         return out
 
     def graphed(self, state: State):
-        """Forwards on `state` replayed from CUDA graphs (runtime/graphs.py)."""
+        """Forwards on `state` replayed from CUDA graphs (runtime/graphs.py), kept on the
+        state: a retained conversation state reuses its captures in the next request."""
         from strata.runtime.graphs import GraphedForward
-        return GraphedForward(self, state)
+        if state.graphs is None or state.graphs.model is not self:
+            state.graphs = GraphedForward(self, state)
+        return state.graphs
 
     def graph_key(self, start: int, T: int) -> tuple[int, ...]:
         """What, besides T and the logits mode, the ops of a forward of T rows at `start`

@@ -40,6 +40,13 @@ from strata.runtime.state import Journal, RingWrite, State
 from strata.runtime.static_step import StaticStep
 
 
+def check_graphable(model) -> None:
+    """Refuse, by name, a model whose forwards cannot be graphed (before any request)."""
+    if getattr(model, "mode", None) == "layer":
+        raise StrataError("CUDA graphs over several devices need --parallel tp (the layer "
+                          "split's point-to-point hand-offs are not captured yet)")
+
+
 @dataclass
 class Captured:
     step: StaticStep

@@ -58,7 +58,7 @@ from strata.runtime.parallel_comm import (EXIT_PEER_LOST, Comm, ParallelError, R
                                           backend_for, connect_store)
 from strata.runtime.parallel_layer import LayerExecutor
 from strata.runtime.parallel_tp import TPPlan, apply_tp, check_tp, sharding_reader
-from strata.runtime.graphs import GraphedForward
+from strata.runtime.graphs import GraphedForward, check_graphable
 from strata.runtime.state import Bookmark, State
 
 MODES = ("layer", "tp")
@@ -548,11 +548,12 @@ class ParallelModel:
     prefill_reach = Model.prefill_reach
 
     def graphed(self, state: State) -> "GraphedGroup":
-        """Forwards on `state` replayed from CUDA graphs on every rank (tensor parallel)."""
-        if self.mode != "tp":
-            raise StrataError("CUDA graphs over several devices need --parallel tp (the layer "
-                              "split's point-to-point hand-offs are not captured yet)")
-        return GraphedGroup(self, state)
+        """Forwards on `state` replayed from CUDA graphs on every rank (tensor parallel),
+        kept on the state like Model.graphed's."""
+        check_graphable(self)
+        if state.graphs is None or state.graphs.model is not self:
+            state.graphs = GraphedGroup(self, state)
+        return state.graphs
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, state: State, logits: str = "all",

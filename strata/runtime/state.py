@@ -197,6 +197,9 @@ class State:
         # vendor_stale_index_k: last kv-source layer that published keys in the last forward
         self.stale_index_source: int | None = None
         self.journal: Journal | None = None
+        # The CUDA graphs of forwards on these buffers (runtime/graphs.py: Model.graphed makes
+        # them on first use; they stay valid as long as the buffers do, across requests).
+        self.graphs = None
 
     # ---- forward bookkeeping ------------------------------------------------------------
     def check_room(self, n_new: int) -> None:
@@ -334,4 +337,5 @@ class State:
         other.index_k = {l: t.clone() for l, t in self.index_k.items()}
         other.tokens = self.tokens.clone()
         other.journal = None
+        other.graphs = None  # (they replay on this state's buffers, not the copy's)
         return other

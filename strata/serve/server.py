@@ -56,7 +56,8 @@ def serve(model: Model, model_dir: Path, args) -> int:
         raise StrataError("--capacity must be ≥ 2 tokens")
     engine = Engine(model, capacity, max_queue=args.max_queue,
                     prefix_cache_bytes=args.prefix_cache_mb << 20,
-                    speculative=SpecConfig() if args.speculative else None)
+                    speculative=SpecConfig() if args.speculative else None,
+                    graphs=args.graphs)
     rules = load_rules(args.script) if args.script else None
     config = ServeConfig(api_key=key, max_body_bytes=args.max_body_mb << 20)
     app = create_app(engine, model_dir, config, rules)
