@@ -117,7 +117,11 @@ def step_breakdown(run: Callable[[], None], steps: int, device: torch.device,
                    kernels_per_step=sum(c for c, _ in per_kernel.values()) / n,
                    kernel_top=[{"name": k, "calls": c / n, "ms": t / 1e3 / n}
                                for k, (c, t) in sorted(per_kernel.items(),
-                                                       key=lambda kv: -kv[1][1])[:20]])
+                                                       key=lambda kv: -kv[1][1])[:20]],
+                   # by launches: what a graph's node count (its launch cost) is made of
+                   kernel_most_launched=[{"name": k, "calls": c / n, "ms": t / 1e3 / n}
+                                         for k, (c, t) in sorted(per_kernel.items(),
+                                                                 key=lambda kv: -kv[1][0])[:20]])
     out["ms"] = {c: us[c] / 1e3 / n for c in CATEGORIES + ("unattributed",) if us.get(c)}
     return out
 
@@ -145,6 +149,9 @@ def format_breakdown(b: dict) -> str:
         lines.append("GPU: kernels by time per step (calls per step), largest first:")
         for r in b["kernel_top"]:
             lines.append(f"  {r['name'][:60]:<60}{r['ms']:>9.3f} ms {r['calls']:>8.1f}")
+        lines.append("GPU: kernels by launches per step (time per step), most first:")
+        for r in b["kernel_most_launched"][:10]:
+            lines.append(f"  {r['name'][:60]:<60}{r['calls']:>8.1f} {r['ms']:>9.3f} ms")
     lines.append("host: own CPU time per step (calls per step), largest first:")
     for r in b["host_top"]:
         lines.append(f"  {r['name'][:48]:<48}{r['self_ms']:>9.3f} ms {r['calls']:>8.1f}")
