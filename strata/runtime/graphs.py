@@ -167,8 +167,11 @@ class GraphedForward:
         return out, c.step.ctx
 
     def can_draft(self) -> bool:
+        """Whether the draft can replay: not with the stages' experts in a host-managed cache
+        (Model.load(draft_experts="cache") brings each step's experts in from the host)."""
         m = self.model
-        return getattr(m, "dspark", None) is not None and self.backend.supports(m.device)
+        return (getattr(m, "dspark", None) is not None and self.backend.supports(m.device)
+                and getattr(m, "draft_expert_cache", None) is None)
 
     @torch.no_grad()
     def draft(self, anchor: int, pick) -> Draft:

@@ -40,8 +40,8 @@ class Session:
         from the end (exact; its decoder window rings then hold only the prompt's last
         rows, so a later truncation into the skipped part must not be continued — the
         server's prefix reuse does not use it yet).
-        `graphs`: decode steps and verify windows replay CUDA graphs (runtime/graphs.py; the
-        same tokens)."""
+        `graphs`: decode steps, verify windows and DSpark drafts replay CUDA graphs
+        (runtime/graphs.py; the same tokens)."""
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be ≥ 1")
         if speculative is not None and model.dspark is None:
