@@ -14,7 +14,7 @@ from strata.runtime.graphs import CudaGraphs, GraphedForward
 from strata.runtime.session import Session
 from strata.runtime.speculative import SpecConfig
 from strata.runtime.state import Journal
-from util import random_tokens
+from util import continuation_drafts, random_tokens, windows_roll_back_alike
 
 
 class RerunGraph:
@@ -83,14 +83,7 @@ def test_verify_windows_replay_and_roll_back_rejected_rows(tiny_dir):
     ref = Session(model, 160)
     want = ref.run(prompt, 40, mode="plain").tokens
     block = model.cfg.dspark_block_size
-
-    def override(P, drafts):
-        i = P - len(prompt)
-        out = list(want[i + 1:i + 1 + len(drafts)])
-        if len(out) > 2:
-            out[2] = (out[2] + 1) % model.cfg.vocab_size
-        return out
-
+    override = continuation_drafts(want, len(prompt), model.cfg.vocab_size)
     spec = SpecConfig(length=block, low_windows=10 ** 9)
     s = Session(model, 160, speculative=spec, draft_override=override)
     g = _graphed(model, s)
@@ -131,16 +124,7 @@ def test_a_replayed_window_rolls_back_like_an_eager_one(tiny_dir):
     s.prefill(random_tokens(30, seed=10))
     ref = s.state.clone()
     g = _graphed(model, s)
-    for i, keep in enumerate((6, 2, 4)):  # window i: 6 rows, the first `keep` committed
-        window = random_tokens(6, seed=11 + i)
-        for state, forward in ((s.state, lambda w: g.forward(w, "all")),
-                               (ref, lambda w: model.forward(w, ref, logits="all"))):
-            start = state.position
-            state.begin()
-            forward(window)
-            state.rollback(to=start + keep)
-        full, want = s.state.tensors(), ref.tensors()
-        assert all(torch.equal(full[k], want[k]) for k in want), f"window {i}"
+    windows_roll_back_alike(model, s.state, g, ref)
     assert (g.captures, g.replays) == (1, 2)
 
 

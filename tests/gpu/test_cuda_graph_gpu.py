@@ -16,7 +16,7 @@ from strata.model.model import Model
 from strata.model.numerics import Numerics
 from strata.runtime.session import Session
 from strata.runtime.static_step import StaticStep
-from util import random_tokens
+from util import continuation_drafts, random_tokens, windows_roll_back_alike
 
 pytestmark = pytest.mark.gpu
 
@@ -100,28 +100,12 @@ def test_graphed_verify_windows(cuda, request, fixture):
     model = Model.load(request.getfixturevalue(fixture), cuda, Numerics.for_device(cuda))
     s = Session(model, 128, graphs=True)
     s.prefill(random_tokens(30, seed=10))
-    ref = s.state.clone()
-    for i, keep in enumerate((6, 2, 4)):
-        window = random_tokens(6, seed=11 + i)
-        for state, forward in ((s.state, lambda w: s.graphed.forward(w, "all")),
-                               (ref, lambda w: model.forward(w, ref, logits="all"))):
-            start = state.position
-            state.begin()
-            forward(window)
-            state.rollback(to=start + keep)
-        full, want = s.state.tensors(), ref.tensors()
-        assert all(torch.equal(full[k], want[k]) for k in want), f"window {i}"
+    windows_roll_back_alike(model, s.state, s.graphed, s.state.clone())
     assert (s.graphed.captures, s.graphed.replays) == (1, 2)
 
     prompt = random_tokens(60, seed=6)
     want = Session(model, 160).run(prompt, 40, mode="plain").tokens
-
-    def override(P, drafts):
-        i = P - len(prompt)
-        out = list(want[i + 1:i + 1 + len(drafts)])
-        if len(out) > 2:
-            out[2] = (out[2] + 1) % model.cfg.vocab_size
-        return out
+    override = continuation_drafts(want, len(prompt), model.cfg.vocab_size)
     spec = SpecConfig(length=model.cfg.dspark_block_size, low_windows=10 ** 9)
     g = Session(model, 160, speculative=spec, draft_override=override, graphs=True)
     assert g.run(prompt, 40, mode="dspark").tokens == want

@@ -24,7 +24,7 @@ from strata.runtime.parallel import ParallelSpec, launch
 from strata.runtime.sampling import SamplingParams
 from strata.runtime.session import Session
 from strata.runtime.speculative import SpecConfig
-from util import random_tokens
+from util import continuation_drafts, random_tokens
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,13 +68,7 @@ def test_tp_graphs_equal_one_gpu(tiny):
     prompt = random_tokens(edge - 10, seed=5)
     want = Session(ref, edge + 64).run(prompt, 30, mode="plain").tokens
     block = ref.cfg.dspark_block_size
-
-    def override(P, drafts):
-        i = P - len(prompt)
-        out = list(want[i + 1:i + 1 + len(drafts)])
-        if len(out) > 2:
-            out[2] = (out[2] + 1) % ref.cfg.vocab_size
-        return out
+    override = continuation_drafts(want, len(prompt), ref.cfg.vocab_size)
     with launch(ParallelSpec("tp", ("cuda:0", "cuda:1"), str(tiny))) as pm:
         s = Session(pm, edge + 64, graphs=True)
         assert s.run(prompt, 30, mode="plain").tokens == want
