@@ -5,9 +5,9 @@
 set -o pipefail
 timeout ${GRAPH_S:-120} python -m pytest -q -m gpu tests/gpu/test_cuda_graph_gpu.py -rf \
     --tb=short -s 2>&1 | tee $OUT/gpu_graph.log
-STRATA_GPU_RESULTS=$OUT/gpu_results.jsonl timeout ${SUITE_S:-300} python -m pytest -q -m gpu \
+STRATA_GPU_RESULTS=$OUT/gpu_results.jsonl timeout ${SUITE_S:-480} python -m pytest -q -m gpu \
     tests/gpu --ignore=tests/gpu/test_parallel_gpu.py --ignore=tests/gpu/test_cuda_graph_gpu.py \
-    -rf --tb=line 2>&1 | tee $OUT/gpu_suite.log
+    -rf --tb=line --durations=15 2>&1 | tee $OUT/gpu_suite.log
 timeout ${SYN_S:-150} python -m strata bench synthetic --device cuda:0 --layers 0-1,20-21 \
     --modes plain --tokens 8 --runs 1 --warmup 1 --breakdown 3 \
     --json $OUT/breakdown.json 2>&1 | tee $OUT/breakdown.log
