@@ -18,12 +18,17 @@ only one (a journal that already holds writes runs eagerly).
 Engram tables on disk: a step's records are read on the host before the replay
 (StaticStep.prepare) into a fixed device buffer, which the graph dequantises.
 
+The DSpark draft (its block through the stages and the head) replays from one more graph
+(DraftRegion); the Markov picks after it stay eager (one host read per draft token).
+
 What a graph cannot replay runs eagerly instead (`Model.forward`): a CPU model and the
 vendor's stale-index-key quirk.
 
-All of a session's graphs share one memory pool: they replay one at a time on one stream, so
+All of a state's graphs share one memory pool: they replay one at a time on one stream, so
 a later capture may reuse what an earlier one freed; what a step returns is copied out of
-the pool before the next replay.
+the pool before the next replay. The graphs live on their State (Model.graphed), so a
+retained conversation keeps its captures — and their pool, which the prefix cache's byte
+budget does not count yet.
 """
 from __future__ import annotations
 
