@@ -185,3 +185,16 @@ def test_graphs_stay_with_their_state(tiny_dir):
     assert Engine(model, 64, graphs=True).graphs
     assert main(["generate", "--model", str(tiny_dir), "--tokens", "5 6 7", "--max-tokens",
                  "3", "--graphs", "--quiet"]) == 0
+
+
+def test_the_stale_index_key_quirk_runs_eagerly(tiny_dir):
+    """The vendor's stale-index-key quirk needs per-forward host bookkeeping a replay does
+    not run: with it on, a graphed session never captures, and decodes like an eager one."""
+    model = Model.load(tiny_dir, "cpu", Numerics("vendor", vendor_stale_index_k=True))
+    prompt = random_tokens(30, seed=14)
+    want = Session(model, 64).run(prompt, 5, mode="plain").tokens
+    s = Session(model, 64)
+    g = _graphed(model, s)
+    assert not g.usable()
+    assert s.run(prompt, 5, mode="plain").tokens == want
+    assert (g.captures, g.replays) == (0, 0)

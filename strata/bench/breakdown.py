@@ -86,12 +86,15 @@ def step_breakdown(run: Callable[[], None], steps: int, device: torch.device,
     finally:
         trace.enable(was)
     us: dict[str, float] = defaultdict(float)
+    launches: dict[str, int] = defaultdict(int)  # op-linked kernels per part
     for evt in prof.events():
         if evt.device_type != DeviceType.CPU:
             continue
         if cuda:
             for k in evt.kernels:
-                us[_category(evt, k.name)] += k.duration
+                part = _category(evt, k.name)
+                us[part] += k.duration
+                launches[part] += 1
         elif not evt.name.startswith("strata."):
             us[_category(evt)] += evt.self_cpu_time_total
     out = {"steps": steps, "device": str(device), "wall_ms": 1e3 * wall / n,
@@ -115,6 +118,9 @@ def step_breakdown(run: Callable[[], None], steps: int, device: torch.device,
         busy = busy_us / 1e3 / n
         out.update(busy_ms=busy, launch_gaps_ms=max(0.0, out["wall_ms"] - busy),
                    kernels_per_step=sum(c for c, _ in per_kernel.values()) / n,
+                   # torch-op kernels per part (Triton's are not linked to a part)
+                   op_kernels_per_step={c: launches[c] / n for c in CATEGORIES
+                                        if launches.get(c)},
                    kernel_top=[{"name": k, "calls": c / n, "ms": t / 1e3 / n}
                                for k, (c, t) in sorted(per_kernel.items(),
                                                        key=lambda kv: -kv[1][1])[:20]],
@@ -143,8 +149,10 @@ def format_breakdown(b: dict) -> str:
     parts = sorted(b["ms"].items(), key=lambda kv: -kv[1])
     if "launch_gaps_ms" in b:
         parts.append(("launch gaps", b["launch_gaps_ms"]))
+    counts = b.get("op_kernels_per_step", {})
     for name, ms in parts:
-        lines.append(f"  {name:<14}{ms:>9.3f} ms  {100 * ms / total:5.1f} %")
+        n = f"  {counts[name]:>7.0f} torch kernels" if name in counts else ""
+        lines.append(f"  {name:<14}{ms:>9.3f} ms  {100 * ms / total:5.1f} %{n}")
     if b.get("kernel_top"):
         lines.append("GPU: kernels by time per step (calls per step), largest first:")
         for r in b["kernel_top"]:
