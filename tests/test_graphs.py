@@ -50,8 +50,9 @@ class Rerun(CudaGraphs):
         # A CUDA capture records without running; running here writes the same step's rows
         # again and journals them in the graph's own journal, as the capture records them.
         own = state.journal
+        first = 0 if own is None else len(own.writes)
         run()
-        return RerunGraph(run, state, None if own is None else own.writes)
+        return RerunGraph(run, state, None if own is None else own.writes[first:])
 
 
 def _graphed(model, session) -> GraphedForward:
@@ -68,6 +69,9 @@ def test_plain_decode_captures_once_per_key_and_replays(tiny_dir):
     g = _graphed(model, s)
     assert s.run(prompt, 20, mode="plain").tokens == want
     assert (g.captures, g.replays) == (2, 19 - 2)
+    from strata.runtime.graphs import LAYERS_PER_GRAPH
+    parts = -(-len(model.layers) // LAYERS_PER_GRAPH)
+    assert parts > 1 and all(len(c.graph.graphs) == parts for c in g.captured.values())
     live, ref_live = s.state.live_tensors(), ref.state.live_tensors()
     assert live.keys() == ref_live.keys()
     assert all(torch.equal(live[k], ref_live[k]) for k in live)

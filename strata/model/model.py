@@ -293,10 +293,12 @@ class Model:
         return h, pre
 
     def run_layers(self, h: torch.Tensor, pre: torch.Tensor, ctx: ForwardContext,
-                   state: State, decoder: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """The held blocks in order: (h, pre) in, (h, last block's FFN pre) out.
+                   state: State, decoder: bool = True,
+                   blocks: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The held blocks (or `blocks`, consecutive ones of them) in order: (h, pre) in,
+        (h, last block's FFN pre) out.
         decoder=False: stop at the first decoder layer after it publishes (see forward)."""
-        for block in self.layers:
+        for block in self.layers if blocks is None else blocks:
             if not decoder and block.layer >= self.decoder_start:
                 if block.layer == self.decoder_start:
                     block.publish(h, pre, ctx, state)

@@ -30,6 +30,7 @@ class StaticStep:
         self.tokens = torch.zeros(T, dtype=torch.long, device=model.device)
         self.ctx: ForwardContext | None = None
         self.logits: torch.Tensor | None = None
+        self._h = self._pre = None  # the stream between parts
 
     def prepare(self, tokens: torch.Tensor) -> ForwardContext:
         """This step's inputs into the fixed buffers; returns the step's own context (for
@@ -60,11 +61,31 @@ class StaticStep:
     def run(self) -> None:
         """The region: embedding, the layers, the head; logits into self.logits. Everything
         derived from the inputs is recomputed inside it (so a capture records it)."""
-        model, nx = self.model, self.model.numerics
-        self.ctx.reset_derived()
-        h, pre = model.embed_stream(self.tokens, nx)
-        h, pre = model.run_layers(h, pre, self.ctx, self.state)
-        self.logits = model.logits(h, pre, self.mode, nx)
+        for part in self.parts(len(self.model.layers)):
+            part()
+
+    def parts(self, layers_per_part: int) -> list:
+        """The region as consecutive pieces — the embedding with the first layers, the next
+        layers, …, the last ones with the head — which run one after another on the stream
+        (h and pre handed on through self). Each can be a graph of its own: replayed in
+        order, the GPU runs one piece while the host launches the next."""
+        model = self.model
+        blocks = model.layers
+        per = max(1, layers_per_part)
+        groups = [blocks[i:i + per] for i in range(0, len(blocks), per)] or [[]]
+
+        def part(i: int, group: list):
+            def run() -> None:
+                nx = model.numerics
+                if i == 0:
+                    self.ctx.reset_derived()
+                    self._h, self._pre = model.embed_stream(self.tokens, nx)
+                self._h, self._pre = model.run_layers(self._h, self._pre, self.ctx,
+                                                      self.state, blocks=group)
+                if i == len(groups) - 1:
+                    self.logits = model.logits(self._h, self._pre, self.mode, nx)
+            return run
+        return [part(i, g) for i, g in enumerate(groups)]
 
     def finish(self, ctx: ForwardContext) -> None:
         """Record the step's tokens in the state (its position advances)."""
