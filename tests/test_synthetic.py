@@ -71,6 +71,7 @@ def test_bench_synthetic_cli(tiny_dir, tmp_path, capsys):
     assert "[plain+graphs] decode step breakdown (2 steps on cpu)" in text  # (eager on CPU)
     data = json.loads(out.read_text())
     assert set(data["results"]) == {"plain", "plain+graphs", "oracle"}
+    assert data["results"]["plain+graphs"]["capture_s"] == 0.0  # (CPU: eager, no capture)
     assert data["meta"]["layers"] == [0, 1, 2, 3]
     assert set(data["breakdown"]) == {"plain", "plain+graphs"}
     assert {"attention", "moe", "mhc", "head"} <= set(data["breakdown"]["plain"]["ms"])

@@ -28,7 +28,8 @@ from strata.runtime.speculative import SpecConfig, measure_costs
 
 PROMPT = "Write a thread-safe LRU cache in Python."
 # and "oracle:X": X committed tokens per window; any mode + "+graphs": its forwards replayed
-# from CUDA graphs (runtime/graphs.py), the captures' time not counted (reported apart)
+# from CUDA graphs (runtime/graphs.py), the captures' time not counted in tok/s (reported as
+# capture_s)
 MODES = ("plain", "dspark", "oracle")
 GRAPHS = "+graphs"
 
@@ -76,6 +77,7 @@ class ModeResult:
     drafted: int
     draft_s: float
     verify_s: float
+    capture_s: float = 0.0  # +graphs: warm-up and capture time in the last measured run
 
     @property
     def median(self) -> float:
@@ -85,7 +87,8 @@ class ModeResult:
         return {"mode": self.mode, "median_tok_per_s": self.median, "runs_tok_per_s": self.tok_per_s,
                 "windows": self.windows, "mean_committed_per_window": self.mean_committed,
                 "accepted": self.accepted, "drafted": self.drafted,
-                "draft_s": self.draft_s, "verify_s": self.verify_s}
+                "draft_s": self.draft_s, "verify_s": self.verify_s,
+                "capture_s": self.capture_s}
 
 
 def _run_once(model, prompt: list[int], n: int, mode: str, reference: list[int] | None,
@@ -167,7 +170,8 @@ def bench_decode(model, prompt: list[int], modes: list[str], n: int = 96, runs: 
         results[mode] = ModeResult(
             mode, reference, speeds, st.windows if st else 0,
             st.mean_committed if st else 1.0, st.accepted if st else 0, st.drafted if st else 0,
-            st.draft_s if st else 0.0, st.verify_s if st else 0.0)
+            st.draft_s if st else 0.0, st.verify_s if st else 0.0,
+            last.graphed.capture_s if last.graphed is not None else 0.0)
         if progress is not None:
             r = results[mode]
             progress(f"measured {mode}: {r.median:.1f} tok/s (runs "
@@ -180,14 +184,15 @@ def report(results: dict[str, ModeResult], prompt_len: int) -> str:
     lines = [f"prompt {prompt_len} tokens; greedy; {len(next(iter(results.values())).tokens)} "
              "tokens per run; median of the measured runs; tokens identical across modes",
              f"{'mode':<18}{'tok/s':>10}{'vs plain':>10}{'windows':>9}{'committed/win':>15}"
-             f"{'accepted':>10}"]
+             f"{'accepted':>10}{'capture s':>11}"]
     base = results["plain"].median if "plain" in results else None
     toks = next(iter(results.values())).tokens
     lines[0] += f" (sha256 {hashlib.sha256(str(toks).encode()).hexdigest()[:12]})"
     for r in results.values():
         ratio = f"{r.median / base:.2f}x" if base else "-"
+        cap = f"{r.capture_s:.2f}" if r.mode.endswith(GRAPHS) else "-"
         lines.append(f"{r.mode:<18}{r.median:>10.1f}{ratio:>10}{r.windows:>9}"
-                     f"{r.mean_committed:>15.2f}{r.accepted:>6}/{r.drafted:<4}")
+                     f"{r.mean_committed:>15.2f}{r.accepted:>6}/{r.drafted:<4}{cap:>11}")
     return "\n".join(lines)
 
 
