@@ -23,8 +23,9 @@ holding records of 7 words (op, state id, a, b, c, d, e) and, for FORWARD, the t
 when they fit (else one more broadcast). State operations (NEW/FREE/CLONE_STATE, BEGIN, COMMIT,
 ROLLBACK(to), TRUNCATE(to), BOOKMARK, RESTORE, DROP_BOOKMARK) return nothing, so rank 0 applies
 them to its own State first (an invalid one raises there and is never sent), queues them, and
-sends the queue with the next FORWARD(state, T, logits mode, numerics, start, decoder): one
-broadcast per forward whatever the speculative step did around it. A follower checks that its
+sends the queue with the next FORWARD(state, T, logits mode, numerics, start, decoder | graphs
+<< 1 — graphs: every rank replays its CUDA graph of this forward): one broadcast per forward
+whatever the speculative step did around it. A follower checks that its
 State is at `start` before running, so diverged states fail loudly. STATS gathers per-rank
 timings; SHUTDOWN ends the followers.
 
