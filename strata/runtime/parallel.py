@@ -285,16 +285,19 @@ class Follower:
                 if op == Op.FORWARD:
                     if inline > 0:
                         off = 2 + REC * n
-                        tokens = torch.tensor(hdr[off:off + a], dtype=torch.long, device=dev)
+                        host = torch.tensor(hdr[off:off + a], dtype=torch.long)
+                        tokens = host.to(dev)
                     else:
                         tokens = comm.broadcast(torch.empty(a, dtype=torch.long, device=dev), 0)
+                        host = None
                     self._forward(sid, tokens, LOGITS[b], _nx_of(c), d, bool(e & 1),
-                                  bool(e & 2))
+                                  bool(e & 2), host)
                 else:
                     self._control(Op(op), sid, a)
 
     def _forward(self, sid: int, tokens: torch.Tensor, logits: str, nx: Numerics,
-                 start: int, decoder: bool, graphs: bool = False) -> None:
+                 start: int, decoder: bool, graphs: bool = False,
+                 host: torch.Tensor | None = None) -> None:
         state = self.states[sid]
         if state.position != start:
             raise RuntimeError(f"state {sid} is at position {state.position} here but rank 0 "
@@ -304,7 +307,8 @@ class Follower:
             g = self.graphed.get(sid)
             if g is None:
                 g = self.graphed[sid] = GraphedForward(self.m, state)
-            g.run(tokens, logits, compute_logits=False)
+            # (the host's copy of the ids: checking them on the device would wait for it)
+            g.run(host if host is not None else tokens.cpu(), logits, compute_logits=False)
             st = self.comm.stats
             st.forwards += 1
             st.forward_s += time.perf_counter() - t0

@@ -273,6 +273,11 @@ def local_expert_stack(cfg: ModelConfig, stack, experts: range):
     return type(stack)(cfg, _HeldExperts(linears), "experts", len(experts))
 
 
+# Up to this many (token, slot) pairs a rank computes all of them with static shapes (decode
+# steps and verify windows: graphable); past it only its own (prefill chunks).
+STATIC_PAIRS = 64
+
+
 class ExpertParallelMoE:
     """A layer's MoE with experts split across ranks; same routing, same per-pair products,
     same slot-order sum as MoE.forward."""
@@ -292,18 +297,26 @@ class ExpertParallelMoE:
         T, k = idx.shape
         shared = moe.shared is not None
         ys = torch.zeros((T, k + shared, u.shape[1]), dtype=torch.float32, device=u.device)
-        # Every (token, slot) pair as its own row, with static shapes (no host read of which
-        # pairs are ours: a decode step stays free of host waits and capturable in a graph).
-        # Other ranks' pairs borrow one of our selected experts (no extra weights read);
-        # their rows are computed and then ignored — the gather below takes every slot from
-        # its owner.
         lo, hi = self.mine.start, self.mine.stop
         ours = (idx >= lo) & (idx < hi)
-        local = idx - lo
-        borrow = local.masked_fill(~ours, hi - lo).min().clamp(max=hi - lo - 1)
-        local = torch.where(ours, local, borrow)
-        ys[:, :k] = self.local.forward(u.repeat_interleave(k, dim=0), local.reshape(-1, 1),
-                                       w.reshape(-1, 1), nx).view(T, k, -1)
+        if T * k <= STATIC_PAIRS:
+            # Decode steps and verify windows: every (token, slot) pair as its own row, with
+            # static shapes — no host read of which pairs are ours, so the step has no host
+            # wait and can be graphed. Other ranks' pairs borrow one of our selected experts
+            # (its rows fill tiles that exist anyway, no extra weights read) and are ignored:
+            # the gather below takes every slot from its owner.
+            local = idx - lo
+            borrow = local.masked_fill(~ours, hi - lo).min().clamp(max=hi - lo - 1)
+            local = torch.where(ours, local, borrow)
+            ys[:, :k] = self.local.forward(u.repeat_interleave(k, dim=0), local.reshape(-1, 1),
+                                           w.reshape(-1, 1), nx).view(T, k, -1)
+        else:
+            # Prefill chunks (eager, never graphed): only our pairs, as borrowed rows would
+            # double the chunk's expert work; the host read costs little beside it.
+            t, s = ours.nonzero(as_tuple=True)
+            if t.numel():
+                ys[t, s] = self.local.forward(u[t], (idx[t, s] - lo)[:, None],
+                                              w[t, s][:, None], nx)
         if shared and self.rank == self.shared_owner:
             ys[:, k] = moe.shared.forward(u, nx)
         every = self.comm.all_gather(ys)  # [W, T, k(+1), D]
