@@ -35,6 +35,9 @@ class RerunGraph:
         finally:
             self.state.journal = live
 
+    def reset(self) -> None:
+        self.run = None  # (a released graph is never replayed)
+
 
 class Rerun(CudaGraphs):
     def supports(self, device: torch.device) -> bool:
@@ -75,6 +78,15 @@ def test_plain_decode_captures_once_per_key_and_replays(tiny_dir):
     live, ref_live = s.state.live_tensors(), ref.state.live_tensors()
     assert live.keys() == ref_live.keys()
     assert all(torch.equal(live[k], ref_live[k]) for k in live)
+    # Released (as a tensor-parallel group does before it leaves), every graph is reset and
+    # the next forward captures anew, with the eager forward's logits.
+    graphs = [p for c in g.captured.values() for p in c.graph.graphs]
+    g.release()
+    assert not g.captured and all(p.run is None for p in graphs)
+    eager = s.state.clone()
+    nxt = torch.tensor([want[-1]])
+    got, _ = g.forward(nxt)
+    assert g.captures == 3 and torch.equal(got, model.forward(nxt, eager, logits="last")[0])
 
 
 def test_verify_windows_replay_and_roll_back_rejected_rows(tiny_dir):

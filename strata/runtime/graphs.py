@@ -70,6 +70,10 @@ class Chain:
         for g in self.graphs:
             g.replay()
 
+    def reset(self) -> None:
+        for g in self.graphs:
+            g.reset()
+
 
 @dataclass
 class Captured:
@@ -148,6 +152,16 @@ class GraphedForward:
         self.captures = self.replays = 0  # (counts, for tests and benchmarks)
         self.capture_s = 0.0  # time spent warming up and capturing (benchmarks subtract it)
         self._draft: tuple[DraftRegion, object] | None = None
+
+    def release(self) -> None:
+        """Free every graph now (a later forward captures anew). A tensor-parallel group
+        must do this before it leaves: NCCL cannot destroy a communicator while a live graph
+        holds collectives on it (destroy_process_group blocks for good)."""
+        for c in self.captured.values():
+            c.graph.reset()
+        if self._draft is not None:
+            self._draft[1].reset()
+        self.captured, self._draft = {}, None
 
     def usable(self) -> bool:
         m, j = self.model, self.state.journal

@@ -273,6 +273,14 @@ class Follower:
         self.graphed: dict[int, GraphedForward] = {}  # a state's graphs (tensor parallel)
 
     def serve(self) -> None:
+        try:
+            self._serve()
+        finally:  # (before the group is destroyed: see GraphedForward.release)
+            for g in self.graphed.values():
+                g.release()
+            self.graphed.clear()
+
+    def _serve(self) -> None:
         comm, dev = self.comm, self.comm.device
         buf = torch.empty(HEADER, dtype=torch.int64, device=dev)
         while True:
@@ -330,7 +338,9 @@ class Follower:
             s[sid] = self.m.new_state(a)
         elif op == Op.FREE_STATE:
             s.pop(sid, None)
-            self.graphed.pop(sid, None)
+            g = self.graphed.pop(sid, None)
+            if g is not None:
+                g.release()
         elif op == Op.CLONE_STATE:
             s[a] = s[sid].clone()
         elif op == Op.BEGIN:
@@ -536,6 +546,7 @@ class ParallelModel:
         self._children = children
         self._closed = False
         self._threads = torch.get_num_threads()
+        self._graphed: "weakref.WeakSet[GraphedGroup]" = weakref.WeakSet()
         _ACTIVE.add(self)
 
     def new_state(self, capacity: int) -> ParallelState:
@@ -558,6 +569,7 @@ class ParallelModel:
         check_graphable(self)
         if state.graphs is None or state.graphs.model is not self:
             state.graphs = GraphedGroup(self, state)
+            self._graphed.add(state.graphs)
         return state.graphs
 
     @torch.no_grad()
@@ -648,6 +660,8 @@ class ParallelModel:
         with self.driver.lock:
             self.driver.closed = True
             self.driver.pending = []
+        for g in list(self._graphed):  # (before the group is destroyed: see
+            g.local.release()          # GraphedForward.release)
         self.comm.close()
         for p in self._children:
             p.join(timeout=15 if clean else 2)
