@@ -37,7 +37,7 @@ if triton is not None:
         # whatever the tile holds: products of a BLOCK_K slice summed along k, slices added
         # in order.
         pid = tl.program_id(0)  # b · m_blocks + m_block
-        b = pid // m_blocks
+        b = (pid // m_blocks).to(tl.int64)  # (offsets past 2³¹ elements: long prefills)
         offs_m = (pid % m_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         chunk = tl.program_id(2)
@@ -52,17 +52,19 @@ if triton is not None:
                          mask=(offs_n[:, None] < N) & (offs_k[None, :] < k_end), other=0.0)
             acc += tl.sum(xk.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :],
                           axis=2)
-        tl.store(o_ptr + chunk * soc + b * sob + offs_m[:, None] * som + offs_n[None, :] * son,
-                 acc.to(o_ptr.dtype.element_ty),
-                 mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        o = o_ptr + chunk.to(tl.int64) * soc + b * sob
+        tl.store(o + offs_m[:, None] * som + offs_n[None, :] * son,
+                 acc.to(o_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
     @triton.jit
     def _chunk_sum_kernel(p_ptr, o_ptr, n, chunks, BLOCK: tl.constexpr):
         # The chunks' partial sums added in chunk order, element by element.
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
+        p = p_ptr + offs
         for c in range(0, chunks):
-            acc += tl.load(p_ptr + c * n + offs, mask=offs < n, other=0.0)
+            acc += tl.load(p, mask=offs < n, other=0.0)
+            p += n  # (a pointer step: no int32 chunk × n product)
         tl.store(o_ptr + offs, acc.to(o_ptr.dtype.element_ty), mask=offs < n)
 
 

@@ -21,6 +21,11 @@ from strata.model.rope import apply_rope
 from strata.quant.qdq import fp4_qdq_ue8m0
 from strata.runtime.state import State, entry_bucket
 
+# Queries are scored in pieces of at most this many per-head scores (fp32: 1 GiB): a 4,096-row
+# prefill chunk against a 524K context's 131K entries would otherwise make a [T, heads, n]
+# tensor of 69 GB. Every query's selection is its own, so the pieces change no bit.
+SCORE_SCRATCH = 1 << 28
+
 
 def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices [T, k] of the k largest finite scores per row, ties to the lowest index,
@@ -98,14 +103,29 @@ class Indexer:
         if nx.quantize:
             q = fp4_qdq_ue8m0(q)
         w = self.weights_proj(u, nx, torch.float32) * (ihd ** -0.5 * nh ** -0.5)
-        per_head = torch.relu(rows_bmm(q, keys.unsqueeze(0)))  # [T, nh, n]
-        scores = rows_bmm(w.unsqueeze(1), per_head.transpose(1, 2)).squeeze(1)  # Σ_h w_h·…
         n_visible = (ctx.positions + 1) // r
-        visible = torch.arange(n, device=u.device)[None] < n_visible[:, None]
-        scores = torch.where(visible, scores, torch.full_like(scores, float("-inf")))
-        if self.layer == cfg.candidate_source_layer_id:
-            ctx.candidates = select_candidate_blocks(scores, n_visible, cfg.candidate_block_size,
-                                                     cfg.candidate_topk_blocks)
-        elif cfg.is_reindex(self.layer):
-            scores = torch.where(ctx.candidates, scores, torch.full_like(scores, float("-inf")))
-        return topk_lowest_index(scores, cfg.index_topk)
+        source = self.layer == cfg.candidate_source_layer_id
+        reindex = not source and cfg.is_reindex(self.layer)
+        rows = max(1, SCORE_SCRATCH // max(1, nh * n))
+        picks, candidates = [], []
+        for i in range(0, ctx.T, rows):
+            j = min(i + rows, ctx.T)
+            per_head = torch.relu(rows_bmm(q[i:j], keys.unsqueeze(0)))  # [rows, nh, n]
+            scores = rows_bmm(w[i:j].unsqueeze(1), per_head.transpose(1, 2)).squeeze(1)
+            del per_head  # (Σ_h w_h·relu(q_h·k) is made: free the piece's scratch now)
+            visible = torch.arange(n, device=u.device)[None] < n_visible[i:j, None]
+            scores = torch.where(visible, scores, torch.full_like(scores, float("-inf")))
+            if source:
+                candidates.append(select_candidate_blocks(
+                    scores, n_visible[i:j], cfg.candidate_block_size, cfg.candidate_topk_blocks))
+            elif reindex:
+                scores = torch.where(ctx.candidates[i:j], scores,
+                                     torch.full_like(scores, float("-inf")))
+            picks.append(topk_lowest_index(scores, cfg.index_topk))
+        if source:
+            ctx.candidates = _joined(candidates)
+        return _joined(picks)
+
+
+def _joined(pieces: list[torch.Tensor]) -> torch.Tensor:
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)

@@ -185,8 +185,9 @@ class Comm:
         if self.rank != 0:
             print(f"strata: rank {self.rank}: {reason}; exiting", file=sys.stderr, flush=True)
             os._exit(EXIT_PEER_LOST)
-        if not self._in_op:
-            return  # rank 0 is idle: its next call raises
+        # Abort now, busy or idle: a forward may be waiting on the device behind a collective
+        # that will never finish (a host read of a result, not only wait_device), and only the
+        # abort returns it. The group is unusable from here; rank 0's next call raises.
         self._abort_pg()
         deadline = time.monotonic() + self.grace_s
         while self._in_op and time.monotonic() < deadline:

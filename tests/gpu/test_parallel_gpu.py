@@ -63,13 +63,13 @@ def test_tp_graphs_equal_one_gpu(tiny):
     """Tensor parallel with CUDA graphs on both ranks (captured together, their all_gathers
     inside): plain decode across an entry-bucket edge and DSpark verify windows with
     rejected drafts give one GPU's eager tokens; the steps were replays."""
-    ref = Model.load(tiny, "cuda:0", Numerics.for_device("cuda:0"))
+    ref = Model.load(tiny, "cuda:0", Numerics.for_device("cuda:0", "vendor"))  # (the group's)
     edge = 257 * min(ref.index_ratios) - 1
     prompt = random_tokens(edge - 10, seed=5)
     want = Session(ref, edge + 64).run(prompt, 30, mode="plain").tokens
     block = ref.cfg.dspark_block_size
     override = continuation_drafts(want, len(prompt), ref.cfg.vocab_size)
-    with launch(ParallelSpec("tp", ("cuda:0", "cuda:1"), str(tiny))) as pm:
+    with launch(ParallelSpec("tp", ("cuda:0", "cuda:1"), str(tiny), numerics="vendor")) as pm:
         s = Session(pm, edge + 64, graphs=True)
         assert s.run(prompt, 30, mode="plain").tokens == want
         assert (s.graphed.captures, s.graphed.replays) == (2, 29 - 2)
