@@ -181,21 +181,16 @@ def test_wrong_state_and_numerics_are_refused(group, tiny_reference):
 
 
 def test_graphs_on_a_group(group, tiny_reference):
-    """Session(graphs=True) on a group: tensor parallel takes it (on CPU ranks no graph can
-    run, so every forward goes the eager way: the same tokens; the captures themselves are
-    tests/gpu/test_parallel_gpu.py), the layer split refuses it by name."""
+    """Session(graphs=True) and Engine(graphs=True) on a group, in either mode: on CPU ranks
+    no graph can run, so every forward goes the eager way, with the same tokens (the captures
+    themselves, collectives and hand-offs inside, are tests/gpu/test_parallel_gpu.py)."""
+    from strata.runtime.engine import Engine
     prompt = random_tokens(30, seed=9)
-    if group.mode != "tp":
-        from strata.runtime.engine import Engine
-        with pytest.raises(StrataError, match="need --parallel tp"):
-            Session(group, 64, graphs=True)
-        with pytest.raises(StrataError, match="need --parallel tp"):
-            Engine(group, 64, graphs=True)
-        return
     want = Session(tiny_reference, 64).run(prompt, 6, GREEDY, stop_ids=frozenset()).tokens
     s = Session(group, 64, graphs=True)
     assert s.run(prompt, 6, GREEDY, stop_ids=frozenset()).tokens == want
     assert (s.graphed.captures, s.graphed.replays) == (0, 0)
+    Engine(group, 64, graphs=True)
 
 
 def test_stats(group):

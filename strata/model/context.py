@@ -28,6 +28,8 @@ class ForwardContext:
     candidates: torch.Tensor | None = None   # [T, n_entries] bool, from the candidate source
     published_keys: list[int] = field(default_factory=list)  # kv sources with new keys
     main_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # DSpark taps [T, D]
+    # A layer split's kv-source entries passed through this rank for later ones (by carry name)
+    relay: dict[str, torch.Tensor] = field(default_factory=dict)
     _rope: dict[bool, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
@@ -44,6 +46,7 @@ class ForwardContext:
         self.candidates = None
         self.published_keys.clear()
         self.main_hidden.clear()
+        self.relay.clear()
 
     def inv_freq(self, ratio: int) -> torch.Tensor:
         return rope_inv_freq(self.cfg, ratio, self.positions.device)

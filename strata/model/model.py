@@ -63,9 +63,10 @@ class Model:
         self.engram_stores = {b.layer: b.engram.table for b in self.layers
                               if b.engram is not None and getattr(b.engram.table, "prefetches",
                                                                   False)}
-        # The ratios of the held indexers: their scored-entry buckets shape a forward's ops.
-        self.index_ratios = sorted({b.attn.indexer.ratio for b in self.layers
-                                    if b.attn.indexer is not None})
+        # The indexers' ratios: their scored-entry buckets shape a forward's ops — the held
+        # layers' and, in a layer split, the candidate mask that crosses ranks; taken from the
+        # config, so that every rank's graphs change bucket at the same forwards.
+        self.index_ratios = sorted({cfg.ratio(l) for l in cfg.index_source_layer_ids})
         # Model.load(draft_experts="cache"): the ExpertCache holding the draft stages' experts.
         self.draft_expert_cache = None
 
@@ -252,19 +253,32 @@ class Model:
         state.check_room(T)
         return tokens.to(self.device).long()
 
-    def _forward(self, tokens: torch.Tensor, state: State, logits: str,
-                 nx: Numerics, decoder: bool = True) -> tuple[torch.Tensor | None, ForwardContext]:
+    def _forward(self, tokens: torch.Tensor, state: State, logits: str, nx: Numerics,
+                 decoder: bool = True, route=None) -> tuple[torch.Tensor | None, ForwardContext]:
+        """The forward's pieces in order; `route` (default: this model) says where the
+        stream comes from and goes to — a multi-device rank's executor receives and sends it."""
+        route = route or self
         with scope("embed"):
             ctx = self.new_context(tokens, state, nx)
-            h, pre = self.embed_stream(tokens, nx)
+        h, pre = route.enter(tokens, ctx, state, decoder)
         h, pre = self.run_layers(h, pre, ctx, state, decoder)
+        out = route.leave(h, pre, ctx, state, logits, decoder)
         self.end_forward(tokens, ctx, state)
-        with scope("head"):
-            return self.logits(h, pre, logits, nx), ctx
+        return out, ctx
 
     # -- the pieces of a forward: a multi-device group runs them on different ranks --------
     # (runtime/parallel.py: embed on the first, a contiguous layer range on each, the head on
     # the first again; the stream h, the lagged pre and the context cross between them.)
+    # A route's two ends: this model's own embed the tokens and compute the logits.
+    def enter(self, tokens: torch.Tensor, ctx: ForwardContext, state: State,
+              decoder: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        with scope("embed"):
+            return self.embed_stream(tokens, ctx.numerics)
+
+    def leave(self, h: torch.Tensor, pre: torch.Tensor, ctx: ForwardContext, state: State,
+              logits: str, decoder: bool = True) -> torch.Tensor | None:
+        with scope("head"):
+            return self.logits(h, pre, logits, ctx.numerics)
     def new_context(self, tokens: torch.Tensor, state: State, nx: Numerics) -> ForwardContext:
         """A fresh context for tokens [T] at state.position (positions, Engram row ids)."""
         cfg = self.cfg

@@ -111,9 +111,6 @@ class Engine:
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
         self.speculative = speculative
-        if graphs:
-            from strata.runtime.graphs import check_graphable
-            check_graphable(model)
         self.graphs = graphs  # decode from CUDA graphs (kept on the retained states)
         self.cache = PrefixCache(prefix_cache_bytes, max_bookmarks)
         self._waiting: deque[Job] = deque()

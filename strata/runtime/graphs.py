@@ -47,13 +47,6 @@ from strata.runtime.state import Journal, RingWrite, State
 from strata.runtime.static_step import StaticStep
 
 
-def check_graphable(model) -> None:
-    """Refuse, by name, a model whose forwards cannot be graphed (before any request)."""
-    if getattr(model, "mode", None) == "layer":
-        raise StrataError("CUDA graphs over several devices need --parallel tp (the layer "
-                          "split's point-to-point hand-offs are not captured yet)")
-
-
 # A step is captured as a chain of graphs of this many layers each: launching a graph costs
 # host time per kernel node (~1 µs; 4.5 ms for a 20-layer step as one graph, measured), and
 # replayed in order the GPU runs one part while the host launches the next.
@@ -142,11 +135,16 @@ class DraftRegion:
 
 
 class GraphedForward:
-    def __init__(self, model, state: State, backend: CudaGraphs | None = None) -> None:
+    """A state's forwards from graphs. `route` (runtime/static_step): a rank's executor in a
+    multi-device group, whose graphs then hold its collectives or point-to-point hand-offs —
+    every rank captures and replays the same forwards together."""
+
+    def __init__(self, model, state: State, backend: CudaGraphs | None = None,
+                 route=None) -> None:
         if not hasattr(model, "graph_key"):
-            raise StrataError("CUDA graphs run a model on one device for now (not a "
-                              f"{type(model).__name__})")
-        self.model, self.state = model, state
+            raise StrataError("CUDA graphs run a Model (a rank's own part in a group), not a "
+                              f"{type(model).__name__}")
+        self.model, self.state, self.route = model, state, route
         self.backend = backend or CudaGraphs()
         self.captured: dict[tuple, Captured] = {}
         self.captures = self.replays = 0  # (counts, for tests and benchmarks)
@@ -179,11 +177,10 @@ class GraphedForward:
             return self.model.forward(tokens, self.state, logits=logits)
         return self.run(tokens, logits)
 
-    def run(self, tokens: torch.Tensor, logits: str,
-            compute_logits: bool = True) -> tuple[torch.Tensor | None, ForwardContext]:
-        """The graph path (the caller checked `usable`). `compute_logits=False`: a tensor-
-        parallel follower, which has no head — its captures still follow the requested
-        logits mode, so every rank captures (and runs its collectives) at the same forwards."""
+    def run(self, tokens: torch.Tensor, logits: str) -> tuple[torch.Tensor | None,
+                                                            ForwardContext]:
+        """The graph path (the caller checked `usable`; in a group, rank 0 did, and every
+        rank runs it). Logits None where the route computes none (a group's other ranks)."""
         model, state = self.model, self.state
         T = tokens.numel()
         journaled = state.journal is not None
@@ -191,7 +188,7 @@ class GraphedForward:
         with made_current(model.device):
             c = self.captured.get(key)
             if c is None:
-                c, ctx = self._capture(tokens, logits if compute_logits else "none")
+                c, ctx = self._capture(tokens, logits)
                 self.captured[key] = c
             else:
                 ctx = c.step.prepare(tokens)  # (checks the arguments)
@@ -244,7 +241,7 @@ class GraphedForward:
         them in the live journal with the rows they displaced; the capture's journaled
         writes go to a journal of their own, the graph's."""
         state, backend = self.state, self.backend
-        step = StaticStep(self.model, state, tokens.numel(), logits)
+        step = StaticStep(self.model, state, tokens.numel(), logits, self.route)
         ctx = step.prepare(tokens)
         backend.synchronize()
         t0 = time.perf_counter()

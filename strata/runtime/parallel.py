@@ -59,7 +59,7 @@ from strata.runtime.parallel_comm import (EXIT_PEER_LOST, Comm, ParallelError, R
                                           backend_for, connect_store)
 from strata.runtime.parallel_layer import LayerExecutor
 from strata.runtime.parallel_tp import TPPlan, apply_tp, check_tp, sharding_reader
-from strata.runtime.graphs import GraphedForward, check_graphable
+from strata.runtime.graphs import GraphedForward
 from strata.runtime.state import Bookmark, State
 
 MODES = ("layer", "tp")
@@ -222,12 +222,13 @@ class TPExecutor:
         self.m, self.comm = model, comm
 
     def forward(self, tokens, state, logits, nx, decoder=True):
-        m = self.m
-        ctx = m.new_context(tokens, state, nx)
-        h, pre = m.embed_stream(tokens, nx)
-        h, pre = m.run_layers(h, pre, ctx, state, decoder)
-        m.end_forward(tokens, ctx, state)
-        return (m.logits(h, pre, logits, nx) if self.comm.rank == 0 else None), ctx
+        return self.m._forward(tokens, state, logits, nx, decoder, route=self)
+
+    def enter(self, tokens, ctx, state, decoder=True):
+        return self.m.enter(tokens, ctx, state, decoder)
+
+    def leave(self, h, pre, ctx, state, logits, decoder=True):
+        return self.m.leave(h, pre, ctx, state, logits) if self.comm.rank == 0 else None
 
 
 def load_part(spec: ParallelSpec, cfg: ModelConfig, comm: Comm,
@@ -270,7 +271,7 @@ class Follower:
         self.m, self.comm, self.executor = model, comm, executor
         self.states: dict[int, State] = {}
         self.bookmarks: dict[int, Bookmark] = {}
-        self.graphed: dict[int, GraphedForward] = {}  # a state's graphs (tensor parallel)
+        self.graphed: dict[int, GraphedForward] = {}  # a state's graphs
 
     def serve(self) -> None:
         try:
@@ -314,9 +315,9 @@ class Follower:
         if graphs:  # rank 0's decision (GraphedForward.usable holds here alike)
             g = self.graphed.get(sid)
             if g is None:
-                g = self.graphed[sid] = GraphedForward(self.m, state)
+                g = self.graphed[sid] = GraphedForward(self.m, state, route=self.executor)
             # (the host's copy of the ids: checking them on the device would wait for it)
-            g.run(host if host is not None else tokens.cpu(), logits, compute_logits=False)
+            g.run(host if host is not None else tokens.cpu(), logits)
             st = self.comm.stats
             st.forwards += 1
             st.forward_s += time.perf_counter() - t0
@@ -564,9 +565,8 @@ class ParallelModel:
     prefill_reach = Model.prefill_reach
 
     def graphed(self, state: State) -> "GraphedGroup":
-        """Forwards on `state` replayed from CUDA graphs on every rank (tensor parallel),
-        kept on the state like Model.graphed's."""
-        check_graphable(self)
+        """Forwards on `state` replayed from CUDA graphs on every rank, kept on the state
+        like Model.graphed's."""
         if state.graphs is None or state.graphs.model is not self:
             state.graphs = GraphedGroup(self, state)
             self._graphed.add(state.graphs)
@@ -577,9 +577,9 @@ class ParallelModel:
                 numerics: Numerics | None = None, decoder: bool = True,
                 graphed: GraphedForward | None = None):
         """Model.forward over the group: (logits on rank 0, the forward's context);
-        decoder=False as in Model.forward (the decoder-skipping prefill). `graphed` (tensor
-        parallel, rank 0's GraphedForward of `state`): where it can run, every rank replays
-        its graph of the forward (captured together, collectives included)."""
+        decoder=False as in Model.forward (the decoder-skipping prefill). `graphed` (rank 0's
+        GraphedForward of `state`): where it can run, every rank replays its graph of the
+        forward (captured together, collectives or hand-offs included)."""
         nx = numerics or self.numerics
         if not decoder and (logits != "none" or self.decoder_start is None):
             raise ValueError("decoder=False needs logits='none' and a model with an "
@@ -679,12 +679,13 @@ class ParallelModel:
 
 
 class GraphedGroup:
-    """A Session's graphs of one state over a tensor-parallel group: rank 0's own
-    GraphedForward, driven through ParallelModel.forward so that every rank captures and
-    replays the same forwards together (each rank its own graph, collectives inside)."""
+    """A Session's graphs of one state over a group: rank 0's own GraphedForward, driven
+    through ParallelModel.forward so that every rank captures and replays the same forwards
+    together (each rank its own graph of its share, collectives or hand-offs inside)."""
 
     def __init__(self, model: ParallelModel, state: State) -> None:
-        self.model, self.local = model, GraphedForward(model.local, state)
+        self.model = model
+        self.local = GraphedForward(model.local, state, route=model.executor)
 
     def forward(self, tokens: torch.Tensor, logits: str = "last"):
         return self.model.forward(tokens, self.local.state, logits, graphed=self.local)

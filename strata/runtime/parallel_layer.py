@@ -4,23 +4,28 @@ Rank 0 holds the embedding, its layers, the final norm, the head and the DSpark 
 holds layers ranges[r] and their caches. A forward travels as a ring of point-to-point
 messages: rank 0 embeds and runs its layers, sends the carry to rank 1, ..., the last rank sends
 the final rows back to rank 0, which computes the logits. Each hop is one message, a flat byte
-buffer whose layout both sides derive from (T, start, the split) — no metadata crosses.
+buffer whose layout both sides derive from (T, the candidate mask's entry bucket, the split) —
+no metadata crosses, and no host value of the position shapes it, so each rank's share of a
+forward can be captured in a CUDA graph (the executor is the route of Model._forward: its
+`enter` receives the stream, its `leave` sends it on).
 
 What crosses a boundary after rank r (the carry):
 - h [T, H, D] (the 4-copy hyper-connection stream) and pre [T, H] (the lagged collapse weights
   of the last FFN, spec §2.2);
 - the forward's shared context that layers past the boundary read: the latest published top-k
   (`sel` of the most recent index source before the boundary, read by later reuse layers), the
-  candidate-block mask (layer 20's, read by reindex layers), the list of kv sources that
-  published keys, and the DSpark taps (`main_hidden`) produced by ranks > 0, which go on to
-  rank 0 where the draft head lives;
+  candidate-block mask (layer 20's, read by reindex layers), and the DSpark taps
+  (`main_hidden`) produced by ranks > 0, which go on to rank 0 where the draft head lives;
 - the compressed-KV and index-key entries this forward wrote for kv-source layers that later
   ranks read (layers 2/8/14/20 feed the layers after them, which may live on the next rank):
-  only the entries of this forward (j0 = start//r .. (start+T)//r); the receiving rank keeps its
-  own copy of those caches in its State at the same absolute indices, so nothing else ever has
-  to cross and rollback needs nothing (entries past the position are invisible).
+  the compressor's m entries from the group of the forward's first row (⌈T/r⌉, or T at ratio 1;
+  the last may be unfinished and is invisible until a later forward completes it — the sender
+  holds the same row); the receiving rank keeps its own copy of those caches in its State at the
+  same absolute indices, so nothing else ever has to cross and rollback needs nothing (entries
+  past the position are invisible).
 The final message (last rank → rank 0) holds the rows the logits need ('all': T, 'last': 1,
-'none': 0), their pre, the published-key list and the taps.
+'none': 0), their pre and the taps. (The list of kv sources that published keys does not
+cross: only the vendor's stale-index-key quirk reads it, which the layer split refuses.)
 
 Numerics are untouched: every rank runs the same code on the same values as a single device.
 """
@@ -90,11 +95,13 @@ class LayerExecutor:
     def _carry_layout(self, r: int, T: int, start: int, nx: Numerics,
                       decoder: bool = True) -> Layout:
         """The message rank r sends to rank r+1 (what the layers after it that run read; the
-        kv-source entries go on either way: later ranks keep them for later forwards)."""
+        kv-source entries go on either way: later ranks keep them for later forwards). Its
+        shape depends on T and the candidate mask's entry bucket only, never on the position
+        within the bucket: a rank's forward can be captured in a CUDA graph."""
         cfg = self.cfg
         hi = self.ranges[r].stop
         later = [l for l in range(hi, cfg.n_layers) if self._runs(l, decoder)]
-        pieces = self._stream(T, nx) + [("keys", (len(cfg.kv_source_layer_ids),), torch.int64)]
+        pieces = self._stream(T, nx)
         done = [s for s in cfg.index_source_layer_ids if s < hi]
         if done and any(cfg.ratio(l) > 0 and cfg.index_source_of(l) == done[-1] for l in later):
             pieces.append((f"sel.{done[-1]}", (T, cfg.index_topk), torch.int64))
@@ -103,20 +110,30 @@ class LayerExecutor:
             pieces.append(("cand", (T, entry_bucket((start + T) // cfg.ratio(c))), torch.bool))
         for s in sorted(self._needed_after(r)):
             if s < hi:
-                rr = cfg.ratio(s)
-                n = (start + T) // rr - start // rr
-                pieces.append((f"kv.{s}", (n, cfg.head_dim), self.kv_dtype))
+                m = self._entries(s, T)
+                pieces.append((f"kv.{s}", (m, cfg.head_dim), self.kv_dtype))
                 if cfg.is_index_source(s):
-                    pieces.append((f"ik.{s}", (n, cfg.index_head_dim), self.kv_dtype))
+                    pieces.append((f"ik.{s}", (m, cfg.index_head_dim), self.kv_dtype))
         pieces += self._taps(T, hi, decoder)
         return Layout(pieces)
+
+    def _entries(self, source: int, T: int) -> int:
+        """How many entries of a kv source a forward of T rows writes: the compressor's m —
+        one per row at ratio 1, else ⌈T/r⌉ groups from the one holding the first row (the
+        last possibly unfinished: invisible until a later forward completes it)."""
+        r = self.cfg.ratio(source)
+        return T if r == 1 else -(-T // r)
+
+    def _entry_index(self, source: int, ctx: ForwardContext) -> torch.Tensor:
+        """Those entries' indices, from the device positions (no host value of the start)."""
+        r = self.cfg.ratio(source)
+        first = ctx.positions[:1] // r
+        return first + torch.arange(self._entries(source, ctx.T), device=first.device)
 
     def _final_layout(self, T: int, logits: str, nx: Numerics, decoder: bool = True) -> Layout:
         """The message the last rank sends back to rank 0."""
         n = {"all": T, "last": 1, "none": 0}[logits]
-        return Layout(self._stream(n, nx)
-                      + [("keys", (len(self.cfg.kv_source_layer_ids),), torch.int64)]
-                      + self._taps(T, self.cfg.n_layers, decoder))
+        return Layout(self._stream(n, nx) + self._taps(T, self.cfg.n_layers, decoder))
 
     def _stream(self, n: int, nx: Numerics):
         H, D = self.cfg.hc_mult, self.cfg.hidden_size
@@ -127,54 +144,50 @@ class LayerExecutor:
                 for l in self.cfg.dspark_target_layer_ids
                 if self.taps_from <= l < hi and self._runs(l, decoder)]
 
-    def _keys(self, ctx: ForwardContext) -> torch.Tensor:
-        keys = torch.full((len(self.cfg.kv_source_layer_ids),), -1, dtype=torch.int64)
-        keys[:len(ctx.published_keys)] = torch.tensor(ctx.published_keys, dtype=torch.int64)
-        return keys
-
-    # ---- one forward ----------------------------------------------------------------------------
+    # ---- one forward: Model._forward with this rank's ends of the stream ----------------------
     def forward(self, tokens: torch.Tensor, state: State, logits: str, nx: Numerics,
                 decoder: bool = True) -> tuple[torch.Tensor | None, ForwardContext]:
-        m, r, comm = self.m, self.rank, self.comm
-        T, start = tokens.numel(), state.position
-        ctx = m.new_context(tokens, state, nx)
-        passing: dict[str, torch.Tensor] = {}
+        return self.m._forward(tokens, state, logits, nx, decoder, route=self)
+
+    def enter(self, tokens: torch.Tensor, ctx: ForwardContext, state: State,
+              decoder: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank 0 embeds the tokens; every other rank receives the carry from the one before."""
+        m, r = self.m, self.rank
         if r == 0:
-            h, pre = m.embed_stream(tokens, nx)
-        else:
-            lay = self._carry_layout(r - 1, T, start, nx, decoder)
-            got = lay.views(comm.recv(torch.empty(lay.nbytes, dtype=torch.uint8,
-                                                  device=m.device), r - 1))
-            h, pre = got["h"], got["pre"]
-            self._unpack_context(got, ctx, state, start, T, passing)
-        h, pre = m.run_layers(h, pre, ctx, state, decoder)
+            return m.enter(tokens, ctx, state, decoder)
+        lay = self._carry_layout(r - 1, ctx.T, ctx.start, ctx.numerics, decoder)
+        got = lay.views(self.comm.recv(torch.empty(lay.nbytes, dtype=torch.uint8,
+                                                   device=m.device), r - 1))
+        self._unpack_context(got, ctx, state)
+        return got["h"], got["pre"]
+
+    def leave(self, h: torch.Tensor, pre: torch.Tensor, ctx: ForwardContext, state: State,
+              logits: str, decoder: bool = True) -> torch.Tensor | None:
+        """Every rank but the last sends the carry on; the last sends rank 0 the rows the
+        logits need and the taps; rank 0 receives them and computes the logits."""
+        m, r, comm, nx = self.m, self.rank, self.comm, ctx.numerics
         if r < self.last:
-            self._send_carry(r, h, pre, ctx, state, start, T, nx, passing, decoder)
+            self._send_carry(r, h, pre, ctx, state, decoder)
         elif r != 0:
-            lay = self._final_layout(T, logits, nx, decoder)
-            rows = {"all": slice(0, T), "last": slice(T - 1, T), "none": slice(0, 0)}[logits]
-            vals = {"h": h[rows], "pre": pre[rows], "keys": self._keys(ctx),
+            lay = self._final_layout(ctx.T, logits, nx, decoder)
+            rows = {"all": slice(0, ctx.T), "last": slice(ctx.T - 1, ctx.T),
+                    "none": slice(0, 0)}[logits]
+            vals = {"h": h[rows], "pre": pre[rows],
                     **{f"tap.{l}": ctx.main_hidden[l] for l in self.cfg.dspark_target_layer_ids
                        if l >= self.taps_from and self._runs(l, decoder)}}
             comm.send(lay.pack(vals, m.device), 0)
-        out = None
-        if r == 0:
-            lay = self._final_layout(T, logits, nx, decoder)
-            got = lay.views(comm.recv(torch.empty(lay.nbytes, dtype=torch.uint8,
-                                                  device=m.device), self.last))
-            h, pre = got["h"], got["pre"]
-            ctx.published_keys = [int(k) for k in got["keys"].tolist() if k >= 0]
-            for name, t in got.items():
-                if name.startswith("tap."):
-                    ctx.main_hidden[int(name[4:])] = t
-        m.end_forward(tokens, ctx, state)
-        if r == 0:
-            out = m.logits(h, pre, logits, nx)
-        return out, ctx
+        if r != 0:
+            return None
+        lay = self._final_layout(ctx.T, logits, nx, decoder)
+        got = lay.views(comm.recv(torch.empty(lay.nbytes, dtype=torch.uint8, device=m.device),
+                                  self.last))
+        for name, t in got.items():
+            if name.startswith("tap."):
+                ctx.main_hidden[int(name[4:])] = t
+        return m.leave(got["h"], got["pre"], ctx, state, logits, decoder)
 
-    def _unpack_context(self, got: dict[str, torch.Tensor], ctx: ForwardContext, state: State,
-                        start: int, T: int, passing: dict[str, torch.Tensor]) -> None:
-        ctx.published_keys = [int(k) for k in got["keys"].tolist() if k >= 0]
+    def _unpack_context(self, got: dict[str, torch.Tensor], ctx: ForwardContext,
+                        state: State) -> None:
         for name, t in got.items():
             kind, _, key = name.partition(".")
             if kind == "sel":
@@ -187,15 +200,14 @@ class LayerExecutor:
                 s = int(key)
                 cache = (state.comp_kv if kind == "kv" else state.index_k).get(s)
                 if cache is None:  # a source only later ranks read: pass it on
-                    passing[name] = t
+                    ctx.relay[name] = t
                 else:
-                    j0 = start // self.cfg.ratio(s)
-                    cache[j0:j0 + t.shape[0]] = t
+                    cache[self._entry_index(s, ctx)] = t
 
-    def _send_carry(self, r: int, h, pre, ctx: ForwardContext, state: State, start: int, T: int,
-                    nx: Numerics, passing: dict[str, torch.Tensor], decoder: bool) -> None:
-        lay = self._carry_layout(r, T, start, nx, decoder)
-        vals = {"h": h, "pre": pre, "keys": self._keys(ctx)}
+    def _send_carry(self, r: int, h, pre, ctx: ForwardContext, state: State,
+                    decoder: bool) -> None:
+        lay = self._carry_layout(r, ctx.T, ctx.start, ctx.numerics, decoder)
+        vals = {"h": h, "pre": pre}
         for name, _, _ in lay.pieces:
             kind, _, key = name.partition(".")
             if kind == "sel":
@@ -205,11 +217,10 @@ class LayerExecutor:
             elif kind == "tap":
                 vals[name] = ctx.main_hidden[int(key)]
             elif kind in ("kv", "ik"):
-                if name in passing:
-                    vals[name] = passing[name]
+                if name in ctx.relay:
+                    vals[name] = ctx.relay[name]
                 else:
                     s = int(key)
-                    rr = self.cfg.ratio(s)
                     cache = state.comp_kv[s] if kind == "kv" else state.index_k[s]
-                    vals[name] = cache[start // rr:(start + T) // rr]
+                    vals[name] = cache[self._entry_index(s, ctx)]
         self.comm.send(lay.pack(vals, self.m.device), r + 1)

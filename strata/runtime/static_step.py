@@ -23,10 +23,13 @@ from strata.runtime.state import State
 
 
 class StaticStep:
-    def __init__(self, model, state: State, T: int, logits: str = "last") -> None:
+    def __init__(self, model, state: State, T: int, logits: str = "last", route=None) -> None:
         if model.numerics.vendor_stale_index_k:
             raise ValueError("a static step cannot reproduce the stale-index-key quirk")
         self.model, self.state, self.T, self.mode = model, state, T, logits
+        # Where the stream enters and leaves (Model._forward's route): the model itself, or a
+        # group rank's executor (receives it / sends it on; logits on rank 0 only).
+        self.route = route or model
         self.tokens = torch.zeros(T, dtype=torch.long, device=model.device)
         self.ctx: ForwardContext | None = None
         self.logits: torch.Tensor | None = None
@@ -65,8 +68,9 @@ class StaticStep:
             part()
 
     def parts(self, layers_per_part: int) -> list:
-        """The region as consecutive pieces — the embedding with the first layers, the next
-        layers, …, the last ones with the head — which run one after another on the stream
+        """The region as consecutive pieces — the stream's entry (the embedding, or a rank's
+        receive) with the first layers, the next layers, …, the last ones with its exit (the
+        head, or a rank's send) — which run one after another on the stream
         (h and pre handed on through self). Each can be a graph of its own: replayed in
         order, the GPU runs one piece while the host launches the next."""
         model = self.model
@@ -76,14 +80,14 @@ class StaticStep:
 
         def part(i: int, group: list):
             def run() -> None:
-                nx = model.numerics
                 if i == 0:
                     self.ctx.reset_derived()
-                    self._h, self._pre = model.embed_stream(self.tokens, nx)
+                    self._h, self._pre = self.route.enter(self.tokens, self.ctx, self.state)
                 self._h, self._pre = model.run_layers(self._h, self._pre, self.ctx,
                                                       self.state, blocks=group)
                 if i == len(groups) - 1:
-                    self.logits = model.logits(self._h, self._pre, self.mode, nx)
+                    self.logits = self.route.leave(self._h, self._pre, self.ctx, self.state,
+                                                   self.mode)
             return run
         return [part(i, g) for i, g in enumerate(groups)]
 

@@ -59,17 +59,21 @@ def test_modes_equal_one_gpu(tiny, mode, devices, numerics):
         assert s.run(prompt, 24, SamplingParams(), stop_ids=frozenset()).tokens == want
 
 
-def test_tp_graphs_equal_one_gpu(tiny):
-    """Tensor parallel with CUDA graphs on both ranks (captured together, their all_gathers
-    inside): plain decode across an entry-bucket edge and DSpark verify windows with
-    rejected drafts give one GPU's eager tokens; the steps were replays."""
+@pytest.mark.parametrize("mode", ["tp", "layer"])
+def test_graphs_over_two_gpus_equal_one_gpu(tiny, mode):
+    """CUDA graphs on both ranks, captured and replayed together — tensor parallel with its
+    all_gathers inside, the layer split with its point-to-point hand-offs inside: plain
+    decode across an entry-bucket edge and DSpark verify windows with rejected drafts give one
+    GPU's eager tokens; the steps were replays."""
     ref = Model.load(tiny, "cuda:0", Numerics.for_device("cuda:0", "vendor"))  # (the group's)
     edge = 257 * min(ref.index_ratios) - 1
     prompt = random_tokens(edge - 10, seed=5)
     want = Session(ref, edge + 64).run(prompt, 30, mode="plain").tokens
     block = ref.cfg.dspark_block_size
     override = continuation_drafts(want, len(prompt), ref.cfg.vocab_size)
-    with launch(ParallelSpec("tp", ("cuda:0", "cuda:1"), str(tiny), numerics="vendor")) as pm:
+    spec = ParallelSpec(mode, ("cuda:0", "cuda:1"), str(tiny), numerics="vendor",
+                        split=((0, 4), (4, 8)) if mode == "layer" else None)
+    with launch(spec) as pm:
         s = Session(pm, edge + 64, graphs=True)
         assert s.run(prompt, 30, mode="plain").tokens == want
         assert (s.graphed.captures, s.graphed.replays) == (2, 29 - 2)
@@ -77,9 +81,6 @@ def test_tp_graphs_equal_one_gpu(tiny):
         d = Session(pm, edge + 64, speculative=spec, draft_override=override, graphs=True)
         assert d.run(prompt, 30, mode="dspark").tokens == want
         assert d.stats.accepted < d.stats.drafted and d.graphed.replays > 0
-    with launch(ParallelSpec("layer", ("cuda:0", "cuda:1"), str(tiny))) as pm:
-        with pytest.raises(Exception, match="need --parallel tp"):
-            Session(pm, 64, graphs=True)
 
 
 def test_a_model_on_the_second_gpu_computes_there(tiny):
