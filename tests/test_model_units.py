@@ -503,6 +503,20 @@ def test_topk_lowest_index_random_ties():
         assert got.tolist() == [spec_topk(row, k) for row in s.tolist()]
 
 
+def test_topk_lowest_index_orders_negative_scores_and_signed_zeros():
+    """The selection keys order floats as floats do: negatives below positives, −0 equal to
+    +0 (a tie, to the lower index), −inf never picked, +inf above everything."""
+    s = torch.tensor([[-0.0, 0.0, -1.5, -1e-30, 2.0, NEG, float("inf"), -3e38]])
+    for k in range(1, 9):
+        assert topk_lowest_index(s, k).tolist() == [spec_topk(s[0].tolist(), k)]
+    gen = torch.Generator().manual_seed(32)
+    s = torch.randn(40, 300, generator=gen) * torch.logspace(-30, 30, 300)
+    s[:, ::7] = s[:, 3:4]  # ties
+    s[torch.rand(40, 300, generator=gen) < 0.2] = NEG
+    for k in (1, 17, 250, 300):
+        assert topk_lowest_index(s, k).tolist() == [spec_topk(r, k) for r in s.tolist()]
+
+
 def spec_candidates(row: list[float], n_visible: int, block: int, n_blocks: int) -> list[bool]:
     n = len(row)
     nb = -(-n // block)

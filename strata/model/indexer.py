@@ -32,9 +32,16 @@ def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     sorted ascending; slots with no finite score left are −1. Always k wide, so the
     attention that consumes it has the same shape whatever the number of entries."""
     T, n = scores.shape
-    order = torch.sort(scores, dim=-1, descending=True, stable=True)
     m = min(k, n)
-    idx, val = order.indices[:, :m], order.values[:, :m]
+    # One int64 key per entry, ordered as (score, −index): the float's bits mapped to an
+    # integer of the same order (−0 made +0 first, so the two zeros tie as floats do) above
+    # the reversed index. The keys are distinct, so the top m is one set whatever the
+    # selection algorithm — a radix select over the row instead of a full sort of it.
+    bits = (scores.float() + 0.0).view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    rev = (n - 1) - torch.arange(n, device=scores.device)
+    idx = torch.topk(ordered * (1 << 32) + rev, m, dim=-1, sorted=False).indices
+    val = scores.gather(1, idx)
     idx = torch.where(val > float("-inf"), idx, torch.full_like(idx, n))
     idx = torch.sort(idx, dim=-1).values
     idx = torch.where(idx < n, idx, torch.full_like(idx, -1))
