@@ -442,3 +442,27 @@ def test_column_slices_keep_the_whole_weights_split_order(kernels_on_cpu, monkey
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(73))
     nx = Numerics()
     assert torch.equal(half(x, nx, torch.float32), lin(x, nx, torch.float32)[:, 128:])
+
+
+def test_linear_groups_run_as_one_grouped_launch(kernels_on_cpu):
+    """wo_a's groups (strata.quant.groups): a decode-sized call runs them as one grouped
+    launch whose every (row, group) output is the group's own linear on that row, bit for bit;
+    the groups' tensors are stacked once, each linear then viewing its slice; groups that do
+    not share a codebook run one by one."""
+    from strata.quant.groups import LinearGroups
+    G, nx = 3, Numerics("vendor", torch.bfloat16)
+    lins = [Exl3Linear(trellis_of(8, 8, 3, seed=70 + g), scales(128, 80 + g, scale=0.2),
+                       scales(128, 90 + g), "3inst", out_features=120, in_features=128)
+            for g in range(G)]
+    x = torch.randn(5, G, 128, generator=torch.Generator().manual_seed(71)).bfloat16()
+    want = torch.cat([lin(x[:, g], nx, act_quant=False) for g, lin in enumerate(lins)], dim=1)
+    groups = LinearGroups(lins)
+    for T in (1, 5):
+        got = groups(x[:T], nx)
+        assert got.shape == (T, G * 120) and torch.equal(bits(got), bits(want[:T]))
+    assert groups._stack and all(lin.trellis.data_ptr() == groups._stack.trellis[g].data_ptr()
+                                 for g, lin in enumerate(lins))
+    mixed = LinearGroups(lins[:2] + [Exl3Linear(trellis_of(8, 8, 3, seed=72),
+                                                scales(128, 73, scale=0.2), scales(128, 74),
+                                                "mcg", out_features=120, in_features=128)])
+    assert mixed(x[:2], nx).shape == (2, G * 120) and mixed._stack is False

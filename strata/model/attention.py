@@ -17,6 +17,7 @@ from strata.model.context import ForwardContext
 from strata.model.indexer import Indexer
 from strata.model.numerics import rms_norm, rows_bmm
 from strata.model.rope import apply_rope
+from strata.quant.groups import LinearGroups
 from strata.quant.qdq import fp4_qdq_e4m3_scale, fp8_act_qdq
 from strata.runtime.state import State
 
@@ -32,7 +33,7 @@ class Attention:
         self.wq_b = w.linear(f"{prefix}.wq_b", H * hd, cfg.q_lora_rank)
         self.wkv = w.linear(f"{prefix}.wkv", hd, D)
         self.kv_norm = w.float_tensor(f"{prefix}.kv_norm.weight", (hd,))
-        self.wo_a = w.linear_groups(f"{prefix}.wo_a", G, ol, H * hd // G)
+        self.wo_a = LinearGroups(w.linear_groups(f"{prefix}.wo_a", G, ol, H * hd // G))
         self.wo_b = w.linear(f"{prefix}.wo_b", D, G * ol)
         self.attn_sink = w.float_tensor(f"{prefix}.attn_sink", (H,))
         # Heads and wo_a groups this object computes: all of them, unless tensor parallelism
@@ -67,10 +68,8 @@ class Attention:
         cos, sin = ctx.rope(self.ratio)
         o = apply_rope(o, cos, sin, inverse=True).to(nx.act_dtype)
         G = self.n_groups
-        o = o.reshape(ctx.T, G, -1)
         # The vendor runs wo_a unquantized (convert.py dequantises it): no fp8 activation point.
-        o = torch.cat([self.wo_a[g](o[:, g], nx, act_quant=False) for g in range(G)], dim=1)
-        return self.wo_b(o, nx)
+        return self.wo_b(self.wo_a(o.reshape(ctx.T, G, -1), nx), nx)
 
     # -- the backbone forward -----------------------------------------------------------------
     def forward(self, u: torch.Tensor, ctx: ForwardContext, state: State) -> torch.Tensor:

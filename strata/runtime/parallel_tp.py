@@ -341,7 +341,7 @@ def apply_tp(model: Model, comm: Comm, plan: TPPlan) -> None:
             a = block.attn
             a.n_heads, a.n_groups = len(heads), len(groups)
             a.attn_sink = a.attn_sink[heads.start:heads.stop].clone()
-            a.wo_a = [a.wo_a[g] for g in groups]
+            a.wo_a = a.wo_a.select(groups)
             a.wo_b = GatheredInput(comm, a.wo_b)
             if model.device.type == "cpu":
                 a.attend_heads = _bind_padded(a, heads)

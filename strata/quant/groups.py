@@ -1,0 +1,81 @@
+"""A row-grouped linear (attention's wo_a): group g's own linear applied to group g's own input
+slice, outputs side by side.
+
+V4.1 has 8 groups per layer: called one by one, a decode step pays 8 small launch-bound
+linears per layer (in EXL3 two kernels each). When the groups are EXL3 slices of one shape and
+codebook, a decode-sized forward runs them as one grouped launch instead — the MoE's grouped
+EXL3 linear with group g in the place of expert g, whose every (row, group) output is bit for
+bit the group's own linear on that row (strata.kernels.exl3.exl3_moe_linear's contract), so
+the choice changes no bit. Prefill-sized forwards keep one call per group (each then takes the
+tensor-core GEMM path).
+"""
+from __future__ import annotations
+
+import torch
+
+from strata.model.numerics import Numerics
+from strata.quant.linear import Linear
+
+
+class LinearGroups:
+    def __init__(self, linears: list[Linear]) -> None:
+        self.linears = list(linears)
+        self._stack = None          # the groups' EXL3 tensors stacked (built on first use)
+        self._routes: dict = {}     # (T, device) -> (group ids [T, G], their grouping)
+
+    def __len__(self) -> int:
+        return len(self.linears)
+
+    def __getitem__(self, g: int) -> Linear:
+        return self.linears[g]
+
+    def select(self, groups) -> "LinearGroups":
+        """These groups only (tensor parallelism keeps its heads' groups)."""
+        return LinearGroups([self.linears[g] for g in groups])
+
+    def __call__(self, x: torch.Tensor, nx: Numerics) -> torch.Tensor:
+        """x [T, G, in] → [T, G·out] in nx's activation dtype, with no fp8 activation point
+        (the vendor runs wo_a unquantized)."""
+        T = x.shape[0]
+        stack = self._grouped_exl3(x)
+        if stack is None:
+            return torch.cat([lin(x[:, g], nx, act_quant=False)
+                              for g, lin in enumerate(self.linears)], dim=1)
+        from strata.kernels.exl3 import exl3_moe_linear
+        ids, grouping = self._route(T, x.device)
+        (y,) = exl3_moe_linear(x, ids, [stack.set], stack.codebook, stack.out_features,
+                               nx.act_dtype, grouping)
+        return y.reshape(T, -1)
+
+    def _grouped_exl3(self, x: torch.Tensor):
+        """The stacked groups when one grouped EXL3 launch can run this call, else None."""
+        from strata.quant import exl3 as qexl3
+        if not qexl3._use_kernels(x):
+            return None
+        from strata.kernels.exl3 import FUSED_MAX_ROWS
+        if x.shape[0] > FUSED_MAX_ROWS:
+            return None
+        if self._stack is None:
+            lins = self.linears
+            first = lins[0]
+            if not (all(isinstance(lin, qexl3.Exl3Linear) for lin in lins)
+                    and all(lin.codebook == first.codebook and lin.bias is None
+                            and lin.sched_cols is None and lin.trellis.shape == first.trellis.shape
+                            and lin.out_features == first.out_features for lin in lins)):
+                self._stack = False
+                return None
+            from strata.kernels.moe import stack_exl3
+            self._stack = stack_exl3(lins)  # (each group's linear then views its slice)
+        return self._stack or None
+
+    def _route(self, T: int, device: torch.device):
+        """Row t's group g is "expert" g: fixed for a given T, so built once per T (on a
+        graph's warm-up, before the capture)."""
+        key = (T, device)
+        if key not in self._routes:
+            from strata.kernels.exl3 import BLOCK_M
+            from strata.kernels.moe_grouping import group_by_expert
+            G = len(self.linears)
+            ids = torch.arange(G, device=device).expand(T, G).contiguous()
+            self._routes[key] = ids, group_by_expert(ids, G, BLOCK_M)
+        return self._routes[key]
