@@ -1,14 +1,16 @@
 # One device call (nvidia-h200-x2) for CUDA graphs over two GPUs (issues 7 and 8), most
 # valuable first, each step with its own timeout and tee'd to $OUT: (1) the exactness ladder
-# (with the indexer's bounded pieces), the row kernel and the one-GPU graph tests; (2) every
+# (with the indexer's bounded pieces and radix top-k), the row kernel, the one-GPU graph tests
+# and the fused small ops (the one-program expert grouping); (2) every
 # two-GPU test — modes × numerics × orders, graphs in tensor parallel and in the layer split
 # (its hand-offs captured), the killed rank; (3) `bench decode` in the layer split on the
 # fixture, eager against graphed; (4) the full-size synthetic over both GPUs, layer split,
 # graphed (the published anchor is Layer+DSpark).
 # On the device: source scripts/device_env.sh && bash scripts/device_graphs.sh
 set -o pipefail
-timeout ${T1:-150} python -m pytest -q -m gpu tests/gpu/test_cuda_parity.py \
-    tests/gpu/test_cuda_graph_gpu.py -rf --tb=short -s --durations=8 2>&1 \
+timeout ${T1:-180} python -m pytest -q -m gpu tests/gpu/test_cuda_parity.py \
+    tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_kernels_fused_ops_gpu.py -rf --tb=short \
+    -s --durations=8 2>&1 \
     | tee $OUT/gpu_tests.log
 timeout ${T2:-240} python -m pytest -q -m gpu tests/gpu/test_parallel_gpu.py -rf --tb=short \
     -s --durations=12 2>&1 | tee $OUT/parallel_tests.log

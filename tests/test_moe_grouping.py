@@ -1,8 +1,12 @@
 """group_by_expert: every pair lands in exactly one tile of its own expert, in pair order."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first launched (CPU runs)
 
 from strata.kernels.moe_grouping import group_by_expert, max_tiles
 
@@ -29,3 +33,18 @@ def test_tiles_cover_each_pair_once(T, k, E, bm, seed):
         tiles = (g.tile_expert == e).nonzero().view(-1).tolist()
         counts = [int((g.tile_rows[j] >= 0).sum()) for j in tiles]
         assert all(c == bm for c in counts[:-1]) and 0 < counts[-1] <= bm
+
+
+@pytest.mark.parametrize("T,k,E,bm,seed", [(1, 6, 384, 64, 0), (6, 6, 384, 64, 1),
+                                           (5, 6, 4, 4, 2), (8, 8, 3, 16, 3), (1, 1, 7, 16, 4),
+                                           (3, 5, 2, 2, 5)])
+def test_one_program_grouping_equals_the_general_path(T, k, E, bm, seed):
+    """The fused kernel a CUDA decode step uses (under the Triton interpreter here) returns
+    the general path's tensors exactly: order, tile experts, tile rows."""
+    pytest.importorskip("triton")
+    from strata.kernels.moe_grouping import group_in_one_program
+    idx = torch.randint(0, E, (T, k), generator=torch.Generator().manual_seed(seed))
+    want, got = group_by_expert(idx, E, bm), group_in_one_program(idx, E, bm)
+    assert torch.equal(got.order, want.order)
+    assert torch.equal(got.tile_expert, want.tile_expert)
+    assert torch.equal(got.tile_rows, want.tile_rows)

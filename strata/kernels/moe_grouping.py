@@ -17,6 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch path is used
+    triton = None
+
+# Up to this many pairs (decode steps and verify windows) a CUDA call runs one fused kernel
+# (group_in_one_program) instead of the ~20 small torch kernels of the general path.
+FUSED_PAIRS = 64
+
 
 def max_tiles(pairs: int, n_experts: int, block_m: int) -> int:
     """Σ_e ceil(c_e / block_m) ≤ pairs / block_m + (number of experts present)."""
@@ -33,6 +43,8 @@ class ExpertGroups:
 
 def group_by_expert(idx: torch.Tensor, n_experts: int, block_m: int) -> ExpertGroups:
     """idx [T, k] expert ids → tiles of ≤ block_m pairs with one expert each."""
+    if idx.is_cuda and triton is not None and idx.numel() <= FUSED_PAIRS:
+        return group_in_one_program(idx, n_experts, block_m)
     flat = idx.reshape(-1).long()
     P = flat.numel()
     dev = flat.device
@@ -54,4 +66,62 @@ def group_by_expert(idx: torch.Tensor, n_experts: int, block_m: int) -> ExpertGr
     tile_rows[tile, lane] = order.to(torch.int32)
     tile_expert = torch.full((n_tiles,), -1, dtype=torch.int32, device=dev)
     tile_expert[tile] = sorted_e.to(torch.int32)
+    return ExpertGroups(order, tile_expert, tile_rows, block_m)
+
+
+if triton is not None:
+    @triton.jit
+    def _group_kernel(ids_ptr, order_ptr, tile_expert_ptr, tile_rows_ptr, P, n_tiles,
+                      BLOCK_M: tl.constexpr, PB: tl.constexpr, TB: tl.constexpr):
+        # One program over all P pairs: every quantity of the general path from pairwise
+        # comparisons (P ≤ PB ≤ 64, so the [PB, PB] tables live in registers).
+        i = tl.arange(0, PB)
+        live = i < P
+        e = tl.load(ids_ptr + i, mask=live, other=0).to(tl.int64)
+        ei, ej = e[:, None], e[None, :]
+        pair = live[:, None] & live[None, :]
+        before = i[None, :] < i[:, None]
+        less = tl.sum((pair & (ej < ei)).to(tl.int32), axis=1)              # experts below
+        same_before = tl.sum((pair & (ej == ei) & before).to(tl.int32), axis=1)
+        count = tl.sum((pair & (ej == ei)).to(tl.int32), axis=1)
+        tiles = (count + BLOCK_M - 1) // BLOCK_M
+        first = same_before == 0
+        # An expert's first tile: the tiles of every present expert below it.
+        tile_start = tl.sum(tl.where(pair & (ej < ei) & first[None, :], tiles[None, :], 0),
+                            axis=1)
+        tile = tile_start + same_before // BLOCK_M
+        lane = same_before % BLOCK_M
+        # Unused tiles and lanes read -1; the barrier orders those stores before the pairs'.
+        t = tl.arange(0, TB)
+        lanes = tl.arange(0, BLOCK_M)
+        tl.store(tile_expert_ptr + t, tl.full([TB], -1, tl.int32), mask=t < n_tiles)
+        tl.store(tile_rows_ptr + t[:, None] * BLOCK_M + lanes[None, :],
+                 tl.full([TB, BLOCK_M], -1, tl.int32), mask=(t < n_tiles)[:, None])
+        tl.debug_barrier()
+        tl.store(order_ptr + less + same_before, i.to(tl.int64), mask=live)
+        tl.store(tile_rows_ptr + tile * BLOCK_M + lane, i.to(tl.int32), mask=live)
+        tl.store(tile_expert_ptr + tile, e.to(tl.int32), mask=live)
+
+
+def group_in_one_program(idx: torch.Tensor, n_experts: int, block_m: int) -> ExpertGroups:
+    """group_by_expert's result from one kernel launch, for at most FUSED_PAIRS pairs (the
+    same tensors exactly: tests/test_moe_grouping.py)."""
+    if triton is None:
+        raise RuntimeError("group_in_one_program needs triton")
+    flat = idx.reshape(-1).contiguous()
+    P = flat.numel()
+    if P > FUSED_PAIRS:
+        raise ValueError(f"group_in_one_program: {P} pairs, at most {FUSED_PAIRS}")
+    n_tiles = max_tiles(P, n_experts, block_m)
+    dev = flat.device
+    order = torch.empty(P, dtype=torch.long, device=dev)
+    tile_expert = torch.empty(n_tiles, dtype=torch.int32, device=dev)
+    tile_rows = torch.empty((n_tiles, block_m), dtype=torch.int32, device=dev)
+    if P:
+        _group_kernel[(1,)](flat, order, tile_expert, tile_rows, P, n_tiles, BLOCK_M=block_m,
+                            PB=max(16, triton.next_power_of_2(P)),
+                            TB=max(16, triton.next_power_of_2(n_tiles)))
+    else:
+        tile_expert.fill_(-1)
+        tile_rows.fill_(-1)
     return ExpertGroups(order, tile_expert, tile_rows, block_m)

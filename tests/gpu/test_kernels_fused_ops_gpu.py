@@ -74,3 +74,18 @@ def test_rope_equals_the_torch_code(cuda, monkeypatch, dtype):
     for inverse in (False, True):
         assert torch.equal(rope.apply_rope(x, cos, sin, inverse),
                            torch_path(monkeypatch, rope.apply_rope, x, cos, sin, inverse))
+
+
+@pytest.mark.parametrize("T,k", [(1, 6), (6, 6), (64, 1), (8, 8)])
+def test_one_program_grouping_equals_the_general_path(cuda, T, k):
+    """A decode step's expert grouping on CUDA (one kernel) gives the general path's tensors
+    exactly (V4.1: 384 experts; the EXL3 kernels' 64-row tiles and the fp8/fp4 ones')."""
+    from strata.kernels import moe_grouping as G
+    idx = torch.randint(0, 384, (T, k), generator=torch.Generator().manual_seed(T * k)).to(cuda)
+    idx[-1] = idx[0]  # repeated experts
+    for bm in (16, 64):
+        got = G.group_in_one_program(idx, 384, bm)
+        want = G.group_by_expert(idx.cpu(), 384, bm)
+        assert torch.equal(got.order.cpu(), want.order)
+        assert torch.equal(got.tile_expert.cpu(), want.tile_expert)
+        assert torch.equal(got.tile_rows.cpu(), want.tile_rows)
