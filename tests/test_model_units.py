@@ -517,6 +517,21 @@ def test_topk_lowest_index_orders_negative_scores_and_signed_zeros():
         assert topk_lowest_index(s, k).tolist() == [spec_topk(r, k) for r in s.tolist()]
 
 
+def test_ranked_topk_is_a_stable_descending_sorts_first_k():
+    """The routing's and the indexer's selection: exactly a stable descending sort's first k,
+    in its order (the MoE sums its slots in that order), ties to the lowest index."""
+    from strata.model.numerics import ranked_topk
+    gen = torch.Generator().manual_seed(33)
+    s = torch.randn(30, 384, generator=gen)
+    s[:, ::5] = s[:, 2:3]                                   # ties
+    s[:3] = torch.tensor([0.0, -0.0, 1.0, -1.0] * 96)      # signed zeros, many ties
+    s[3] = float("inf")
+    for k in (1, 6, 64, 384):
+        want = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :k]
+        assert torch.equal(ranked_topk(s, k), want)
+        assert torch.equal(ranked_topk(s, k, sorted=False).sort(-1).values, want.sort(-1).values)
+
+
 def spec_candidates(row: list[float], n_visible: int, block: int, n_blocks: int) -> list[bool]:
     n = len(row)
     nb = -(-n // block)

@@ -16,7 +16,7 @@ import torch
 from strata.checkpoint.weights import WeightReader
 from strata.config import ModelConfig
 from strata.model.context import ForwardContext
-from strata.model.numerics import rms_norm, rows_bmm
+from strata.model.numerics import ranked_topk, rms_norm, rows_bmm
 from strata.model.rope import apply_rope
 from strata.quant.qdq import fp4_qdq_ue8m0
 from strata.runtime.state import State, entry_bucket
@@ -33,14 +33,7 @@ def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     attention that consumes it has the same shape whatever the number of entries."""
     T, n = scores.shape
     m = min(k, n)
-    # One int64 key per entry, ordered as (score, −index): the float's bits mapped to an
-    # integer of the same order (−0 made +0 first, so the two zeros tie as floats do) above
-    # the reversed index. The keys are distinct, so the top m is one set whatever the
-    # selection algorithm — a radix select over the row instead of a full sort of it.
-    bits = (scores.float() + 0.0).view(torch.int32).to(torch.int64)
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    rev = (n - 1) - torch.arange(n, device=scores.device)
-    idx = torch.topk(ordered * (1 << 32) + rev, m, dim=-1, sorted=False).indices
+    idx = ranked_topk(scores, m, sorted=False)  # (a radix select, not a sort of the row)
     val = scores.gather(1, idx)
     idx = torch.where(val > float("-inf"), idx, torch.full_like(idx, n))
     idx = torch.sort(idx, dim=-1).values

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from strata.checkpoint.weights import WeightReader
 from strata.config import ModelConfig
-from strata.model.numerics import Numerics, row_matmul, rows_bmm
+from strata.model.numerics import Numerics, ranked_topk, row_matmul, rows_bmm
 from strata.quant.linear import Linear
 from strata.quant.qdq import fp8_act_qdq
 
@@ -180,7 +180,7 @@ class MoE:
         """(expert ids [T, k], weights [T, k]); the bias picks experts but never weights them."""
         s = torch.sqrt(F.softplus(self.gate(u, nx, torch.float32) / self.cfg.gate_temp))
         biased = s + self.bias
-        idx = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :self.top_k]
+        idx = ranked_topk(biased, self.top_k)  # (a stable descending sort's first k)
         w = s.gather(1, idx)
         w = w / (w.sum(-1, keepdim=True) + 1e-20) * self.cfg.routed_scaling_factor
         return idx, w

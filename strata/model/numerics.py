@@ -100,3 +100,17 @@ def row_sum(x: torch.Tensor) -> torch.Tensor:
 
 def row_mean(x: torch.Tensor) -> torch.Tensor:
     return row_sum(x) / x.shape[-1]
+
+
+def ranked_topk(scores: torch.Tensor, k: int, sorted: bool = True) -> torch.Tensor:
+    """Indices [..., k] of the k largest scores along the last dim, ties to the lowest index —
+    exactly the first k of a stable descending sort (in that order when `sorted`), without
+    sorting the row: one int64 key per entry, the float's bits mapped to an integer of the
+    same order (−0 made +0 first, so the zeros tie as floats do) above the reversed index.
+    The keys are distinct, so the top k is one set in one order whatever algorithm selects
+    it (a radix select instead of a full sort). NaN scores are not expected."""
+    n = scores.shape[-1]
+    bits = (scores.float() + 0.0).view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    rev = (n - 1) - torch.arange(n, device=scores.device)
+    return torch.topk(ordered * (1 << 32) + rev, k, dim=-1, sorted=sorted).indices
