@@ -5,10 +5,10 @@
 # two-GPU test — modes × numerics × orders, graphs in tensor parallel and in the layer split
 # (its hand-offs captured), the killed rank; (3) `bench decode` in the layer split on the
 # fixture, eager against graphed; (4) the full-size synthetic over both GPUs, layer split,
-# graphed (the published anchor is Layer+DSpark).
+# graphed (the published anchor is Layer+DSpark), with rank 0's step breakdown.
 # On the device: source scripts/device_env.sh && bash scripts/device_graphs.sh
 set -o pipefail
-timeout ${T1:-180} python -m pytest -q -m gpu tests/gpu/test_cuda_parity.py \
+timeout ${T1:-160} python -m pytest -q -m gpu tests/gpu/test_cuda_parity.py \
     tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_kernels_fused_ops_gpu.py -rf --tb=short \
     -s --durations=8 2>&1 \
     | tee $OUT/gpu_tests.log
@@ -18,5 +18,6 @@ timeout ${T3:-60} python -m strata bench decode --parallel layer --devices cuda:
     --modes plain,plain+graphs,oracle,oracle+graphs --tokens 32 --runs 1 --warmup 1 --quiet \
     --json $OUT/decode_layer_graphs.json 2>&1 | tee $OUT/decode_layer_graphs.log
 timeout ${T4:-140} python -m strata bench synthetic --parallel layer --devices cuda:0,cuda:1 \
-    --modes plain+graphs,oracle+graphs,oracle:2.9+graphs --tokens 16 --runs 1 \
-    --warmup 0 --json $OUT/synthetic_layer_graphs.json 2>&1 | tee $OUT/synthetic_layer_graphs.log
+    --modes plain+graphs,oracle+graphs,oracle:2.9+graphs --tokens 16 --runs 1 --warmup 0 \
+    --breakdown 2 --json $OUT/synthetic_layer_graphs.json 2>&1 \
+    | tee $OUT/synthetic_layer_graphs.log

@@ -135,9 +135,14 @@ def test_bench_synthetic_cli_parallel(tiny_dir, tmp_path, capsys):
     assert main(["bench", "synthetic", "--config", str(tiny_dir), "--parallel", "layer",
                  "--devices", "cpu,cpu", "--layers", "0-3"]) == 2
     assert "--layers is for one device" in capsys.readouterr().err
+    # --breakdown profiles rank 0 (its process and device) over a group, graphed steps too.
     assert main(["bench", "synthetic", "--config", str(tiny_dir), "--parallel", "layer",
-                 "--devices", "cpu,cpu", "--breakdown", "2"]) == 2
-    assert "--breakdown profiles one device" in capsys.readouterr().err
+                 "--devices", "cpu,cpu", "--prompt-tokens", "12", "--tokens", "3", "--runs", "1",
+                 "--warmup", "0", "--engram-rows", "32", "--modes", "plain,plain+graphs",
+                 "--breakdown", "2", "--json", str(out)]) == 0
+    assert "[plain+graphs] decode step breakdown (2 steps on cpu)" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert {"attention", "moe", "mhc"} <= set(data["breakdown"]["plain"]["ms"])
 
 
 def test_bench_synthetic_prefill_with_and_without_the_decoder_skip(tiny_dir, tmp_path, capsys):

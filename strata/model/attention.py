@@ -73,7 +73,7 @@ class Attention:
 
     # -- the backbone forward -----------------------------------------------------------------
     def forward(self, u: torch.Tensor, ctx: ForwardContext, state: State) -> torch.Tensor:
-        cfg, nx = self.cfg, ctx.numerics
+        cfg = self.cfg
         qr, q = self.project_q(u, ctx)
         kv = self.project_kv(u, ctx)
 
