@@ -269,7 +269,8 @@ class Model:
     # -- the pieces of a forward: a multi-device group runs them on different ranks --------
     # (runtime/parallel.py: embed on the first, a contiguous layer range on each, the head on
     # the first again; the stream h, the lagged pre and the context cross between them.)
-    # A route's two ends: this model's own embed the tokens and compute the logits.
+    # A route's two ends (Model._forward): a whole model embeds the tokens and computes the
+    # logits; a rank of a group receives and sends the stream instead (its executor).
     def enter(self, tokens: torch.Tensor, ctx: ForwardContext, state: State,
               decoder: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         with scope("embed"):
@@ -279,6 +280,7 @@ class Model:
               logits: str, decoder: bool = True) -> torch.Tensor | None:
         with scope("head"):
             return self.logits(h, pre, logits, ctx.numerics)
+
     def new_context(self, tokens: torch.Tensor, state: State, nx: Numerics) -> ForwardContext:
         """A fresh context for tokens [T] at state.position (positions, Engram row ids)."""
         cfg = self.cfg

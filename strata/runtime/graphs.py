@@ -152,9 +152,9 @@ class GraphedForward:
         self._draft: tuple[DraftRegion, object] | None = None
 
     def release(self) -> None:
-        """Free every graph now (a later forward captures anew). A tensor-parallel group
-        must do this before it leaves: NCCL cannot destroy a communicator while a live graph
-        holds collectives on it (destroy_process_group blocks for good)."""
+        """Free every graph now (a later forward captures anew). A group must do this
+        before it leaves: NCCL cannot destroy a communicator while a live graph holds
+        collectives or hand-offs on it (destroy_process_group blocks for good)."""
         for c in self.captured.values():
             c.graph.reset()
         if self._draft is not None:
