@@ -1,6 +1,6 @@
 """runtime/graphs.GraphedForward's bookkeeping — one capture per key, replays at later
 positions, a replay's journaled writes filed (shifted) in the live journal so rejected rows
-roll back — on CPU, through a stand-in for CUDA graphs (there is no CUDA here): `Rerun`
+roll back — on CPU, through runtime.graphs.EagerReplay (there is no CUDA here), which
 "captures" by keeping the region and "replays" by running it again, with the replay's
 journaled writes copied into the tensors recorded at capture, which is what a real replay
 does to them. The real capture and replay are GPU tests (tests/gpu/test_cuda_graph_gpu.py)."""
@@ -10,56 +10,14 @@ import torch
 
 from strata.model.model import Model
 from strata.model.numerics import Numerics
-from strata.runtime.graphs import CudaGraphs, GraphedForward
+from strata.runtime.graphs import EagerReplay, GraphedForward
 from strata.runtime.session import Session
 from strata.runtime.speculative import SpecConfig
-from strata.runtime.state import Journal
 from util import continuation_drafts, random_tokens, windows_roll_back_alike
 
 
-class RerunGraph:
-    def __init__(self, run, state, recorded) -> None:
-        self.run, self.state, self.recorded = run, state, recorded
-
-    def replay(self) -> None:
-        live = self.state.journal
-        self.state.journal = None if self.recorded is None else Journal(start=0)
-        try:
-            self.run()
-            if self.recorded is not None:
-                fresh = self.state.journal.writes
-                assert len(fresh) == len(self.recorded)
-                for old, new in zip(self.recorded, fresh):
-                    for name in ("slots", "positions", "old_rows", "old_tags"):
-                        getattr(old, name).copy_(getattr(new, name))
-        finally:
-            self.state.journal = live
-
-    def reset(self) -> None:
-        self.run = None  # (a released graph is never replayed)
-
-
-class Rerun(CudaGraphs):
-    def supports(self, device: torch.device) -> bool:
-        return device.type == "cpu"
-
-    def synchronize(self) -> None:
-        pass
-
-    def warm_up(self, run) -> None:
-        run()
-
-    def capture(self, run, state):
-        # A CUDA capture records without running; running here writes the same step's rows
-        # again and journals them in the graph's own journal, as the capture records them.
-        own = state.journal
-        first = 0 if own is None else len(own.writes)
-        run()
-        return RerunGraph(run, state, None if own is None else own.writes[first:])
-
-
 def _graphed(model, session) -> GraphedForward:
-    session.graphed = GraphedForward(model, session.state, Rerun())
+    session.graphed = GraphedForward(model, session.state, EagerReplay())
     return session.graphed
 
 

@@ -29,7 +29,7 @@ from strata.runtime.sampling import SamplingParams
 from strata.runtime.session import Session
 from strata.runtime.speculative import SpecConfig
 from strata.errors import StrataError
-from util import random_tokens
+from util import continuation_drafts, random_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams()
@@ -44,9 +44,10 @@ GROUPS = {
 
 @pytest.fixture(scope="module", params=list(GROUPS))
 def group(request, tiny_dir):
-    """A live group over the tiny fixture (reference numerics), rank 0 in this process."""
+    """A live group over the tiny fixture (reference numerics), rank 0 in this process; its
+    graphs (Session(graphs=True)) replay eagerly on every rank (runtime.graphs.EagerReplay)."""
     pm = launch(ParallelSpec(model_dir=str(tiny_dir), numerics="reference", peer_timeout=20.0,
-                             **GROUPS[request.param]))
+                             graph_backend="eager", **GROUPS[request.param]))
     yield pm
     pm.close()
 
@@ -181,15 +182,23 @@ def test_wrong_state_and_numerics_are_refused(group, tiny_reference):
 
 
 def test_graphs_on_a_group(group, tiny_reference):
-    """Session(graphs=True) and Engine(graphs=True) on a group, in either mode: on CPU ranks
-    no graph can run, so every forward goes the eager way, with the same tokens (the captures
-    themselves, collectives and hand-offs inside, are tests/gpu/test_parallel_gpu.py)."""
-    from strata.runtime.engine import Engine
-    prompt = random_tokens(30, seed=9)
-    want = Session(tiny_reference, 64).run(prompt, 6, GREEDY, stop_ids=frozenset()).tokens
-    s = Session(group, 64, graphs=True)
-    assert s.run(prompt, 6, GREEDY, stop_ids=frozenset()).tokens == want
-    assert (s.graphed.captures, s.graphed.replays) == (0, 0)
+    """The graph path over a group, every rank replaying its own regions together (eagerly
+    here: the CUDA captures, collectives and hand-offs inside, are
+    tests/gpu/test_parallel_gpu.py): plain decode across an entry-bucket edge captures twice
+    and replays the other steps, and DSpark verify windows with rejected drafts replay inside
+    journals and roll back — one device's tokens in every mode."""
+    ref = tiny_reference
+    edge = 257 * min(ref.index_ratios) - 1
+    prompt = random_tokens(edge - 10, seed=5)
+    want = Session(ref, edge + 64).run(prompt, 30, GREEDY, stop_ids=frozenset()).tokens
+    s = Session(group, edge + 64, graphs=True)
+    assert s.run(prompt, 30, GREEDY, stop_ids=frozenset(), mode="plain").tokens == want
+    assert (s.graphed.captures, s.graphed.replays) == (2, 29 - 2)
+    override = continuation_drafts(want, len(prompt), ref.cfg.vocab_size)
+    spec = SpecConfig(length=ref.cfg.dspark_block_size, low_windows=10 ** 9)
+    d = Session(group, edge + 64, speculative=spec, draft_override=override, graphs=True)
+    assert d.run(prompt, 30, GREEDY, stop_ids=frozenset(), mode="dspark").tokens == want
+    assert d.stats.accepted < d.stats.drafted and d.graphed.replays > 0
     Engine(group, 64, graphs=True)
 
 

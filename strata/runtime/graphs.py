@@ -77,8 +77,7 @@ class Captured:
 
 
 class CudaGraphs:
-    """How a step is captured and replayed: torch's CUDA graphs, all in one memory pool (the
-    one seam a CPU test replaces, tests/test_graphs.py)."""
+    """How a step is captured and replayed: torch's CUDA graphs, all in one memory pool."""
 
     def __init__(self) -> None:
         self.pool = None
@@ -106,6 +105,59 @@ class CudaGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             run()
         return graph
+
+
+class EagerReplay(CudaGraphs):
+    """The same regions, keys, captures and journal bookkeeping as CUDA graphs, on any device,
+    without capturing: a "capture" keeps the region and a "replay" runs it again, with the
+    replay's journaled writes copied into the tensors recorded at capture — what a real
+    replay does to them. It is how CPU tests (a group of gloo ranks included) exercise the
+    graph path, and how to tell a capture problem from a region problem on a GPU
+    (ParallelSpec.graph_backend="eager")."""
+
+    def supports(self, device: torch.device) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def warm_up(self, run) -> None:
+        run()
+
+    def capture(self, run, state: State) -> "_Rerun":
+        # A CUDA capture records without running; running here writes the same step's rows
+        # again and journals them in the graph's own journal, as the capture records them.
+        own = state.journal
+        first = 0 if own is None else len(own.writes)
+        run()
+        return _Rerun(run, state, None if own is None else own.writes[first:])
+
+
+class _Rerun:
+    def __init__(self, run, state: State, recorded: list[RingWrite] | None) -> None:
+        self.run, self.state, self.recorded = run, state, recorded
+
+    def replay(self) -> None:
+        live = self.state.journal
+        self.state.journal = None if self.recorded is None else Journal(start=0)
+        try:
+            self.run()
+            if self.recorded is not None:
+                fresh = self.state.journal.writes
+                if len(fresh) != len(self.recorded):
+                    raise RuntimeError("a replayed region journaled other writes than its "
+                                       "capture: it is not a static region")
+                for old, new in zip(self.recorded, fresh):
+                    for name in ("slots", "positions", "old_rows", "old_tags"):
+                        getattr(old, name).copy_(getattr(new, name))
+        finally:
+            self.state.journal = live
+
+    def reset(self) -> None:
+        self.run = None  # (a released graph is never replayed)
+
+
+GRAPH_BACKENDS = {"cuda": CudaGraphs, "eager": EagerReplay}
 
 
 class DraftRegion:

@@ -59,7 +59,7 @@ from strata.runtime.parallel_comm import (EXIT_PEER_LOST, Comm, ParallelError, R
                                           backend_for, connect_store)
 from strata.runtime.parallel_layer import LayerExecutor
 from strata.runtime.parallel_tp import TPPlan, apply_tp, check_tp, sharding_reader
-from strata.runtime.graphs import GraphedForward
+from strata.runtime.graphs import GRAPH_BACKENDS, GraphedForward
 from strata.runtime.state import Bookmark, State
 
 MODES = ("layer", "tp")
@@ -110,6 +110,10 @@ class ParallelSpec:
     # {"config": checkpoint folder or None for the published V4.1 config, and build_synthetic
     # options: fmt, seed, engram, engram_rows, engram_dir}; model_dir is then unused.
     synthetic: dict | None = None
+    # How every rank captures and replays its graphs (runtime/graphs.GRAPH_BACKENDS): "cuda",
+    # or "eager" — the same regions re-run without capture (CPU groups in tests; telling a
+    # capture problem from a region problem on GPUs).
+    graph_backend: str = "cuda"
 
 
 def spec_config(spec: ParallelSpec) -> ModelConfig:
@@ -267,8 +271,9 @@ def _ready(comm: Comm) -> None:
 class Follower:
     """Runs rank 0's commands on this rank's part until SHUTDOWN."""
 
-    def __init__(self, model: Model, comm: Comm, executor) -> None:
+    def __init__(self, model: Model, comm: Comm, executor, graph_backend: str = "cuda") -> None:
         self.m, self.comm, self.executor = model, comm, executor
+        self.graph_backend = GRAPH_BACKENDS[graph_backend]
         self.states: dict[int, State] = {}
         self.bookmarks: dict[int, Bookmark] = {}
         self.graphed: dict[int, GraphedForward] = {}  # a state's graphs
@@ -315,7 +320,8 @@ class Follower:
         if graphs:  # rank 0's decision (GraphedForward.usable holds here alike)
             g = self.graphed.get(sid)
             if g is None:
-                g = self.graphed[sid] = GraphedForward(self.m, state, route=self.executor)
+                g = self.graphed[sid] = GraphedForward(self.m, state, self.graph_backend(),
+                                                       route=self.executor)
             # (the host's copy of the ids: checking them on the device would wait for it)
             g.run(host if host is not None else tokens.cpu(), logits)
             st = self.comm.stats
@@ -388,7 +394,7 @@ def run_follower(spec: ParallelSpec, rv: Rendezvous, rank: int, local_rank: int)
     try:
         model, executor = load_part(spec, cfg, comm, spec.split)
         _ready(comm)
-        Follower(model, comm, executor).serve()
+        Follower(model, comm, executor, spec.graph_backend).serve()
     except ParallelError as e:
         msg = str(e) if str(e).startswith(f"rank {rank}:") else f"rank {rank}: {e}"
         print(f"strata: {msg}", file=sys.stderr, flush=True)
@@ -685,7 +691,8 @@ class GraphedGroup:
 
     def __init__(self, model: ParallelModel, state: State) -> None:
         self.model = model
-        self.local = GraphedForward(model.local, state, route=model.executor)
+        self.local = GraphedForward(model.local, state, GRAPH_BACKENDS[model.spec.graph_backend](),
+                                    route=model.executor)
 
     def forward(self, tokens: torch.Tensor, logits: str = "last"):
         return self.model.forward(tokens, self.local.state, logits, graphed=self.local)
@@ -712,6 +719,9 @@ def launch(spec: ParallelSpec, environ: dict | None = None) -> ParallelModel:
     env = os.environ if environ is None else environ
     if spec.mode not in MODES:
         raise StrataError(f"parallel mode {spec.mode!r}: expected one of {', '.join(MODES)}")
+    if spec.graph_backend not in GRAPH_BACKENDS:
+        raise StrataError(f"graph backend {spec.graph_backend!r}: expected one of "
+                          f"{', '.join(GRAPH_BACKENDS)}")
     devices = parse_devices(",".join(spec.devices))
     cfg = spec_config(spec)
     world = len(devices)
