@@ -675,6 +675,24 @@ def test_indexer_scores_queries_in_bounded_pieces(tiny_reference, monkeypatch):
     assert ca is not None and torch.equal(ca, cb) and torch.equal(a, b)
     assert sa.keys() == sb.keys() and all(torch.equal(sa[l], sb[l]) for l in sa)
 
+
+def test_attention_runs_queries_in_bounded_pieces(tiny_reference, monkeypatch):
+    """A long forward's queries attend a few at a time (attention.ATTN_SCRATCH bounds the
+    gathered rows and scores): logits and every cache row equal one piece's, bit for bit."""
+    from strata.model import attention
+    model, cfg = tiny_reference, tiny_reference.cfg
+    tokens = random_tokens(150, seed=9, vocab=cfg.vocab_size)
+    runs = []
+    for scratch in (attention.ATTN_SCRATCH, 1):  # one piece; one query per piece
+        monkeypatch.setattr(attention, "ATTN_SCRATCH", scratch)
+        state = model.new_state(256)
+        logits, _ = model.forward(tokens[:100], state, logits="all")
+        more, _ = model.forward(tokens[100:], state, logits="all")
+        runs.append((torch.cat((logits, more)), state.tensors()))
+    (a, sa), (b, sb) = runs
+    assert torch.equal(a, b) and sa.keys() == sb.keys()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
 # ------------------------------------------------------------------------------------------
 # 5. MoE
 # ------------------------------------------------------------------------------------------

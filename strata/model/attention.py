@@ -21,6 +21,9 @@ from strata.quant.groups import LinearGroups
 from strata.quant.qdq import fp4_qdq_e4m3_scale, fp8_act_qdq
 from strata.runtime.state import State
 
+# A forward's queries attend in pieces whose fp32 scratch stays under this many bytes.
+ATTN_SCRATCH = 1 << 30
+
 
 class Attention:
     def __init__(self, cfg: ModelConfig, layer: int, w: WeightReader, prefix: str,
@@ -87,21 +90,41 @@ class Attention:
         in_chunk = kpos >= first
         slot = kpos.clamp(min=0) % ring.size
         valid = (kpos >= 0) & (in_chunk | (ring.tags[slot] == kpos))
-        win_rows = torch.where(in_chunk[..., None], kv[(kpos - first).clamp(min=0)].float(),
-                               ring.rows[slot].float())
+        # (selected in the stored dtype — exact — and widened to fp32 per piece below)
+        dt = torch.promote_types(kv.dtype, ring.rows.dtype)
+        win_rows = torch.where(in_chunk[..., None], kv[(kpos - first).clamp(min=0)].to(dt),
+                               ring.rows[slot].to(dt))
         ring.write(ctx.start, ctx.positions, kv, state.journal)
 
-        comp_rows = comp_mask = None
+        cache = sel = None
         if self.ratio > 0:
             self.publish(u, ctx, state)
             if self.indexer is not None:
                 ctx.sel[self.layer] = self.indexer.select(u, qr, ctx, state)
             sel = ctx.sel[cfg.index_source_of(self.layer)]
             cache = state.comp_kv[cfg.kv_source_of(self.layer)]
-            comp_rows = cache[sel.clamp(min=0)].float()  # [T, k, hd]
-            comp_mask = sel >= 0
-        o = self.attend_heads(q.float(), win_rows, valid, comp_rows, comp_mask)
-        return self.output(o, ctx)
+        return self.output(self.attend_pieces(q.float(), win_rows, valid, cache, sel), ctx)
+
+    def attend_pieces(self, q: torch.Tensor, win_rows: torch.Tensor, valid: torch.Tensor,
+                      cache: torch.Tensor | None, sel: torch.Tensor | None) -> torch.Tensor:
+        """attend_heads over the queries a few at a time: each piece gathers its queries'
+        compressed rows [rows, k, hd] and widens its rows to fp32 (a 4,096-row prefill chunk
+        at once would hold ~11 GB of them). Every query is its own batch element of the
+        products and the softmax, so the pieces change no bit. q [T, H, hd] fp32."""
+        T, H, hd = q.shape
+        n = win_rows.shape[1] + (0 if sel is None else sel.shape[1])
+        per_query = 12 * n * hd + 12 * H * (n + 1)  # fp32: rows, joined rows, gathered; s, p
+        step = max(1, ATTN_SCRATCH // per_query)
+        out = []
+        for i in range(0, T, step):
+            j = min(i + step, T)
+            comp_rows = comp_mask = None
+            if sel is not None:
+                comp_rows = cache[sel[i:j].clamp(min=0)].float()  # [rows, k, hd]
+                comp_mask = sel[i:j] >= 0
+            out.append(self.attend_heads(q[i:j], win_rows[i:j].float(), valid[i:j],
+                                         comp_rows, comp_mask))
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     def publish(self, u: torch.Tensor, ctx: ForwardContext, state: State) -> None:
         """A kv source's compressed entries (and index keys) for these rows, which later
