@@ -84,16 +84,11 @@ class Attention:
         # ring (earlier forwards) or this forward's rows, in position order: a fixed-length
         # key set per query keeps the result independent of the chunk it came in.
         ring = state.window[self.layer]
-        W = cfg.sliding_window
-        first = ctx.positions[:1]  # (a device tensor: the ops do not depend on the position)
-        kpos = ctx.positions[:, None] - (W - 1) + torch.arange(W, device=u.device)[None]
-        in_chunk = kpos >= first
-        slot = kpos.clamp(min=0) % ring.size
-        valid = (kpos >= 0) & (in_chunk | (ring.tags[slot] == kpos))
+        kpos, existing, in_chunk, row, slot = ctx.window(cfg.sliding_window, ring.size)
+        valid = existing & (in_chunk | (ring.tags[slot] == kpos))
         # (selected in the stored dtype — exact — and widened to fp32 per piece below)
         dt = torch.promote_types(kv.dtype, ring.rows.dtype)
-        win_rows = torch.where(in_chunk[..., None], kv[(kpos - first).clamp(min=0)].to(dt),
-                               ring.rows[slot].to(dt))
+        win_rows = torch.where(in_chunk[..., None], kv[row].to(dt), ring.rows[slot].to(dt))
         ring.write(ctx.start, ctx.positions, kv, state.journal)
 
         cache = sel = None

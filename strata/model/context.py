@@ -31,6 +31,7 @@ class ForwardContext:
     # A layer split's kv-source entries passed through this rank for later ones (by carry name)
     relay: dict[str, torch.Tensor] = field(default_factory=dict)
     _rope: dict[bool, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    _window: dict[tuple[int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
     @property
     def T(self) -> int:
@@ -42,6 +43,7 @@ class ForwardContext:
         context can then serve another forward whose inputs were copied into it
         (runtime/static_step)."""
         self._rope.clear()
+        self._window.clear()
         self.sel.clear()
         self.candidates = None
         self.published_keys.clear()
@@ -60,3 +62,17 @@ class ForwardContext:
 
     def rope_at(self, ratio: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_cos_sin(self.inv_freq(ratio), positions)
+
+    def window(self, W: int, ring_size: int) -> tuple[torch.Tensor, ...]:
+        """Each query's W most recent positions and where they live, the same for every layer
+        of the forward (made once, not per layer): kpos [T, W] (position order), existing
+        (kpos ≥ 0), in_chunk (this forward's rows), row (the row of this forward's kv that
+        holds it, where in_chunk) and slot (the ring slot, otherwise)."""
+        key = (W, ring_size)
+        if key not in self._window:
+            p = self.positions
+            first = p[:1]  # (a device tensor: the ops do not depend on the position)
+            kpos = p[:, None] - (W - 1) + torch.arange(W, device=p.device)[None]
+            self._window[key] = (kpos, kpos >= 0, kpos >= first, (kpos - first).clamp(min=0),
+                                 kpos.clamp(min=0) % ring_size)
+        return self._window[key]
