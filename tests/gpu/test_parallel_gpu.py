@@ -71,9 +71,9 @@ def test_graphs_over_two_gpus_equal_one_gpu(tiny, mode):
     want = Session(ref, edge + 64).run(prompt, 30, mode="plain").tokens
     block = ref.cfg.dspark_block_size
     override = continuation_drafts(want, len(prompt), ref.cfg.vocab_size)
-    spec = ParallelSpec(mode, ("cuda:0", "cuda:1"), str(tiny), numerics="vendor",
-                        split=((0, 4), (4, 8)) if mode == "layer" else None)
-    with launch(spec) as pm:
+    group = ParallelSpec(mode, ("cuda:0", "cuda:1"), str(tiny), numerics="vendor",
+                         split=((0, 4), (4, 8)) if mode == "layer" else None)
+    with launch(group) as pm:
         s = Session(pm, edge + 64, graphs=True)
         assert s.run(prompt, 30, mode="plain").tokens == want
         assert (s.graphed.captures, s.graphed.replays) == (2, 29 - 2)
