@@ -36,7 +36,7 @@ def test_plain_decode_captures_once_per_key_and_replays(tiny_dir):
     live, ref_live = s.state.live_tensors(), ref.state.live_tensors()
     assert live.keys() == ref_live.keys()
     assert all(torch.equal(live[k], ref_live[k]) for k in live)
-    # Released (as a tensor-parallel group does before it leaves), every graph is reset and
+    # Released (as a group does before it leaves), every graph is reset and
     # the next forward captures anew, with the eager forward's logits.
     graphs = [p for c in g.captured.values() for p in c.graph.graphs]
     g.release()

@@ -657,7 +657,6 @@ def test_indexer_scores_recomputed(tiny_reference):
                 assert lo >= hi - 1e-4 * max(1.0, abs(hi)), (l, t, lo, hi)
 
 
-
 def test_indexer_scores_queries_in_bounded_pieces(tiny_reference, monkeypatch):
     """A long prefill's queries are scored a few at a time (indexer.SCORE_SCRATCH bounds the
     [rows, heads, entries] scratch): the picks, the candidate blocks and the logits equal
@@ -692,6 +691,7 @@ def test_attention_runs_queries_in_bounded_pieces(tiny_reference, monkeypatch):
     (a, sa), (b, sb) = runs
     assert torch.equal(a, b) and sa.keys() == sb.keys()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
 
 # ------------------------------------------------------------------------------------------
 # 5. MoE
