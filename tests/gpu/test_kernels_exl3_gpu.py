@@ -222,3 +222,21 @@ def test_bench_kernels_harness(cuda, tmp_path):
     record(test="exl3_bench_smoke", rows=res["rows"], peer=res["meta"]["peer"])
     assert res["checks"]["reconstruct_bit_exact"]
     assert {r["rows"] for r in res["rows"]} == {1, 6}
+
+
+def test_wo_a_groups_as_one_launch_equal_each_groups_linear(cuda):
+    """V4.1's wo_a (8 groups of 4096 → 1024, K = 4) through LinearGroups: a decode step's and
+    a verify window's grouped launch give each group's own linear bit for bit."""
+    import strata.quant.exl3 as qexl3
+    from strata.model.numerics import Numerics
+    from strata.quant.groups import LinearGroups
+    G, k, n, nx = 8, 4096, 1024, Numerics("vendor", torch.bfloat16)
+    lins = [Exl3Linear(trellis_of(k, n, 4, 300 + g, cuda), scales(k, 400 + g, cuda, scale=0.05),
+                       scales(n, 500 + g, cuda), "3inst", n, k) for g in range(G)]
+    x = torch.randn(6, G, k, generator=torch.Generator().manual_seed(7)).to(cuda, torch.bfloat16)
+    assert qexl3._use_kernels(x)
+    want = torch.cat([lin(x[:, g], nx, act_quant=False) for g, lin in enumerate(lins)], dim=1)
+    groups = LinearGroups(lins)
+    for T in (1, 6):
+        assert torch.equal(i16(groups(x[:T], nx)), i16(want[:T]))
+    assert groups._stack
