@@ -17,6 +17,21 @@ from strata.model.numerics import rms_norm
 from strata.runtime.state import State
 
 
+def entries_written(ratio: int, T: int) -> int:
+    """How many entries a forward of T rows writes for a kv source: one per row at ratio 1,
+    else the ⌈T/r⌉ groups from the one holding the first row (the last possibly unfinished)."""
+    return T if ratio == 1 else -(-T // ratio)
+
+
+def entry_indices(ratio: int, positions: torch.Tensor) -> torch.Tensor:
+    """Those entries' indices, from the forward's device positions (no host value of the
+    start: a CUDA graph replays them at any position)."""
+    if ratio == 1:
+        return positions
+    first = positions[:1] // ratio
+    return first + torch.arange(entries_written(ratio, positions.numel()), device=first.device)
+
+
 class Compressor:
     def __init__(self, cfg: ModelConfig, layer: int, w: WeightReader, prefix: str) -> None:
         self.cfg, self.layer, self.ratio = cfg, layer, cfg.ratio(layer)
@@ -41,7 +56,7 @@ class Compressor:
         n = (start + T) // r - start // r
         k = self.wkv(u, nx, torch.float32)
         if r == 1:
-            return rms_norm(k, self.norm, self.cfg.rms_norm_eps), ctx.positions, n
+            return rms_norm(k, self.norm, self.cfg.rms_norm_eps), entry_indices(r, ctx.positions), n
         g = self.wgate(u, nx, torch.float32)
         kg = torch.stack((k, g), dim=1)  # [T, 2, hd]
         ring = state.comp_tail[self.layer]
@@ -51,8 +66,7 @@ class Compressor:
         back = torch.arange(1 - r, 0, device=u.device)
         kg_all = torch.cat((ring.gather(first + back), kg), dim=0)
         ring.write(start, ctx.positions, kg, state.journal)
-        m = -(-T // r)
-        entries = first // r + torch.arange(m, device=u.device)
+        entries = entry_indices(r, ctx.positions)
         rows = entries[:, None] * r + torch.arange(r, device=u.device)[None] - first + (r - 1)
         groups = kg_all[rows.clamp(max=T + r - 2)]  # [m, r, 2, hd]
         weights = torch.softmax(groups[:, :, 1], dim=1)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from strata.model.compressor import entries_written, entry_indices
 from strata.model.context import ForwardContext
 from strata.model.model import Model
 from strata.model.numerics import Numerics
@@ -110,25 +111,12 @@ class LayerExecutor:
             pieces.append(("cand", (T, entry_bucket((start + T) // cfg.ratio(c))), torch.bool))
         for s in sorted(self._needed_after(r)):
             if s < hi:
-                m = self._entries(s, T)
+                m = entries_written(cfg.ratio(s), T)
                 pieces.append((f"kv.{s}", (m, cfg.head_dim), self.kv_dtype))
                 if cfg.is_index_source(s):
                     pieces.append((f"ik.{s}", (m, cfg.index_head_dim), self.kv_dtype))
         pieces += self._taps(T, hi, decoder)
         return Layout(pieces)
-
-    def _entries(self, source: int, T: int) -> int:
-        """How many entries of a kv source a forward of T rows writes: the compressor's m —
-        one per row at ratio 1, else ⌈T/r⌉ groups from the one holding the first row (the
-        last possibly unfinished: invisible until a later forward completes it)."""
-        r = self.cfg.ratio(source)
-        return T if r == 1 else -(-T // r)
-
-    def _entry_index(self, source: int, ctx: ForwardContext) -> torch.Tensor:
-        """Those entries' indices, from the device positions (no host value of the start)."""
-        r = self.cfg.ratio(source)
-        first = ctx.positions[:1] // r
-        return first + torch.arange(self._entries(source, ctx.T), device=first.device)
 
     def _final_layout(self, T: int, logits: str, nx: Numerics, decoder: bool = True) -> Layout:
         """The message the last rank sends back to rank 0."""
@@ -202,7 +190,7 @@ class LayerExecutor:
                 if cache is None:  # a source only later ranks read: pass it on
                     ctx.relay[name] = t
                 else:
-                    cache[self._entry_index(s, ctx)] = t
+                    cache[entry_indices(self.cfg.ratio(s), ctx.positions)] = t
 
     def _send_carry(self, r: int, h, pre, ctx: ForwardContext, state: State,
                     decoder: bool) -> None:
@@ -222,5 +210,5 @@ class LayerExecutor:
                 else:
                     s = int(key)
                     cache = state.comp_kv[s] if kind == "kv" else state.index_k[s]
-                    vals[name] = cache[self._entry_index(s, ctx)]
+                    vals[name] = cache[entry_indices(self.cfg.ratio(s), ctx.positions)]
         self.comm.send(lay.pack(vals, self.m.device), r + 1)
