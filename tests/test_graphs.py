@@ -6,11 +6,13 @@ journaled writes copied into the tensors recorded at capture, which is what a re
 does to them. The real capture and replay are GPU tests (tests/gpu/test_cuda_graph_gpu.py)."""
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from strata.model.model import Model
 from strata.model.numerics import Numerics
-from strata.runtime.graphs import EagerReplay, GraphedForward
+from strata.runtime.graphs import EagerReplay, GraphedForward, no_cyclic_gc
 from strata.runtime.session import Session
 from strata.runtime.speculative import SpecConfig
 from util import continuation_drafts, random_tokens, windows_roll_back_alike
@@ -172,3 +174,25 @@ def test_the_stale_index_key_quirk_runs_eagerly(tiny_dir):
     assert not g.usable()
     assert s.run(prompt, 5, mode="plain").tokens == want
     assert (g.captures, g.replays) == (0, 0)
+
+
+def test_no_cycle_collection_inside_a_capture():
+    """A capture runs with the cycle collector off (freeing an unreachable session's graphs
+    mid-capture invalidates it on CUDA) and leaves the collector as it found it, error or not."""
+    assert gc.isenabled()
+    with no_cyclic_gc():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    try:
+        with no_cyclic_gc():
+            raise ValueError("a capture that fails")
+    except ValueError:
+        pass
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with no_cyclic_gc():
+            pass
+        assert not gc.isenabled()  # a caller that turned it off keeps it off
+    finally:
+        gc.enable()

@@ -34,7 +34,9 @@ budget does not count yet.
 """
 from __future__ import annotations
 
+import gc
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -102,9 +104,24 @@ class CudaGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool), no_cyclic_gc():
             run()
         return graph
+
+
+@contextmanager
+def no_cyclic_gc():
+    """Python's cycle collector off inside the block. A collection during a capture can free
+    an unreachable session's CUDA graphs, and destroying a graph is an operation CUDA forbids
+    while a stream captures: the capture is invalidated (seen on the H200: the previous
+    benchmark mode's graphs freed mid-capture). torch.cuda.graph collects just before."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class EagerReplay(CudaGraphs):
