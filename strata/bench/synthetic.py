@@ -335,10 +335,12 @@ def add_arguments(p) -> None:
     _add_parallel_args(p)  # every rank builds its part of the same synthetic model
 
 
-def bench_prefill(model, lengths: list[int], chunk: int, skip: str, seed: int) -> list[dict]:
+def bench_prefill(model, lengths: list[int], chunk: int, skip: str, seed: int,
+                  progress=None) -> list[dict]:
     """Time a chunked prefill of random prompts of each length (device synchronised around it)
     with and/or without the decoder skip; peak device memory; with both, whether the last
-    row's logits are bit-identical (the skip is exact)."""
+    row's logits are bit-identical (the skip is exact). `progress(text)`: a line per prefill
+    as soon as it is timed (a long-context run cut short by a time limit keeps them)."""
     import time
 
     from strata.bench.memory import proc_status
@@ -369,6 +371,11 @@ def bench_prefill(model, lengths: list[int], chunk: int, skip: str, seed: int) -
                         "peak_device_bytes": torch.cuda.max_memory_allocated(dev) if cuda
                         else None,
                         "peak_host_rss_bytes": proc_status("VmHWM")})
+            if progress is not None:
+                peak = out[-1]["peak_device_bytes"]
+                progress(f"measured prefill {n} (decoder skip {'on' if on else 'off'}): "
+                         f"{secs:.1f} s, {n / secs:.0f} tok/s"
+                         + ("" if peak is None else f", peak device {peak / 2**30:.1f} GiB"))
             del s
         if len(last) == 2:
             same = bool(torch.equal(last[False], last[True]))
@@ -465,7 +472,8 @@ def run(args) -> int:
             from strata.bench.passkey import parse_length
             lengths = [parse_length(t) for t in args.prefill.split(",") if t.strip()]
             prefill = bench_prefill(model, lengths, args.prefill_chunk, args.prefill_skip,
-                                    args.seed)
+                                    args.seed, progress=lambda line: print(
+                                        line, file=sys.stderr, flush=True))
         # Eager plain steps, and graphed ones too when "plain+graphs" was measured.
         breakdown = {m: decode_breakdown(model, prompt, args.breakdown,
                                          graphs=m == "plain+graphs")
