@@ -4,8 +4,17 @@ cuBLAS picks its kernel (tiling, split-K) from the whole problem's shape, so the
 round differently in a decode step, a verify window and a prefill chunk. This kernel computes
 every output row with the same fixed-order reduction over K (blocks of BLOCK_K, fp32
 accumulation) whatever B or the grid — and, for M ≥ 2, whatever M (`tile_shape`) — which
-makes forwards bit-identical across batch shapes on the GPU. It is the exactness path, not the fast one (no tensor cores); the fast
-quantized kernels (issue 5) must keep the same property.
+makes forwards bit-identical across batch shapes on the GPU.
+
+Two kernels, chosen by the call site's structural M (never by the batch):
+- M = 1 (row products: linears, mHC, row sums): one row per program, products summed along
+  BLOCK_K on the CUDA cores — a decode step reads each weight once and wastes no lanes.
+- M ≥ 2 (attention and the indexer: a query's heads against its rows): tiles of 16 heads
+  through tl.dot with one fixed tile, warp count and precision (fp32 operands as IEEE fp32
+  FMAs, bf16/fp16 pairs on tensor cores with fp32 accumulation). A row's bits depend only on
+  its own operands, so a head split (tensor parallelism) or another batch changes none; a long
+  prefill's [query, heads, rows] products are most of its time (bench/results/performance.md),
+  which the per-element broadcast-and-sum of the row kernel ran at a few TFLOP/s.
 
 `rowwise_bmm_reference` is the torch definition it is tested against (under TRITON_INTERPRET=1
 on CPU).
@@ -57,6 +66,36 @@ if triton is not None:
                  acc.to(o_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
     @triton.jit
+    def _tile_dot_kernel(x_ptr, w_ptr, o_ptr, M, N, K, m_blocks, k_chunk,
+                         sxb, sxm, sxk, swb, swn, swk, soc, sob, som, son,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         NATIVE: tl.constexpr):
+        # The M ≥ 2 kernel: the same tiles, chunks and output layout as _rowwise_kernel, each
+        # BLOCK_K slice through one tl.dot into the fp32 accumulator (NATIVE: both operands in
+        # one 16-bit float type, products exact in fp32, on tensor cores; else fp32 FMAs).
+        pid = tl.program_id(0)
+        b = (pid // m_blocks).to(tl.int64)
+        offs_m = (pid % m_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        chunk = tl.program_id(2)
+        k_start = chunk * k_chunk
+        k_end = tl.minimum(k_start + k_chunk, K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xk = tl.load(x_ptr + b * sxb + offs_m[:, None] * sxm + offs_k[None, :] * sxk,
+                         mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_end), other=0.0)
+            wk = tl.load(w_ptr + b * swb + offs_k[:, None] * swk + offs_n[None, :] * swn,
+                         mask=(offs_k[:, None] < k_end) & (offs_n[None, :] < N), other=0.0)
+            if NATIVE:
+                acc = tl.dot(xk, wk, acc)
+            else:
+                acc = tl.dot(xk.to(tl.float32), wk.to(tl.float32), acc, input_precision="ieee")
+        o = o_ptr + chunk.to(tl.int64) * soc + b * sob
+        tl.store(o + offs_m[:, None] * som + offs_n[None, :] * son,
+                 acc.to(o_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+    @triton.jit
     def _chunk_sum_kernel(p_ptr, o_ptr, n, chunks, BLOCK: tl.constexpr):
         # The chunks' partial sums added in chunk order, element by element.
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -69,6 +108,7 @@ if triton is not None:
 
 
 BLOCK_N = 32
+TILE_WARPS = 4  # the tile kernel's (fixed: it is part of how tl.dot lowers)
 # Long reductions (mHC's 4·D inputs, Engram's row sums) split K into chunks of this many,
 # computed in parallel and added in chunk order: the partition depends on K alone, so a row's
 # bits still do not depend on the batch. One chunk up to K_CHUNK (attention, the indexer).
@@ -80,7 +120,7 @@ def tile_shape(M: int) -> tuple[int, int]:
     structural (1 for row products, the heads of a layer for attention and the indexer) and
     every M ≥ 2 gets the same tile, so a row's bits never depend on the batch (decode, verify
     window, prefill chunk) nor on how tensor parallelism splits the heads."""
-    return (1, 64) if M == 1 else (16, 16)
+    return (1, 64) if M == 1 else (16, 32)
 
 
 def rowwise_bmm(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK) -> torch.Tensor:
@@ -101,12 +141,17 @@ def rowwise_bmm(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK) -> tor
     chunks = triton.cdiv(K, k_chunk) if K > k_chunk else 1
     dest = out if chunks == 1 else torch.empty((chunks, B, M, N), dtype=torch.float32,
                                                device=x.device)
-    ds = dest.stride()[-3:]
-    grid = (B * m_blocks, triton.cdiv(N, BLOCK_N), chunks)
-    _rowwise_kernel[grid](x, w, dest, M, N, K, m_blocks, k_chunk if chunks > 1 else K,
-                          x.stride(0), x.stride(1), x.stride(2), swb, w.stride(1), w.stride(2),
-                          dest.stride(0) if chunks > 1 else 0, *ds,
-                          BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=bk)
+    args = (x, w, dest, M, N, K, m_blocks, k_chunk if chunks > 1 else K,
+            x.stride(0), x.stride(1), x.stride(2), swb, w.stride(1), w.stride(2),
+            dest.stride(0) if chunks > 1 else 0, *dest.stride()[-3:])
+    if M == 1:
+        grid = (B * m_blocks, triton.cdiv(N, BLOCK_N), chunks)
+        _rowwise_kernel[grid](*args, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=bk)
+    else:
+        native = x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
+        grid = (B * m_blocks, triton.cdiv(N, BLOCK_N), chunks)
+        _tile_dot_kernel[grid](*args, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=bk,
+                               NATIVE=native, num_warps=TILE_WARPS)
     if chunks > 1:
         n = B * M * N
         _chunk_sum_kernel[(triton.cdiv(n, 1024),)](dest, out, n, chunks, BLOCK=1024)
