@@ -1,16 +1,20 @@
-"""Session-7 diagnostics on the device (one GPU).
+"""Device diagnostics (one GPU, or both for the layer split): what broke a CUDA-graph capture,
+and where a long prefill's time goes.
 
-python scripts/diag_s7.py capture LAYERS MODE [VARIANT]
+python scripts/device_diag.py capture LAYERS MODE [VARIANT]
     Runs `MODE` (e.g. oracle:2.9+graphs) on the synthetic V4.1 with LAYERS held. While a graph
     is captured, a profile hook asks CUDA after every Python/C call whether the capture is
     still valid, and prints the first call that returned with it invalidated (the operation
     that broke the capture) with its stack. VARIANT: "relaxed" captures in relaxed mode
     (tells a forbidden API call from a bad kernel), "nofused" disables the one-program
-    expert grouping, "nogroups" runs wo_a's groups one by one.
+    expert grouping, "nogroups" runs wo_a's groups one by one. (Session 7: the failing run
+    hung under the hook instead of printing; relaxed mode passing is what named the cause —
+    a graph destroyed mid-capture by the cycle collector.)
 
-python scripts/diag_s7.py prefill LAYERS|layer-split TOKENS CHUNK
-    Times each prefill chunk (decoder skip on) and profiles the last full-prefix chunk's
-    CUDA kernels (top 25 by device time): where a long prefill's time goes as it grows.
+python scripts/device_diag.py prefill LAYERS|layer-split TOKENS CHUNK
+    Times each prefill chunk (decoder skip on) and profiles a late encoder-only chunk's
+    kernels (top 25 by device time; DIAG_PROFILE=0: none): where a long prefill's time goes
+    as the context grows. "layer-split": all 40 layers over cuda:0 and cuda:1.
 """
 from __future__ import annotations
 
