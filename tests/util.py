@@ -36,3 +36,24 @@ def windows_roll_back_alike(model, state, graphed, ref) -> None:
             st.rollback(to=start + keep)
         full, want = state.tensors(), ref.tensors()
         assert all(torch.equal(full[k], want[k]) for k in want), f"window {i}"
+
+
+def qdq_hard_values(block: int) -> torch.Tensor:
+    """Rows of `block` values that stress every step: a wide range of magnitudes, signed
+    zeros, all-zero blocks (the floor), amaxes on the scale's power-of-two boundaries and
+    just past them, ties of the e2m1 and e4m3 grids, and tiny blocks (subnormal scales)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(24, block, generator=g) * torch.logspace(-9, 5, 24)[:, None]
+    x[0] = 0.0
+    x[0, ::2] = -0.0
+    x[1, :8] = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])  # e2m1 ties at scale 1
+    x[1, 8:] = -torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.0]).repeat(block // 8 - 1)
+    x[2, :12] = torch.tensor([448.0, 1.0625, 1.1875, 17.0, 19.0, 0.0146484375, 0.0029296875,
+                              0.0009765625, -2.5 * 2.0 ** -9, -3.5 * 2.0 ** -9, 240.0, -416.0])
+    x[2, 12:] = 0.5
+    for r, top in ((3, 448.0 * 2.0 ** -3), (4, 6.0 * 2.0 ** 5), (5, 6.0 * 2.0 ** -20)):
+        x[r, 0] = top
+        x[r + 3, 0] = torch.nextafter(torch.tensor(top), torch.tensor(1e9))
+    x[9] = 3e-40  # below every floor (subnormal inputs)
+    x[10] = 1e-38 * torch.arange(block)
+    return x

@@ -23,13 +23,22 @@ FP4_E4M3_AMAX_FLOOR = 6.0 * 2.0**-9  # makes the smallest scale 2^-9, the least 
 FP4_UE8M0_AMAX_FLOOR = 6.0 * 2.0**-126  # makes the smallest scale 2^-126, the least normal float32
 
 
-def _blocks(x: torch.Tensor, block: int, what: str) -> torch.Tensor:
-    """float32 view [..., D/block, block] of x (D = last dim, must be a multiple of block)."""
+def _check(x: torch.Tensor, block: int, what: str) -> None:
     if x.dim() == 0 or x.shape[-1] % block:
         raise ValueError(f"{what}: last dim of shape {tuple(x.shape)} must be a multiple of block {block}")
     if not x.is_floating_point():
         raise ValueError(f"{what}: expected a floating tensor, got {x.dtype}")
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """float32 view [..., D/block, block] of x (D = last dim, a multiple of block)."""
     return x.to(torch.float32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def _kernel(x: torch.Tensor) -> bool:
+    """On CUDA one launch (strata.kernels.qdq, the same bits) instead of ~14 torch kernels."""
+    from strata.kernels import qdq as kqdq
+    return kqdq.available(x) and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _pow2_of_int(e: torch.Tensor) -> torch.Tensor:
@@ -42,7 +51,11 @@ def fp8_act_qdq(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 
     amax = max(|x|, 1e-4); scale = 2^ceil(log2(amax/448)); q = e4m3_rne(clamp(x/scale, ±448)).
     """
-    xb = _blocks(x, block, "fp8_act_qdq")
+    _check(x, block, "fp8_act_qdq")
+    if _kernel(x):
+        from strata.kernels import qdq as kqdq
+        return kqdq.qdq(x, kqdq.FP8_ACT, block, FP8_AMAX_FLOOR)
+    xb = _blocks(x, block)
     amax = xb.abs().amax(dim=-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR)
     scale = _pow2_of_int(ceil_log2(amax / FP8_MAX))
     q = (xb / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
@@ -56,7 +69,11 @@ def fp4_qdq_e4m3_scale(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     Note: when the scale lands in e4m3's subnormal range this is not always idempotent (the
     coarse scale can leave the block max rounding below 6); for normal scales it is.
     """
-    xb = _blocks(x, block, "fp4_qdq_e4m3_scale")
+    _check(x, block, "fp4_qdq_e4m3_scale")
+    if _kernel(x):
+        from strata.kernels import qdq as kqdq
+        return kqdq.qdq(x, kqdq.FP4_E4M3, block, FP4_E4M3_AMAX_FLOOR)
+    xb = _blocks(x, block)
     amax = xb.abs().amax(dim=-1, keepdim=True).clamp_min(FP4_E4M3_AMAX_FLOOR)
     scale = (amax / FP4_MAX).clamp(max=FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
     q = e2m1_round((xb / scale).clamp(-FP4_MAX, FP4_MAX))
@@ -68,7 +85,11 @@ def fp4_qdq_ue8m0(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 
     scale = 2^ceil(log2(max(amax, 6*2^-126) / 6)); q = e2m1_rne(clamp(x/scale, ±6)).
     """
-    xb = _blocks(x, block, "fp4_qdq_ue8m0")
+    _check(x, block, "fp4_qdq_ue8m0")
+    if _kernel(x):
+        from strata.kernels import qdq as kqdq
+        return kqdq.qdq(x, kqdq.FP4_UE8M0, block, FP4_UE8M0_AMAX_FLOOR)
+    xb = _blocks(x, block)
     amax = xb.abs().amax(dim=-1, keepdim=True).clamp_min(FP4_UE8M0_AMAX_FLOOR)
     scale = _pow2_of_int(ceil_log2(amax / FP4_MAX))
     q = e2m1_round((xb / scale).clamp(-FP4_MAX, FP4_MAX))

@@ -1,5 +1,5 @@
-"""The fused small-op kernels on CUDA (pytest -m gpu): mHC collapse, hc_update and RoPE give the
-torch code's bits on the same GPU; hc_coeffs and RMSNorm stay within a few fp32 ulps of it and their
+"""The fused small-op kernels on CUDA (pytest -m gpu): mHC collapse, hc_update, RoPE and the qdq
+steps give the torch code's bits; hc_coeffs and RMSNorm stay within a few fp32 ulps of it and their
 rows do not depend on the other rows of the call. V4.1 shapes (H = 4, D = 5120)."""
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ pytestmark = pytest.mark.gpu
 
 def torch_path(monkeypatch, fn, *args):
     """The torch definitions on CUDA (the fused kernels switched off for the call)."""
-    from strata.kernels import norm, rope
+    from strata.kernels import norm, qdq, rope
     with monkeypatch.context() as m:
-        for module in (K, norm, rope):
+        for module in (K, norm, qdq, rope):
             m.setattr(module, "available", lambda t: False)
         return fn(*args)
 
@@ -89,3 +89,19 @@ def test_one_program_grouping_equals_the_general_path(cuda, T, k):
         assert torch.equal(got.order.cpu(), want.order)
         assert torch.equal(got.tile_expert.cpu(), want.tile_expert)
         assert torch.equal(got.tile_rows.cpu(), want.tile_rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qdq_kernels_equal_the_torch_code(cuda, monkeypatch, dtype):
+    """The vendor numerics' three qdq steps in one launch each == their torch definitions,
+    bit for bit and sign for sign, on the interpreter test's hard values (subnormal inputs
+    included: the GPU loads them exactly) and at the window KV's shape."""
+    from util import qdq_hard_values
+
+    from strata.quant import qdq as Q
+    g = torch.Generator().manual_seed(5)
+    for fn, block in ((Q.fp8_act_qdq, 32), (Q.fp4_qdq_e4m3_scale, 16), (Q.fp4_qdq_ue8m0, 32)):
+        for x in (qdq_hard_values(block), torch.randn(37, 512, generator=g) * 3):
+            x = x.to(cuda, dtype)
+            got, want = fn(x), torch_path(monkeypatch, fn, x)
+            assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), fn
