@@ -57,3 +57,12 @@ def qdq_hard_values(block: int) -> torch.Tensor:
     x[9] = 3e-40  # below every floor (subnormal inputs)
     x[10] = 1e-38 * torch.arange(block)
     return x
+
+
+def route_reference(logits, bias, temp, k, scale):
+    """MoE.route's torch definition from the gate's logits: (ids, weights)."""
+    from strata.model.numerics import ranked_topk
+    s = torch.sqrt(torch.nn.functional.softplus(logits / temp))
+    idx = ranked_topk(s + bias, k)
+    w = s.gather(1, idx)
+    return idx, w / (w.sum(-1, keepdim=True) + 1e-20) * scale

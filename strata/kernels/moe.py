@@ -124,7 +124,7 @@ def exl3_moe_forward(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
     and the slot sum in slot order. Per pair the numerics of Exl3Linear's kernel forward (no
     fp8 point: EXL3 linears take unquantized activations)."""
     from strata.kernels.exl3 import BLOCK_M, exl3_moe_linear
-    from strata.model.moe import swiglu
+    from strata.model.moe import slot_sum, swiglu_to
     T, k = idx.shape
     dt = nx.act_dtype
     D = w2.out_features
@@ -138,13 +138,9 @@ def exl3_moe_forward(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
     else:
         (g,) = exl3_moe_linear(xin, idx, [w1.set], w1.codebook, w1.out_features, dt, groups)
         (v,) = exl3_moe_linear(xin, idx, [w3.set], w3.codebook, w3.out_features, dt, groups)
-    a = (swiglu(g, v, limit) * weight.unsqueeze(-1).float()).to(dt)  # [T, k, I]
+    a = swiglu_to(g, v, limit, dt, weight)  # [T, k, I]
     (y,) = exl3_moe_linear(a, idx, [w2.set], w2.codebook, D, dt, groups)
-    ys = y.float()
-    out = ys[:, 0]
-    for s in range(1, k):
-        out = out + ys[:, s]
-    return out
+    return slot_sum(y)
 
 
 def moe_grouped(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w1: StoredExperts,
@@ -188,8 +184,5 @@ def moe_grouped(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w1: St
             QUANT=quant, ROUND_BF16=dt == torch.bfloat16, BLOCK_M=fp8fp4.BLOCK_M,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, enable_fp_fusion=False)
-    ys = ys.float().view(T, k, D)
-    out = ys[:, 0]
-    for s in range(1, k):
-        out = out + ys[:, s]
-    return out
+    from strata.model.moe import slot_sum
+    return slot_sum(ys.view(T, k, D))

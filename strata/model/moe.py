@@ -28,6 +28,29 @@ def swiglu(g: torch.Tensor, v: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(g.float().clamp(max=limit)) * v.float().clamp(-limit, limit)
 
 
+def swiglu_to(g: torch.Tensor, v: torch.Tensor, limit: float, dtype: torch.dtype,
+              weight: torch.Tensor | None = None) -> torch.Tensor:
+    """swiglu(g, v, limit), times a per-row weight ([...] over g's rows [..., N]) if given,
+    rounded to dtype: what feeds a down projection. One launch on CUDA (kernels.moe_ops)."""
+    from strata.kernels import moe_ops
+    if moe_ops.available(g):
+        return moe_ops.swiglu(g, v, limit, dtype, weight)
+    a = swiglu(g, v, limit)
+    return (a if weight is None else a * weight.unsqueeze(-1).float()).to(dtype)
+
+
+def slot_sum(ys: torch.Tensor) -> torch.Tensor:
+    """Σ_s ys[:, s] in slot order, fp32: [T, k, D] → [T, D] (one launch on CUDA)."""
+    from strata.kernels import moe_ops
+    if moe_ops.available(ys):
+        return moe_ops.slot_sum(ys)
+    ys = ys.float()
+    out = ys[:, 0]
+    for s in range(1, ys.shape[1]):
+        out = out + ys[:, s]
+    return out
+
+
 def expert_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(out, in) of each routed expert projection."""
     D, I = cfg.hidden_size, cfg.moe_intermediate_size
@@ -140,10 +163,7 @@ class ExpertStack:
                 a = swiglu(g, v, self.limit) * weight[t, slot, None].float()
                 a = (fp8_act_qdq(a) if quant else a).to(dt)
                 ys[t, slot] = row_matmul(a, w2[e]).float()
-        out = ys[:, 0]
-        for s in range(1, k):
-            out = out + ys[:, s]
-        return out
+        return slot_sum(ys)
 
 
 class SharedExpert:
@@ -155,8 +175,8 @@ class SharedExpert:
         self.limit = cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor, nx: Numerics) -> torch.Tensor:
-        a = swiglu(self.w1(x, nx), self.w3(x, nx), self.limit)
-        return self.w2(a.to(nx.act_dtype), nx, torch.float32)
+        a = swiglu_to(self.w1(x, nx), self.w3(x, nx), self.limit, nx.act_dtype)
+        return self.w2(a, nx, torch.float32)
 
 
 class MoE:
@@ -177,8 +197,14 @@ class MoE:
             if cfg.n_shared_experts else None
 
     def route(self, u: torch.Tensor, nx: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
-        """(expert ids [T, k], weights [T, k]); the bias picks experts but never weights them."""
-        s = torch.sqrt(F.softplus(self.gate(u, nx, torch.float32) / self.cfg.gate_temp))
+        """(expert ids [T, k], weights [T, k]); the bias picks experts but never weights them.
+        One launch after the gate on CUDA (kernels.moe_ops.route: the same picks)."""
+        from strata.kernels import moe_ops
+        logits = self.gate(u, nx, torch.float32)
+        if moe_ops.available(logits):
+            return moe_ops.route(logits, self.bias, self.cfg.gate_temp, self.top_k,
+                                 self.cfg.routed_scaling_factor)
+        s = torch.sqrt(F.softplus(logits / self.cfg.gate_temp))
         biased = s + self.bias
         idx = ranked_topk(biased, self.top_k)  # (a stable descending sort's first k)
         w = s.gather(1, idx)

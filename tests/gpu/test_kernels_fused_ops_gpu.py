@@ -1,5 +1,5 @@
-"""The fused small-op kernels on CUDA (pytest -m gpu): mHC collapse, hc_update, RoPE and the qdq
-steps give the torch code's bits; hc_coeffs and RMSNorm stay within a few fp32 ulps of it and their
+"""The fused small-op kernels on CUDA (pytest -m gpu): mHC collapse, hc_update, RoPE, the qdq
+steps and the MoE's slot sum give the torch code's bits, routing its picks; hc_coeffs and RMSNorm stay within a few fp32 ulps of it and their
 rows do not depend on the other rows of the call. V4.1 shapes (H = 4, D = 5120)."""
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ pytestmark = pytest.mark.gpu
 
 def torch_path(monkeypatch, fn, *args):
     """The torch definitions on CUDA (the fused kernels switched off for the call)."""
-    from strata.kernels import norm, qdq, rope
+    from strata.kernels import moe_ops, norm, qdq, rope
     with monkeypatch.context() as m:
-        for module in (K, norm, qdq, rope):
+        for module in (K, moe_ops, norm, qdq, rope):
             m.setattr(module, "available", lambda t: False)
         return fn(*args)
 
@@ -105,3 +105,30 @@ def test_qdq_kernels_equal_the_torch_code(cuda, monkeypatch, dtype):
             x = x.to(cuda, dtype)
             got, want = fn(x), torch_path(monkeypatch, fn, x)
             assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), fn
+
+
+def test_moe_small_steps_against_the_torch_code(cuda, monkeypatch):
+    """V4.1's router (384 experts, 6 picked) and SwiGLU (I = 2048, clamp 10) in one launch
+    each: the same picks in the same order, weights and activations to fp32 rounding, rows
+    independent of the batch; the slot sum bit for bit."""
+    from util import route_reference
+
+    from strata.kernels import moe_ops
+    from strata.model import moe as M
+    g = torch.Generator().manual_seed(9)
+    T, E, k, I = 37, 384, 6, 2048
+    logits = (torch.randn(T, E, generator=g) * 3).to(cuda)
+    bias = (torch.randn(E, generator=g) * 0.05).to(cuda)
+    idx, w = moe_ops.route(logits, bias, 1.0, k, 2.5)
+    ref_idx, ref_w = route_reference(logits, bias, 1.0, k, 2.5)
+    assert torch.equal(idx, ref_idx)
+    torch.testing.assert_close(w, ref_w, rtol=4e-6, atol=0)
+    assert torch.equal(moe_ops.route(logits[5:6], bias, 1.0, k, 2.5)[0], idx[5:6])
+    gate = (torch.randn(T, k, I, generator=g) * 6).to(cuda, torch.bfloat16)
+    up = (torch.randn(T, k, I, generator=g) * 6).to(cuda, torch.bfloat16)
+    a = M.swiglu_to(gate, up, 10.0, torch.bfloat16, w)
+    ref_a = torch_path(monkeypatch, M.swiglu_to, gate, up, 10.0, torch.bfloat16, w)
+    torch.testing.assert_close(a.float(), ref_a.float(), rtol=8e-3, atol=1e-6)
+    assert torch.equal(M.swiglu_to(gate[:1], up[:1], 10.0, torch.bfloat16, w[:1]), a[:1])
+    y = (torch.randn(T, k, 5120, generator=g) * 4).to(cuda, torch.bfloat16)
+    assert torch.equal(M.slot_sum(y), torch_path(monkeypatch, M.slot_sum, y))
