@@ -1,6 +1,6 @@
 """The MoE's small steps in one launch each on CUDA: routing, SwiGLU, the slot sum.
 
-In torch a decode step's MoE layer spends ~35 launches on them: the router's scores
+In torch a decode step's MoE layer spends ~40 launches on them: the router's scores
 (division, softplus, sqrt, bias), the radix top-k's key building and selection, the weights'
 gather and normalisation; the SwiGLU's clamps, silu, products and casts (routed and shared
 experts); the sum over the six slots. Each kernel here computes a row alone (batch-invariant)

@@ -1,6 +1,6 @@
 """The vendor numerics' quantise-dequantise steps (strata.quant.qdq) in one launch each on CUDA.
 
-In torch each is ~14 small kernels (abs, amax, the scale's division and exact log2, the
+In torch each is 17–27 small kernels (abs, amax, the scale's division and exact log2, the
 rounding, the casts); a decode step runs one per layer for the window KV and more for the
 compressed KV and the indexer's q and k — several hundred launches per step. Here a program
 takes ROWS blocks of a contiguous tensor and writes the same bits as the torch definition:

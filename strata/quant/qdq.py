@@ -36,7 +36,7 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def _kernel(x: torch.Tensor) -> bool:
-    """On CUDA one launch (strata.kernels.qdq, the same bits) instead of ~14 torch kernels."""
+    """On CUDA one launch (strata.kernels.qdq, the same bits) instead of 17–27 torch kernels."""
     from strata.kernels import qdq as kqdq
     return kqdq.available(x) and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
