@@ -161,10 +161,13 @@ def sparse_attention(q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
     if comp_rows is not None:
         rows = torch.cat((rows, comp_rows), dim=1)
         mask = torch.cat((mask, comp_mask), dim=1)
-    s = rows_bmm(q, rows) * scale  # [T, H, n]
+    s = rows_bmm(q, rows)  # [T, H, n]
+    from strata.kernels import attn_softmax
+    if attn_softmax.available(s):  # (the steps below in one launch)
+        return rows_bmm(attn_softmax.sink_softmax(s, mask, sink, scale), rows.transpose(1, 2))
     # (a Python scalar, not torch.tensor(-inf, device=…): that is a host → device upload per
     # layer, which on a GPU waits for the stream)
-    s = s.masked_fill(~mask[:, None, :], float("-inf"))
+    s = (s * scale).masked_fill(~mask[:, None, :], float("-inf"))
     s = torch.cat((s, sink.view(1, H, 1).expand(T, H, 1)), dim=-1)
     p = torch.softmax(s, dim=-1)[..., :-1]
     return rows_bmm(p, rows.transpose(1, 2))

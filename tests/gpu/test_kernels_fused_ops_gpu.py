@@ -15,9 +15,9 @@ pytestmark = pytest.mark.gpu
 
 def torch_path(monkeypatch, fn, *args):
     """The torch definitions on CUDA (the fused kernels switched off for the call)."""
-    from strata.kernels import moe_ops, norm, qdq, rope
+    from strata.kernels import attn_softmax, moe_ops, norm, qdq, rope
     with monkeypatch.context() as m:
-        for module in (K, moe_ops, norm, qdq, rope):
+        for module in (K, attn_softmax, moe_ops, norm, qdq, rope):
             m.setattr(module, "available", lambda t: False)
         return fn(*args)
 
@@ -132,3 +132,25 @@ def test_moe_small_steps_against_the_torch_code(cuda, monkeypatch):
     assert torch.equal(M.swiglu_to(gate[:1], up[:1], 10.0, torch.bfloat16, w[:1]), a[:1])
     y = (torch.randn(T, k, 5120, generator=g) * 4).to(cuda, torch.bfloat16)
     assert torch.equal(M.slot_sum(y), torch_path(monkeypatch, M.slot_sum, y))
+
+
+def test_attention_sink_softmax_near_the_torch_code(cuda, monkeypatch):
+    """sparse_attention at V4.1's shapes (64 heads, 128 window + 512 compressed rows of 512)
+    with the sink softmax in one launch: the torch steps' output to fp32 rounding, and each
+    query's output alone equal to it in a batch."""
+    from strata.model.attention import sparse_attention
+    g = torch.Generator().manual_seed(4)
+    T, H, W, k, hd = 9, 64, 128, 512, 512
+    q = torch.randn(T, H, hd, generator=g).to(cuda)
+    rows = torch.randn(T, W, hd, generator=g).to(cuda)
+    comp = torch.randn(T, k, hd, generator=g).to(cuda)
+    mask = (torch.rand(T, W, generator=g) > 0.2).to(cuda)
+    comp_mask = (torch.rand(T, k, generator=g) > 0.5).to(cuda)
+    sink = torch.randn(H, generator=g).to(cuda)
+    args = (q, rows, mask, comp, comp_mask, sink, hd ** -0.5)
+    got = sparse_attention(*args)
+    torch.testing.assert_close(got, torch_path(monkeypatch, sparse_attention, *args),
+                               rtol=1e-4, atol=1e-5)
+    alone = sparse_attention(*(a[2:3] if a is not sink and torch.is_tensor(a) else a
+                               for a in args))
+    assert torch.equal(alone, got[2:3])
