@@ -19,7 +19,7 @@ from strata.model.numerics import rms_norm, rows_bmm
 from strata.model.rope import apply_rope
 from strata.quant.groups import LinearGroups
 from strata.quant.qdq import fp4_qdq_e4m3_scale, fp8_act_qdq
-from strata.runtime.state import State
+from strata.runtime.state import PositionRing, State
 
 # A forward's queries attend in pieces whose fp32 scratch stays under this many bytes.
 ATTN_SCRATCH = 1 << 30
@@ -80,17 +80,6 @@ class Attention:
         qr, q = self.project_q(u, ctx)
         kv = self.project_kv(u, ctx)
 
-        # Each query's window is exactly its W most recent positions, gathered from the
-        # ring (earlier forwards) or this forward's rows, in position order: a fixed-length
-        # key set per query keeps the result independent of the chunk it came in.
-        ring = state.window[self.layer]
-        kpos, existing, in_chunk, row, slot = ctx.window(cfg.sliding_window, ring.size)
-        valid = existing & (in_chunk | (ring.tags[slot] == kpos))
-        # (selected in the stored dtype — exact — and widened to fp32 per piece below)
-        dt = torch.promote_types(kv.dtype, ring.rows.dtype)
-        win_rows = torch.where(in_chunk[..., None], kv[row].to(dt), ring.rows[slot].to(dt))
-        ring.write(ctx.start, ctx.positions, kv, state.journal)
-
         cache = sel = None
         if self.ratio > 0:
             self.publish(u, ctx, state)
@@ -98,27 +87,31 @@ class Attention:
                 ctx.sel[self.layer] = self.indexer.select(u, qr, ctx, state)
             sel = ctx.sel[cfg.index_source_of(self.layer)]
             cache = state.comp_kv[cfg.kv_source_of(self.layer)]
-        return self.output(self.attend_pieces(q.float(), win_rows, valid, cache, sel), ctx)
+        # The ring is read before this forward's rows are written into it (a long chunk's
+        # later rows overwrite slots its earlier queries read).
+        ring = state.window[self.layer]
+        o = self.attend_pieces(q.float(), kv, ring, ctx.window(cfg.sliding_window, ring.size),
+                               cache, sel)
+        ring.write(ctx.start, ctx.positions, kv, state.journal)
+        return self.output(o, ctx)
 
-    def attend_pieces(self, q: torch.Tensor, win_rows: torch.Tensor, valid: torch.Tensor,
-                      cache: torch.Tensor | None, sel: torch.Tensor | None) -> torch.Tensor:
-        """attend_heads over the queries a few at a time: each piece gathers its queries'
-        compressed rows [rows, k, hd] and widens its rows to fp32 (a 4,096-row prefill chunk
-        at once would hold ~11 GB of them). Every query is its own batch element of the
-        products and the softmax, so the pieces change no bit. q [T, H, hd] fp32."""
+    def attend_pieces(self, q: torch.Tensor, kv: torch.Tensor, ring: PositionRing,
+                      window: tuple[torch.Tensor, ...], cache: torch.Tensor | None,
+                      sel: torch.Tensor | None) -> torch.Tensor:
+        """attend_heads over the queries a few at a time, each piece with its own key rows
+        (gather_rows: a 4,096-row prefill chunk at once would hold ~11 GB of them). Every
+        query is its own batch element of the products and the softmax, so the pieces change
+        no bit. q [T, H, hd] fp32, kv [T, hd] this forward's window rows (stored form)."""
         T, H, hd = q.shape
-        n = win_rows.shape[1] + (0 if sel is None else sel.shape[1])
+        n = window[0].shape[1] + (0 if sel is None else sel.shape[1])
         per_query = 12 * n * hd + 12 * H * (n + 1)  # fp32: rows, joined rows, gathered; s, p
         step = max(1, ATTN_SCRATCH // per_query)
         out = []
         for i in range(0, T, step):
             j = min(i + step, T)
-            comp_rows = comp_mask = None
-            if sel is not None:
-                comp_rows = cache[sel[i:j].clamp(min=0)].float()  # [rows, k, hd]
-                comp_mask = sel[i:j] >= 0
-            out.append(self.attend_heads(q[i:j], win_rows[i:j].float(), valid[i:j],
-                                         comp_rows, comp_mask))
+            rows, mask = gather_rows(kv, ring, tuple(w[i:j] for w in window), cache,
+                                     None if sel is None else sel[i:j])
+            out.append(self.attend_heads(q[i:j], rows, mask, None, None))
         return out[0] if len(out) == 1 else torch.cat(out)
 
     def publish(self, u: torch.Tensor, ctx: ForwardContext, state: State) -> None:
@@ -151,6 +144,29 @@ class Attention:
         state.comp_kv[self.layer][entries] = kv.to(state.comp_kv[self.layer].dtype)
 
 
+def gather_rows(kv: torch.Tensor, ring: PositionRing, window: tuple[torch.Tensor, ...],
+                cache: torch.Tensor | None,
+                sel: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Some queries' key rows [T, W (+ k), hd] fp32 and their mask: each query's window is
+    exactly its W most recent positions (ForwardContext.window: kpos, existing, in_chunk, row,
+    slot), from the ring (earlier forwards; visible if its tag still holds that position) or
+    this forward's kv, in position order — a fixed-length key set per query keeps the result
+    independent of the chunk it came in — then its selected compressed entries (−1: empty).
+    Rows are selected in their stored dtype and widened, which is exact. One launch on CUDA
+    (strata.kernels.attention, the same bits)."""
+    from strata.kernels import attention as attn_kernels
+    if attn_kernels.available(kv):
+        return attn_kernels.gather_rows(kv, ring.rows, ring.tags, window, cache, sel)
+    kpos, existing, in_chunk, row, slot = window
+    valid = existing & (in_chunk | (ring.tags[slot] == kpos))
+    dt = torch.promote_types(kv.dtype, ring.rows.dtype)
+    rows = torch.where(in_chunk[..., None], kv[row].to(dt), ring.rows[slot].to(dt)).float()
+    if sel is None:
+        return rows, valid
+    return (torch.cat((rows, cache[sel.clamp(min=0)].float()), dim=1),
+            torch.cat((valid, sel >= 0), dim=1))
+
+
 def sparse_attention(q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
                      comp_rows: torch.Tensor | None, comp_mask: torch.Tensor | None,
                      sink: torch.Tensor, scale: float) -> torch.Tensor:
@@ -162,9 +178,9 @@ def sparse_attention(q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
         rows = torch.cat((rows, comp_rows), dim=1)
         mask = torch.cat((mask, comp_mask), dim=1)
     s = rows_bmm(q, rows)  # [T, H, n]
-    from strata.kernels import attn_softmax
-    if attn_softmax.available(s):  # (the steps below in one launch)
-        return rows_bmm(attn_softmax.sink_softmax(s, mask, sink, scale), rows.transpose(1, 2))
+    from strata.kernels import attention as attn_kernels
+    if attn_kernels.available(s):  # (the steps below in one launch)
+        return rows_bmm(attn_kernels.sink_softmax(s, mask, sink, scale), rows.transpose(1, 2))
     # (a Python scalar, not torch.tensor(-inf, device=…): that is a host → device upload per
     # layer, which on a GPU waits for the stream)
     s = (s * scale).masked_fill(~mask[:, None, :], float("-inf"))

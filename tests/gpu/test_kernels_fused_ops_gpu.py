@@ -15,9 +15,9 @@ pytestmark = pytest.mark.gpu
 
 def torch_path(monkeypatch, fn, *args):
     """The torch definitions on CUDA (the fused kernels switched off for the call)."""
-    from strata.kernels import attn_softmax, moe_ops, norm, qdq, rope
+    from strata.kernels import attention, moe_ops, norm, qdq, rope
     with monkeypatch.context() as m:
-        for module in (K, attn_softmax, moe_ops, norm, qdq, rope):
+        for module in (K, attention, moe_ops, norm, qdq, rope):
             m.setattr(module, "available", lambda t: False)
         return fn(*args)
 
@@ -154,3 +154,27 @@ def test_attention_sink_softmax_near_the_torch_code(cuda, monkeypatch):
     alone = sparse_attention(*(a[2:3] if a is not sink and torch.is_tensor(a) else a
                                for a in args))
     assert torch.equal(alone, got[2:3])
+
+
+def test_attention_rows_gathered_in_one_launch_equal_the_torch_code(cuda, monkeypatch):
+    """A 300-query chunk's key rows at V4.1's shapes (window 128 over a 256-slot ring, 512
+    compressed picks, rows of 512 in bf16): the one-launch gather equals the torch path bit
+    for bit, rows and mask."""
+    from types import SimpleNamespace
+
+    from strata.model import attention as A
+    from strata.model.context import ForwardContext
+    from strata.runtime.state import PositionRing
+    g = torch.Generator().manual_seed(6)
+    W, S, hd, T, k = 128, 256, 512, 300, 512
+    ring = PositionRing(S, (hd,), torch.bfloat16, cuda, keep=W - 1)
+    ring.rows.copy_(torch.randn(S, hd, generator=g).to(cuda, torch.bfloat16))
+    ring.tags.copy_(torch.arange(700, 700 + S).to(cuda) - S // 2)  # some stale
+    positions = torch.arange(1000, 1000 + T, device=cuda)
+    window = ForwardContext.window(SimpleNamespace(positions=positions, _window={}), W, S)
+    kv = torch.randn(T, hd, generator=g).to(cuda, torch.bfloat16)
+    cache = torch.randn(600, hd, generator=g).to(cuda, torch.bfloat16)
+    sel = torch.randint(-1, 600, (T, k), generator=g).to(cuda)
+    got = A.gather_rows(kv, ring, window, cache, sel)
+    want = torch_path(monkeypatch, A.gather_rows, kv, ring, window, cache, sel)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -1,0 +1,73 @@
+"""The attention's one-launch sink softmax (strata.kernels.attention) against the torch
+steps of strata.model.attention.sparse_attention, under TRITON_INTERPRET=1 on CPU
+(tests/gpu/test_kernels_fused_ops_gpu.py runs it compiled)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernel is first launched
+
+from strata.kernels.attention import sink_softmax  # noqa: E402
+
+
+def torch_steps(s, mask, sink, scale):
+    T, H, _ = s.shape
+    s = (s * scale).masked_fill(~mask[:, None, :], float("-inf"))
+    s = torch.cat((s, sink.view(1, H, 1).expand(T, H, 1)), dim=-1)
+    return torch.softmax(s, dim=-1)[..., :-1]
+
+
+def test_matches_the_torch_steps_and_rows_stand_alone():
+    g = torch.Generator().manual_seed(0)
+    T, H, n = 5, 3, 40
+    s = torch.randn(T, H, n, generator=g) * 30
+    mask = torch.rand(T, n, generator=g) > 0.3
+    mask[1] = False            # nothing visible: every probability 0, the sink takes it all
+    mask[2] = True
+    sink = torch.randn(H, generator=g) * 3
+    sink[0] = 80.0             # a sink above every score
+    got = sink_softmax(s, mask, sink, 0.125)
+    want = torch_steps(s, mask, sink, 0.125)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-9)
+    assert torch.equal(got[1], torch.zeros(H, n))
+    assert torch.equal(sink_softmax(s[3:4], mask[3:4], sink, 0.125), got[3:4])
+    # a transposed scores view (any strides) gives the same rows
+    st = s.transpose(0, 1).contiguous().transpose(0, 1)
+    assert torch.equal(sink_softmax(st, mask, sink, 0.125), got)
+
+
+def _window(positions, W, ring_size):
+    """ForwardContext.window for these positions (it reads only them)."""
+    from types import SimpleNamespace
+
+    from strata.model.context import ForwardContext
+    return ForwardContext.window(SimpleNamespace(positions=positions, _window={}), W, ring_size)
+
+
+def test_gather_rows_is_the_torch_path_bit_for_bit():
+    """A chunk of 10 queries at positions 20..29 with a window of 8 over a ring of 12 slots
+    (some slots stale, some never written) and 5 compressed picks (−1 = empty): the joined
+    rows and mask equal the torch path's, for the whole chunk and for a piece of it."""
+    from strata.kernels.attention import gather_rows as kernel_rows
+    from strata.model import attention as A
+    from strata.runtime.state import PositionRing
+    g = torch.Generator().manual_seed(5)
+    W, S, hd = 8, 12, 40
+    for dtype in (torch.float32, torch.bfloat16):
+        ring = PositionRing(S, (hd,), dtype, "cpu", keep=W - 1)
+        ring.rows.copy_(torch.randn(S, hd, generator=g).to(dtype))
+        ring.tags.copy_(torch.tensor([12, 13, 2, 15, 16, 17, 18, 19, -1, -1, 10, 11]))
+        positions = torch.arange(20, 30)
+        kv = torch.randn(10, hd, generator=g).to(dtype)
+        window = _window(positions, W, S)
+        cache = torch.randn(30, hd, generator=g).to(dtype)
+        sel = torch.randint(-1, 30, (10, 5), generator=g)
+        for c, s in ((None, None), (cache, sel)):
+            want = A.gather_rows(kv, ring, window, c, s)  # (on CPU: the torch path)
+            got = kernel_rows(kv, ring.rows, ring.tags, window, c, s)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            piece = kernel_rows(kv, ring.rows, ring.tags, tuple(w[3:7] for w in window), c,
+                                None if s is None else s[3:7])
+            assert torch.equal(piece[0], want[0][3:7]) and torch.equal(piece[1], want[1][3:7])
