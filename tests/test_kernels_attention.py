@@ -66,8 +66,9 @@ def test_gather_rows_is_the_torch_path_bit_for_bit():
         sel = torch.randint(-1, 30, (10, 5), generator=g)
         for c, s in ((None, None), (cache, sel)):
             want = A.gather_rows(kv, ring, window, c, s)  # (on CPU: the torch path)
-            got = kernel_rows(kv, ring.rows, ring.tags, window, c, s)
+            dt = A.rows_dtype(kv, ring, c)
+            got = kernel_rows(kv, ring.rows, ring.tags, window, c, s, dt)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
             piece = kernel_rows(kv, ring.rows, ring.tags, tuple(w[3:7] for w in window), c,
-                                None if s is None else s[3:7])
+                                None if s is None else s[3:7], dt)
             assert torch.equal(piece[0], want[0][3:7]) and torch.equal(piece[1], want[1][3:7])

@@ -71,3 +71,23 @@ def test_long_reductions_split_over_k_chunks(M):
                        full)
     one = rowwise_bmm(x, w, k_chunk=256)  # a single chunk: the unsplit kernel
     torch.testing.assert_close(one, full, rtol=1e-5, atol=1e-4)
+
+
+def test_16_bit_and_mixed_operands_accumulate_in_fp32():
+    """bf16 pairs (the tile kernel's tensor-core path) and an fp32 × bf16 pair, written as fp32:
+    the exact products summed in fp32 (the reference on the widened operands), rows alone
+    equal rows in a batch and across a head split."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 20, 64, generator=g).to(torch.bfloat16)
+    w = torch.randn(3, 24, 64, generator=g).to(torch.bfloat16)
+    for a in (x, x.float()):
+        got = rowwise_bmm(a, w, out_dtype=torch.float32)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, rowwise_bmm_reference(a.float(), w.float()),
+                                   rtol=1e-5, atol=1e-5)
+        assert torch.equal(torch.cat([rowwise_bmm(a[i:i + 1], w[i:i + 1],
+                                                  out_dtype=torch.float32) for i in range(3)]),
+                           got)
+        assert torch.equal(torch.cat([rowwise_bmm(a[:, :7], w, out_dtype=torch.float32),
+                                      rowwise_bmm(a[:, 7:], w, out_dtype=torch.float32)], 1),
+                           got)

@@ -2,9 +2,10 @@
 
 Rows: a piece of queries' key rows — each query's W window positions, from this forward's kv
 or the ring (with their visibility), then its selected compressed entries (−1: empty) —
-gathered and widened to fp32 into one [rows, W + k, hd] tensor with its mask: in torch a
-dozen index, compare, select, cast and concatenate kernels per layer and piece, and four
-copies of the rows. Every row is a copy, so the bits are the torch path's exactly.
+gathered into one [rows, W + k, hd] tensor of their stored dtype with its mask: in torch a
+dozen index, compare, select, cast and concatenate kernels per layer and piece, and several
+copies of the rows. Every row is a copy (widened exactly where dtypes differ), so the bits are
+the torch path's.
 
 Softmax: sparse_attention scales a query's scores, masks its invisible rows, appends the
 head's sink logit, takes the softmax and drops the sink's column: five torch kernels per
@@ -70,7 +71,8 @@ if triton is not None:
                 v = tl.where(comp[:, None],
                              tl.load(cache_ptr + entry[:, None] * s_cache + cols[None, :],
                                      mask=comp[:, None] & cm, other=0.0).to(tl.float32), v)
-            tl.store(out + cols[None, :], v, mask=live[:, None] & cm)
+            tl.store(out + cols[None, :], v.to(out_ptr.dtype.element_ty),
+                     mask=live[:, None] & cm)
 
     @triton.jit
     def _sink_softmax_kernel(s_ptr, m_ptr, sink_ptr, o_ptr, n, scale, s_t, s_h, m_t, o_t, o_h,
@@ -95,8 +97,9 @@ GATHER_COLS = 128
 
 def gather_rows(kv: torch.Tensor, ring_rows: torch.Tensor, ring_tags: torch.Tensor,
                 window: tuple[torch.Tensor, ...], cache: torch.Tensor | None,
-                sel: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The queries' joined key rows [T, W (+ k), hd] fp32 and mask [T, W (+ k)] bool:
+                sel: torch.Tensor | None,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The queries' joined key rows [T, W (+ k), hd] in `dtype` and mask [T, W (+ k)] bool:
     `window` = (kpos, existing, in_chunk, row, slot) [T, W] of these queries (ForwardContext.
     window), kv [T_forward, hd] this forward's rows, the ring's rows and tags before this
     forward's write, cache [entries, hd] and sel [T, k] the compressed rows (or None)."""
@@ -105,7 +108,7 @@ def gather_rows(kv: torch.Tensor, ring_rows: torch.Tensor, ring_tags: torch.Tens
     T, W = kpos.shape
     K = 0 if sel is None else sel.shape[1]
     hd = kv.shape[-1]
-    out = torch.empty((T, W + K, hd), dtype=torch.float32, device=kv.device)
+    out = torch.empty((T, W + K, hd), dtype=dtype, device=kv.device)
     mask = torch.empty((T, W + K), dtype=torch.bool, device=kv.device)
     if any(t is not None and t.stride(-1) != 1 for t in (kv, ring_rows, cache)):
         raise ValueError("gather_rows: rows must be contiguous in their last dim")

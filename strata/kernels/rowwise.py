@@ -123,16 +123,18 @@ def tile_shape(M: int) -> tuple[int, int]:
     return (1, 64) if M == 1 else (16, 32)
 
 
-def rowwise_bmm(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK) -> torch.Tensor:
-    """x [B, M, K], w [B or 1, N, K] (any strides) → [B, M, N] in x's dtype, batch-invariant.
-    (`k_chunk`: a multiple of 64; tests lower it to split small shapes.)"""
+def rowwise_bmm(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [B, M, K], w [B or 1, N, K] (any strides) → [B, M, N] in out_dtype (default x's),
+    batch-invariant; fp32 accumulation whatever the operands' dtypes. (`k_chunk`: a multiple
+    of 64; tests lower it to split small shapes.)"""
     if triton is None:
         raise RuntimeError("rowwise_bmm needs triton")
     B, M, K = x.shape
     Bw, N, Kw = w.shape
     if Kw != K or Bw not in (1, B):
         raise ValueError(f"rowwise_bmm: x {list(x.shape)} and w {list(w.shape)} do not match")
-    out = torch.empty((B, M, N), dtype=x.dtype, device=x.device)
+    out = torch.empty((B, M, N), dtype=out_dtype or x.dtype, device=x.device)
     if B * M == 0 or N == 0:
         return out
     swb = 0 if Bw == 1 else w.stride(0)
@@ -148,7 +150,9 @@ def rowwise_bmm(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK) -> tor
         grid = (B * m_blocks, triton.cdiv(N, BLOCK_N), chunks)
         _rowwise_kernel[grid](*args, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=bk)
     else:
-        native = x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
+        # (the interpreter multiplies 16-bit tiles as the integers it stores them as: on CPU
+        # the operands go to fp32 first — exact, the same products and fp32 accumulation)
+        native = x.is_cuda and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
         grid = (B * m_blocks, triton.cdiv(N, BLOCK_N), chunks)
         _tile_dot_kernel[grid](*args, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=bk,
                                NATIVE=native, num_warps=TILE_WARPS)

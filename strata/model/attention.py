@@ -90,7 +90,7 @@ class Attention:
         # The ring is read before this forward's rows are written into it (a long chunk's
         # later rows overwrite slots its earlier queries read).
         ring = state.window[self.layer]
-        o = self.attend_pieces(q.float(), kv, ring, ctx.window(cfg.sliding_window, ring.size),
+        o = self.attend_pieces(q, kv, ring, ctx.window(cfg.sliding_window, ring.size),
                                cache, sel)
         ring.write(ctx.start, ctx.positions, kv, state.journal)
         return self.output(o, ctx)
@@ -101,7 +101,8 @@ class Attention:
         """attend_heads over the queries a few at a time, each piece with its own key rows
         (gather_rows: a 4,096-row prefill chunk at once would hold ~11 GB of them). Every
         query is its own batch element of the products and the softmax, so the pieces change
-        no bit. q [T, H, hd] fp32, kv [T, hd] this forward's window rows (stored form)."""
+        no bit. q [T, H, hd], kv [T, hd] this forward's window rows (stored form) → [T, H, hd]
+        fp32."""
         T, H, hd = q.shape
         n = window[0].shape[1] + (0 if sel is None else sel.shape[1])
         per_query = 12 * n * hd + 12 * H * (n + 1)  # fp32: rows, joined rows, gathered; s, p
@@ -147,24 +148,31 @@ class Attention:
 def gather_rows(kv: torch.Tensor, ring: PositionRing, window: tuple[torch.Tensor, ...],
                 cache: torch.Tensor | None,
                 sel: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Some queries' key rows [T, W (+ k), hd] fp32 and their mask: each query's window is
+    """Some queries' key rows [T, W (+ k), hd] in their stored dtype (the wider of the window's
+    and the cache's) and their mask: each query's window is
     exactly its W most recent positions (ForwardContext.window: kpos, existing, in_chunk, row,
     slot), from the ring (earlier forwards; visible if its tag still holds that position) or
     this forward's kv, in position order — a fixed-length key set per query keeps the result
     independent of the chunk it came in — then its selected compressed entries (−1: empty).
-    Rows are selected in their stored dtype and widened, which is exact. One launch on CUDA
-    (strata.kernels.attention, the same bits)."""
+    One launch on CUDA (strata.kernels.attention, the same bits)."""
     from strata.kernels import attention as attn_kernels
     if attn_kernels.available(kv):
-        return attn_kernels.gather_rows(kv, ring.rows, ring.tags, window, cache, sel)
+        return attn_kernels.gather_rows(kv, ring.rows, ring.tags, window, cache, sel,
+                                        rows_dtype(kv, ring, cache))
     kpos, existing, in_chunk, row, slot = window
     valid = existing & (in_chunk | (ring.tags[slot] == kpos))
-    dt = torch.promote_types(kv.dtype, ring.rows.dtype)
-    rows = torch.where(in_chunk[..., None], kv[row].to(dt), ring.rows[slot].to(dt)).float()
+    dt = rows_dtype(kv, ring, cache)
+    rows = torch.where(in_chunk[..., None], kv[row].to(dt), ring.rows[slot].to(dt))
     if sel is None:
         return rows, valid
-    return (torch.cat((rows, cache[sel.clamp(min=0)].float()), dim=1),
+    return (torch.cat((rows, cache[sel.clamp(min=0)].to(dt)), dim=1),
             torch.cat((valid, sel >= 0), dim=1))
+
+
+def rows_dtype(kv: torch.Tensor, ring: PositionRing, cache: torch.Tensor | None) -> torch.dtype:
+    """The dtype holding every key row exactly (the widest of their stored dtypes)."""
+    dt = torch.promote_types(kv.dtype, ring.rows.dtype)
+    return dt if cache is None else torch.promote_types(dt, cache.dtype)
 
 
 def sparse_attention(q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
@@ -172,12 +180,13 @@ def sparse_attention(q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
                      sink: torch.Tensor, scale: float) -> torch.Tensor:
     """One softmax per query over its own rows [T, W, hd] (mask [T, W]) and compressed rows
     [T, k, hd] (mask [T, k]); the per-head sink enters only the denominator; K == V.
-    q [T, H, hd] fp32 → [T, H, hd] fp32. Every query is its own batch element."""
+    q [T, H, hd] → [T, H, hd] fp32, every product accumulated in fp32 (16-bit q and rows: exact
+    products, on tensor cores on CUDA). Every query is its own batch element."""
     T, H, _ = q.shape
     if comp_rows is not None:
-        rows = torch.cat((rows, comp_rows), dim=1)
+        rows = torch.cat((rows, comp_rows.to(rows.dtype)), dim=1)
         mask = torch.cat((mask, comp_mask), dim=1)
-    s = rows_bmm(q, rows)  # [T, H, n]
+    s = rows_bmm(q, rows, torch.float32)  # [T, H, n]
     from strata.kernels import attention as attn_kernels
     if attn_kernels.available(s):  # (the steps below in one launch)
         return rows_bmm(attn_kernels.sink_softmax(s, mask, sink, scale), rows.transpose(1, 2))

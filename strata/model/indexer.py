@@ -96,12 +96,14 @@ class Indexer:
         # Scored over a bucketed number of entries (the invisible ones masked below), so the
         # ops' shapes change only at bucket edges: a CUDA graph per bucket.
         n = entry_bucket((ctx.start + ctx.T) // r)
-        keys = state.index_k[key_src][:n].float()
+        keys = state.index_k[key_src][:n]  # (stored dtype; the products accumulate in fp32)
         q = self.wq_b(qr, nx, torch.float32).view(ctx.T, nh, ihd)
         cos, sin = ctx.rope(r)
         q = apply_rope(q, cos, sin)
         if nx.quantize:
-            q = fp4_qdq_ue8m0(q)
+            # fp4 values are exact in the cache's dtype: the products are exact either way,
+            # and 16-bit operands run on tensor cores
+            q = fp4_qdq_ue8m0(q).to(keys.dtype)
         w = self.weights_proj(u, nx, torch.float32) * (ihd ** -0.5 * nh ** -0.5)
         n_visible = (ctx.positions + 1) // r
         source = self.layer == cfg.candidate_source_layer_id
@@ -110,7 +112,7 @@ class Indexer:
         picks, candidates = [], []
         for i in range(0, ctx.T, rows):
             j = min(i + rows, ctx.T)
-            per_head = torch.relu(rows_bmm(q[i:j], keys.unsqueeze(0)))  # [rows, nh, n]
+            per_head = torch.relu(rows_bmm(q[i:j], keys.unsqueeze(0), torch.float32))
             scores = rows_bmm(w[i:j].unsqueeze(1), per_head.transpose(1, 2)).squeeze(1)
             del per_head  # (Σ_h w_h·relu(q_h·k) is made: free the piece's scratch now)
             visible = torch.arange(n, device=u.device)[None] < n_visible[i:j, None]
