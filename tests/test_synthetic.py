@@ -156,7 +156,7 @@ def test_bench_synthetic_prefill_with_and_without_the_decoder_skip(tiny_dir, tmp
     assert main(["bench", "synthetic", "--config", str(tiny_dir), "--device", "cpu",
                  "--prompt-tokens", "8", "--tokens", "2", "--runs", "1", "--warmup", "0",
                  "--modes", "plain", "--engram-rows", "32", "--prefill", "1000",
-                 "--prefill-chunk", "256", "--json", str(out)]) == 0
+                 "--prefill-chunk", "256", "--prefill-piece", "384", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["prefill"]
     assert [(r["tokens"], r["decoder_skip"], r["skip_applied"]) for r in rows] == \
         [(1000, False, False), (1000, True, True)]
@@ -166,3 +166,6 @@ def test_bench_synthetic_prefill_with_and_without_the_decoder_skip(tiny_dir, tmp
     # each prefill is reported as soon as it is timed (a run cut short keeps them)
     assert "measured prefill 1000 (decoder skip off)" in captured.err
     assert "measured prefill 1000 (decoder skip on)" in captured.err
+    # fed in pieces of 384 tokens (a progress line after each but the last), still exact
+    assert captured.err.count("prefill 1000: 384 tokens in") == 2
+    assert captured.err.count("prefill 1000: 768 tokens in") == 2

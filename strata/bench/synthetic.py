@@ -322,6 +322,9 @@ def add_arguments(p) -> None:
     p.add_argument("--prefill", help="also time chunked prefills of these prompt lengths, "
                                      "e.g. 8K,32K,128K (K = 1024)")
     p.add_argument("--prefill-chunk", type=int, default=2048)
+    p.add_argument("--prefill-piece", type=int, default=32768,
+                   help="feed a prefill's prompt in pieces of this many tokens, with a "
+                        "progress line after each")
     p.add_argument("--prefill-skip", default="both", choices=["both", "on", "off"],
                    help="the exact decoder-skipping prefill: with, without, or both (then the "
                         "last logits are checked bit-identical)")
@@ -336,11 +339,12 @@ def add_arguments(p) -> None:
 
 
 def bench_prefill(model, lengths: list[int], chunk: int, skip: str, seed: int,
-                  progress=None) -> list[dict]:
+                  progress=None, piece: int = 32768) -> list[dict]:
     """Time a chunked prefill of random prompts of each length (device synchronised around it)
     with and/or without the decoder skip; peak device memory; with both, whether the last
     row's logits are bit-identical (the skip is exact). `progress(text)`: a line per prefill
-    as soon as it is timed (a long-context run cut short by a time limit keeps them)."""
+    as soon as it is timed, and one per `piece` tokens fed (the prompt goes in pieces, as the
+    engine feeds long prompts: a long-context run cut short by a time limit keeps its rate)."""
     import time
 
     from strata.bench.memory import proc_status
@@ -360,7 +364,14 @@ def bench_prefill(model, lengths: list[int], chunk: int, skip: str, seed: int,
                 torch.cuda.synchronize(dev)
                 torch.cuda.reset_peak_memory_stats(dev)
             t0 = time.perf_counter()
-            logits = s.prefill(prompt)
+            logits = None
+            for i in range(0, n, piece):
+                j = min(i + piece, n)
+                logits = s.prefill(prompt[i:j], rows_after=n - j)
+                if progress is not None and j < n:
+                    if cuda:
+                        torch.cuda.synchronize(dev)
+                    progress(f"prefill {n}: {j} tokens in {time.perf_counter() - t0:.1f} s")
             if cuda:
                 torch.cuda.synchronize(dev)
             secs = time.perf_counter() - t0
@@ -473,7 +484,8 @@ def run(args) -> int:
             lengths = [parse_length(t) for t in args.prefill.split(",") if t.strip()]
             prefill = bench_prefill(model, lengths, args.prefill_chunk, args.prefill_skip,
                                     args.seed, progress=lambda line: print(
-                                        line, file=sys.stderr, flush=True))
+                                        line, file=sys.stderr, flush=True),
+                                    piece=args.prefill_piece)
         # Eager plain steps, and graphed ones too when "plain+graphs" was measured.
         breakdown = {m: decode_breakdown(model, prompt, args.breakdown,
                                          graphs=m == "plain+graphs")
