@@ -1,7 +1,8 @@
 # One device call (nvidia-h200-x2) for issue 8's long-context prefills: the synthetic V4.1 with
 # all 40 layers over both GPUs (layer split: each rank holds its layers and their caches, as
 # the memory plan assumes), chunked prefill with the exact decoder skip at 128K and 524,288
-# tokens, reporting tok/s and peak device (rank 0) and host memory. bench/results/memory_plan.md
+# tokens, reporting tok/s and peak device (rank 0) and host memory, with a progress line per
+# 32,768 tokens fed (a run cut short keeps its rate). bench/results/memory_plan.md
 # has the plan these are checked against.
 # On the device: source scripts/device_env.sh && bash scripts/device_longctx.sh
 set -o pipefail
