@@ -146,14 +146,13 @@ def rowwise_bmm(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
     args = (x, w, dest, M, N, K, m_blocks, k_chunk if chunks > 1 else K,
             x.stride(0), x.stride(1), x.stride(2), swb, w.stride(1), w.stride(2),
             dest.stride(0) if chunks > 1 else 0, *dest.stride()[-3:])
+    grid = (B * m_blocks, triton.cdiv(N, BLOCK_N), chunks)
     if M == 1:
-        grid = (B * m_blocks, triton.cdiv(N, BLOCK_N), chunks)
         _rowwise_kernel[grid](*args, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=bk)
     else:
         # (the interpreter multiplies 16-bit tiles as the integers it stores them as: on CPU
         # the operands go to fp32 first — exact, the same products and fp32 accumulation)
         native = x.is_cuda and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
-        grid = (B * m_blocks, triton.cdiv(N, BLOCK_N), chunks)
         _tile_dot_kernel[grid](*args, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=bk,
                                NATIVE=native, num_warps=TILE_WARPS)
     if chunks > 1:

@@ -105,7 +105,7 @@ class Attention:
         fp32."""
         T, H, hd = q.shape
         n = window[0].shape[1] + (0 if sel is None else sel.shape[1])
-        per_query = 12 * n * hd + 12 * H * (n + 1)  # fp32: rows, joined rows, gathered; s, p
+        per_query = 12 * n * hd + 12 * H * (n + 1)  # rows (torch path: 3 copies); s, p
         step = max(1, ATTN_SCRATCH // per_query)
         out = []
         for i in range(0, T, step):
@@ -148,13 +148,13 @@ class Attention:
 def gather_rows(kv: torch.Tensor, ring: PositionRing, window: tuple[torch.Tensor, ...],
                 cache: torch.Tensor | None,
                 sel: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Some queries' key rows [T, W (+ k), hd] in their stored dtype (the wider of the window's
-    and the cache's) and their mask: each query's window is
-    exactly its W most recent positions (ForwardContext.window: kpos, existing, in_chunk, row,
-    slot), from the ring (earlier forwards; visible if its tag still holds that position) or
-    this forward's kv, in position order — a fixed-length key set per query keeps the result
-    independent of the chunk it came in — then its selected compressed entries (−1: empty).
-    One launch on CUDA (strata.kernels.attention, the same bits)."""
+    """Some queries' key rows [T, W (+ k), hd] in their stored dtype (rows_dtype) and their
+    mask. Each query's window is exactly its W most recent positions (ForwardContext.window:
+    kpos, existing, in_chunk, row, slot), from the ring (earlier forwards; visible if its tag
+    still holds that position) or this forward's kv, in position order — a fixed-length key
+    set per query keeps the result independent of the chunk it came in — then come its
+    selected compressed entries (−1: empty). One launch on CUDA (strata.kernels.attention,
+    the same bits)."""
     from strata.kernels import attention as attn_kernels
     if attn_kernels.available(kv):
         return attn_kernels.gather_rows(kv, ring.rows, ring.tags, window, cache, sel,
@@ -184,7 +184,8 @@ def sparse_attention(q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
     products, on tensor cores on CUDA). Every query is its own batch element."""
     T, H, _ = q.shape
     if comp_rows is not None:
-        rows = torch.cat((rows, comp_rows.to(rows.dtype)), dim=1)
+        dt = torch.promote_types(rows.dtype, comp_rows.dtype)
+        rows = torch.cat((rows.to(dt), comp_rows.to(dt)), dim=1)
         mask = torch.cat((mask, comp_mask), dim=1)
     s = rows_bmm(q, rows, torch.float32)  # [T, H, n]
     from strata.kernels import attention as attn_kernels

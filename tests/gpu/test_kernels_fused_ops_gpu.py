@@ -1,6 +1,7 @@
 """The fused small-op kernels on CUDA (pytest -m gpu): mHC collapse, hc_update, RoPE, the qdq
-steps and the MoE's slot sum give the torch code's bits, routing its picks; hc_coeffs and RMSNorm stay within a few fp32 ulps of it and their
-rows do not depend on the other rows of the call. V4.1 shapes (H = 4, D = 5120)."""
+steps, the MoE's slot sum and the attention's row gather give the torch code's bits, routing
+its picks; hc_coeffs, RMSNorm, the SwiGLU and the sink softmax stay within fp32 rounding of it,
+and their rows do not depend on the other rows of the call. V4.1 shapes (H = 4, D = 5120)."""
 from __future__ import annotations
 
 import pytest
@@ -169,7 +170,11 @@ def test_attention_rows_gathered_in_one_launch_equal_the_torch_code(cuda, monkey
     W, S, hd, T, k = 128, 256, 512, 300, 512
     ring = PositionRing(S, (hd,), torch.bfloat16, cuda, keep=W - 1)
     ring.rows.copy_(torch.randn(S, hd, generator=g).to(cuda, torch.bfloat16))
-    ring.tags.copy_(torch.arange(700, 700 + S).to(cuda) - S // 2)  # some stale
+    held = torch.arange(1000 - S, 1000)  # the ring holds the S positions before the chunk,
+    tags = torch.empty(S, dtype=torch.long)
+    tags[held % S] = held
+    tags[::7] -= S                       # some of them stale
+    ring.tags.copy_(tags.to(cuda))
     positions = torch.arange(1000, 1000 + T, device=cuda)
     window = ForwardContext.window(SimpleNamespace(positions=positions, _window={}), W, S)
     kv = torch.randn(T, hd, generator=g).to(cuda, torch.bfloat16)
