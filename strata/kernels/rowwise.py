@@ -6,7 +6,8 @@ every output row with the same fixed-order reduction over K (blocks of BLOCK_K, 
 accumulation) whatever B or the grid — and, for M ≥ 2, whatever M (`tile_shape`) — which
 makes forwards bit-identical across batch shapes on the GPU.
 
-Two kernels, chosen by the call site's structural M (never by the batch):
+One kernel, two ways of summing a slice, chosen by the call site's structural M (never by
+the batch):
 - M = 1 (row products: linears, mHC, row sums): one row per program, products summed along
   BLOCK_K on the CUDA cores — a decode step reads each weight once and wastes no lanes.
 - M ≥ 2 (attention and the indexer: a query's heads against its rows): tiles of 16 heads
@@ -39,12 +40,14 @@ if triton is not None:
     @triton.jit
     def _rowwise_kernel(x_ptr, w_ptr, o_ptr, M, N, K, m_blocks, k_chunk,
                         sxb, sxm, sxk, swb, swn, swk, soc, sob, som, son,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        DOT: tl.constexpr, NATIVE: tl.constexpr):
         # A tile of BLOCK_M rows × BLOCK_N outputs of one batch element over one K chunk: the
-        # w tile is read once for BLOCK_M rows (attention reads each query's keys once per 16
-        # heads, not once per head). Every output is the same fixed-order sum over its chunk
-        # whatever the tile holds: products of a BLOCK_K slice summed along k, slices added
-        # in order.
+        # w tile is read once for BLOCK_M rows. Every output is the same fixed-order sum over
+        # its chunk whatever the tile holds, BLOCK_K slices added in order; a slice's products
+        # summed along k on the CUDA cores (the M = 1 kernel) or through one tl.dot (DOT, the
+        # M ≥ 2 kernel: NATIVE when both operands are one 16-bit float type — exact products
+        # on tensor cores — else fp32 FMAs).
         pid = tl.program_id(0)  # b · m_blocks + m_block
         b = (pid // m_blocks).to(tl.int64)  # (offsets past 2³¹ elements: long prefills)
         offs_m = (pid % m_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -59,38 +62,15 @@ if triton is not None:
                          mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_end), other=0.0)
             wt = tl.load(w_ptr + b * swb + offs_n[:, None] * swn + offs_k[None, :] * swk,
                          mask=(offs_n[:, None] < N) & (offs_k[None, :] < k_end), other=0.0)
-            acc += tl.sum(xk.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :],
-                          axis=2)
-        o = o_ptr + chunk.to(tl.int64) * soc + b * sob
-        tl.store(o + offs_m[:, None] * som + offs_n[None, :] * son,
-                 acc.to(o_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
-
-    @triton.jit
-    def _tile_dot_kernel(x_ptr, w_ptr, o_ptr, M, N, K, m_blocks, k_chunk,
-                         sxb, sxm, sxk, swb, swn, swk, soc, sob, som, son,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         NATIVE: tl.constexpr):
-        # The M ≥ 2 kernel: the same tiles, chunks and output layout as _rowwise_kernel, each
-        # BLOCK_K slice through one tl.dot into the fp32 accumulator (NATIVE: both operands in
-        # one 16-bit float type, products exact in fp32, on tensor cores; else fp32 FMAs).
-        pid = tl.program_id(0)
-        b = (pid // m_blocks).to(tl.int64)
-        offs_m = (pid % m_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        chunk = tl.program_id(2)
-        k_start = chunk * k_chunk
-        k_end = tl.minimum(k_start + k_chunk, K)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            xk = tl.load(x_ptr + b * sxb + offs_m[:, None] * sxm + offs_k[None, :] * sxk,
-                         mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_end), other=0.0)
-            wk = tl.load(w_ptr + b * swb + offs_k[:, None] * swk + offs_n[None, :] * swn,
-                         mask=(offs_k[:, None] < k_end) & (offs_n[None, :] < N), other=0.0)
-            if NATIVE:
-                acc = tl.dot(xk, wk, acc)
+            if DOT:
+                if NATIVE:
+                    acc = tl.dot(xk, tl.trans(wt), acc)
+                else:
+                    acc = tl.dot(xk.to(tl.float32), tl.trans(wt.to(tl.float32)), acc,
+                                 input_precision="ieee")
             else:
-                acc = tl.dot(xk.to(tl.float32), wk.to(tl.float32), acc, input_precision="ieee")
+                acc += tl.sum(xk.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :],
+                              axis=2)
         o = o_ptr + chunk.to(tl.int64) * soc + b * sob
         tl.store(o + offs_m[:, None] * som + offs_n[None, :] * son,
                  acc.to(o_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
@@ -108,7 +88,7 @@ if triton is not None:
 
 
 BLOCK_N = 32
-TILE_WARPS = 4  # the tile kernel's (fixed: it is part of how tl.dot lowers)
+TILE_WARPS = 4  # fixed: part of how tl.dot lowers (and the M = 1 kernel's default)
 # Long reductions (mHC's 4·D inputs, Engram's row sums) split K into chunks of this many,
 # computed in parallel and added in chunk order: the partition depends on K alone, so a row's
 # bits still do not depend on the batch. One chunk up to K_CHUNK (attention, the indexer).
@@ -147,14 +127,11 @@ def rowwise_bmm(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
             x.stride(0), x.stride(1), x.stride(2), swb, w.stride(1), w.stride(2),
             dest.stride(0) if chunks > 1 else 0, *dest.stride()[-3:])
     grid = (B * m_blocks, triton.cdiv(N, BLOCK_N), chunks)
-    if M == 1:
-        _rowwise_kernel[grid](*args, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=bk)
-    else:
-        # (the interpreter multiplies 16-bit tiles as the integers it stores them as: on CPU
-        # the operands go to fp32 first — exact, the same products and fp32 accumulation)
-        native = x.is_cuda and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
-        _tile_dot_kernel[grid](*args, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=bk,
-                               NATIVE=native, num_warps=TILE_WARPS)
+    # (the interpreter multiplies 16-bit tiles as the integers it stores them as: on CPU the
+    # operands go to fp32 first — exact, the same products and fp32 accumulation)
+    native = x.is_cuda and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
+    _rowwise_kernel[grid](*args, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=bk, DOT=M > 1,
+                          NATIVE=native, num_warps=TILE_WARPS)
     if chunks > 1:
         n = B * M * N
         _chunk_sum_kernel[(triton.cdiv(n, 1024),)](dest, out, n, chunks, BLOCK=1024)
