@@ -350,6 +350,10 @@ def test_bench_smoke(tmp_path):
     for key in ("shape", "K", "codebook", "rows", "path", "median_us", "gweights_per_s",
                 "trellis_gb_per_s"):
         assert key in row
+    # the row kernel's cases against torch.bmm (smoke: tiny shapes)
+    assert [r["case"] for r in data["rowwise"]] == ["smoke_qk", "smoke_pv"]
+    assert all(r["ours_us"] > 0 and r["blas_us"] > 0 for r in data["rowwise"])
+    assert "row kernel case" in (tmp_path / "k.md").read_text()
     assert data["checks"]["reconstruct_bit_exact"] is True
     assert (tmp_path / "k.md").read_text().startswith("|")
 

@@ -16,6 +16,12 @@ On a CUDA device, for random trellises (and suh/svh) at each shape × K × rows:
   that path. Ours is always also checked against strata.quant.exl3.decode_trellis on a slice.
 Targets (issue): ours ≥ exllamav3's rate at 1 row, ≥ 1.5× at 6 rows (reported per shape/K).
 
+`--rowwise`: also the batch-invariant row kernel (strata.kernels.rowwise) at the shapes the
+model gives it — a prefill piece's attention q·k (bf16, tensor cores) and p·v (fp32 × bf16),
+the indexer's q·k over 32K entries, mHC's long row products, and a decode step's q·k — in
+TFLOP/s, against cuBLAS's torch.bmm on the same operands in the same run (not batch-invariant:
+the speed the exactness costs).
+
 `--smoke`: tiny shapes, CPU under TRITON_INTERPRET=1 (the harness logic, for the test suite).
 Output: a markdown table on stdout, JSON (--json) with a .md beside it.
 """
@@ -59,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto (fused ≤ FUSED_MAX_ROWS rows, else gemm) or a list: fused,gemm")
     p.add_argument("--moe", action="store_true",
                    help="also time the grouped MoE kernel (gate+up, 6 pairs per token)")
+    p.add_argument("--rowwise", action="store_true",
+                   help="also time the batch-invariant row kernel at the model's shapes, "
+                        "against cuBLAS (torch.bmm) on the same operands")
     p.add_argument("--no-peer", action="store_true", help="skip exllamav3 even if it imports")
     p.add_argument("--peer-timeout", type=float, default=1200,
                    help="seconds for the exllamav3 child process (incl. its extension build)")
@@ -289,9 +298,10 @@ def run(args) -> dict:
     elif want_peer:
         meta["peer"] = _merge_peer(args, rows, checks)
     moe = _bench_moe(X, dev, timer, copy_gbs, smoke, args.codebook) if args.moe or smoke else []
+    rowwise = _bench_rowwise(dev, timer, smoke) if args.rowwise or smoke else []
     meta["timing"] = ("cuda-graph replay" if timer.graph else "eager") + (
         f" ({timer.eager_fallbacks} eager fallbacks)" if timer.eager_fallbacks else "")
-    return {"meta": meta, "rows": rows, "moe": moe, "checks": checks,
+    return {"meta": meta, "rows": rows, "moe": moe, "rowwise": rowwise, "checks": checks,
             "targets": _targets(rows)}
 
 
@@ -453,6 +463,42 @@ def _bench_moe(X, dev, timer, copy_gbs, smoke, cb) -> list[dict]:
     return out
 
 
+# (name, B, M, N, K, x dtype, w dtype, w as a transposed view): what the model hands the row
+# kernel — a prefill piece of 243 queries (attention.ATTN_SCRATCH) × 64 heads against its 640
+# rows of 512 and back, the indexer's 32 heads × 128 against 32K keys for 64 queries, mHC's
+# 4·D-long rows (M = 1) for a 4,096-row chunk, and one decode query's q·k.
+ROWWISE = (("attn_qk_prefill", 243, 64, 640, 512, "bf16", "bf16", False),
+           ("attn_pv_prefill", 243, 64, 512, 640, "fp32", "bf16", True),
+           ("index_qk_prefill", 64, 32, 32768, 128, "bf16", "bf16", False),
+           ("mhc_prefill", 4096, 1, 24, 20480, "fp32", "fp32", False),
+           ("attn_qk_decode", 1, 64, 640, 512, "bf16", "bf16", False))
+SMOKE_ROWWISE = (("smoke_qk", 3, 4, 40, 32, "bf16", "bf16", False),
+                 ("smoke_pv", 3, 4, 32, 40, "fp32", "bf16", True))
+_DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _bench_rowwise(dev, timer, smoke) -> list[dict]:
+    """The row kernel against torch.bmm (cuBLAS) on the same operands: µs and TFLOP/s."""
+    from strata.kernels.rowwise import rowwise_bmm
+    out = []
+    for name, B, M, N, K, xd, wd, transposed in SMOKE_ROWWISE if smoke else ROWWISE:
+        g = torch.Generator(device="cpu").manual_seed(B + N)
+        x = torch.randn(B, M, K, generator=g).to(dev, _DT[xd])
+        # the model's w for p·v is the gathered rows [B, K, N] seen as [B, N, K]
+        w = (torch.randn(B, K, N, generator=g).to(dev, _DT[wd]).transpose(1, 2) if transposed
+             else torch.randn(1 if name.startswith("index") else B, N, K,
+                              generator=g).to(dev, _DT[wd]))
+        ours = timer(lambda: rowwise_bmm(x, w, out_dtype=torch.float32))
+        common = torch.promote_types(x.dtype, w.dtype)
+        xc, wc = x.to(common), w.to(common).expand(B, -1, -1).transpose(1, 2)
+        blas = timer(lambda: torch.bmm(xc, wc))
+        flop = 2 * B * M * N * K
+        out.append({"case": name, "B": B, "M": M, "N": N, "K": K, "x": xd, "w": wd,
+                    "ours_us": ours, "blas_us": blas, "ours_tflops": flop / ours / 1e6,
+                    "blas_tflops": flop / blas / 1e6, "ours_over_blas_time": ours / blas})
+    return out
+
+
 def _targets(rows: list[dict]) -> list[dict]:
     out = []
     for r in rows:
@@ -499,6 +545,13 @@ def markdown(res: dict) -> str:
         met = sum(t["met_linear"] for t in res["targets"])
         lines.append(f"Targets met (the whole linear, ours against exllamav3's): "
                      f"{met}/{len(res['targets'])}.")
+    if res.get("rowwise"):
+        lines += ["", "| row kernel case | B×M×N×K | x·w | ours µs | TFLOP/s | cuBLAS µs | "
+                  "TFLOP/s | ours/cuBLAS time |", "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['case']} | {r['B']}×{r['M']}×{r['N']}×{r['K']} | {r['x']}·{r['w']} | "
+                  f"{r['ours_us']:.1f} | {r['ours_tflops']:.1f} | {r['blas_us']:.1f} | "
+                  f"{r['blas_tflops']:.1f} | {r['ours_over_blas_time']:.2f} |"
+                  for r in res["rowwise"]]
     if res["moe"]:
         lines += ["", "| MoE gate+up: tokens | slots | distinct experts | µs | Gw/s | GB/s |",
                   "|---|---|---|---|---|---|"]
