@@ -131,9 +131,7 @@ def sink_softmax(s: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor,
     T, H, n = s.shape
     if s.stride(-1) != 1:
         s = s.contiguous()
-    m = mask.to(torch.uint8)
-    if m.stride(-1) != 1:
-        m = m.contiguous()
+    m = (mask if mask.stride(-1) == 1 else mask.contiguous()).view(torch.uint8)  # (no copy)
     out = torch.empty((T, H, n), dtype=torch.float32, device=s.device)
     if T and H and n:
         _sink_softmax_kernel[(T, H)](s, m, sink.float().contiguous(), out, n, float(scale),
