@@ -219,7 +219,14 @@ if triton is not None:
         # subnormal e4m3 (|y| < 2^-6): multiples of 2^-9; the fp32 add rounds at ulp 2^-9
         sub = (ay + 16384.0) - 16384.0
         r = tl.where(ay < 0.015625, sub, nrm)
-        return tl.where(y < 0, -r, r)
+        return _signed_like(r, y)
+
+    @triton.jit
+    def _signed_like(mag, x):
+        """mag (≥ 0, float32) with x's sign bit. Not where(x < 0, -mag, mag): Triton negates
+        as 0 - mag, which turns a zero magnitude into +0 where the torch cast keeps -0."""
+        sign = (x.to(tl.int32, bitcast=True) >> 31) << 31
+        return (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _fp8_act_qdq_tile(a, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):

@@ -27,7 +27,7 @@ def available(t: torch.Tensor) -> bool:
 
 
 if triton is not None:
-    from strata.kernels.fp8fp4 import _e4m3_rne
+    from strata.kernels.fp8fp4 import _e4m3_rne, _signed_like
     from strata.kernels.mhc import _round_out
 
     @triton.jit
@@ -61,7 +61,6 @@ if triton is not None:
         live = (rows < n_blocks)[:, None]
         offs = rows[:, None] * BLOCK + cols[None, :]
         x = tl.load(x_ptr + offs, mask=live, other=0.0).to(tl.float32)
-        neg = x.to(tl.int32, bitcast=True) < 0  # the sign bit: -0.0 stays negative
         amax = tl.max(tl.abs(x), axis=1)
         amax = tl.maximum(amax, FLOOR)
         if FMT == 0:    # fp8_act_qdq: 2^ceil(log2(amax / 448)), e4m3
@@ -76,7 +75,7 @@ if triton is not None:
             e = _ceil_log2(tl.math.div_rn(amax, 6.0))
             y = tl.minimum(tl.abs(x) * _pow2(-e)[:, None], 6.0)
             q = _e2m1_rne(y) * _pow2(e)[:, None]
-        q = tl.where(neg, -q, q)
+        q = _signed_like(q, x)  # -0.0 stays negative, as in torch
         tl.store(o_ptr + offs, _round_out(q, o_ptr.dtype.element_ty), mask=live)
 
 
