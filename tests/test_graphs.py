@@ -12,7 +12,7 @@ import torch
 
 from strata.model.model import Model
 from strata.model.numerics import Numerics
-from strata.runtime.graphs import EagerReplay, GraphedForward, no_cyclic_gc
+from strata.runtime.graphs import CudaGraphs, EagerReplay, GraphedForward, no_cyclic_gc
 from strata.runtime.session import Session
 from strata.runtime.speculative import SpecConfig
 from util import continuation_drafts, random_tokens, windows_roll_back_alike
@@ -196,3 +196,28 @@ def test_no_cycle_collection_inside_a_capture():
         assert not gc.isenabled()  # a caller that turned it off keeps it off
     finally:
         gc.enable()
+
+
+def test_the_collector_stays_off_until_the_capture_has_ended(monkeypatch):
+    """CudaGraphs.capture turns the collector back on only after capture_end: switched on
+    inside the capture it collects at the first allocation (the count grows while it is off),
+    which on the H200 invalidated a capture. torch.cuda.graph is replaced by a recorder here
+    (no CUDA in CI): what is checked is the order of the two context managers."""
+    seen = []
+
+    class Recorder:
+        def __init__(self, graph, pool=None):
+            pass
+
+        def __enter__(self):
+            seen.append(("begin", gc.isenabled()))
+
+        def __exit__(self, *exc):
+            seen.append(("end", gc.isenabled()))
+
+    monkeypatch.setattr(torch.cuda, "graph", Recorder)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    CudaGraphs().capture(lambda: seen.append(("run", gc.isenabled())), state=None)
+    assert seen == [("begin", False), ("run", False), ("end", False)]
+    assert gc.isenabled()

@@ -104,7 +104,11 @@ class CudaGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool), no_cyclic_gc():
+        # The collector is off from before capture_begin to after capture_end: while it is
+        # disabled, allocations still count towards the next collection, so switching it back
+        # on inside the capture would collect at the first allocation (torch.cuda.graph's
+        # __exit__ runs Python before capture_end).
+        with no_cyclic_gc(), torch.cuda.graph(graph, pool=self.pool):
             run()
         return graph
 
@@ -114,7 +118,7 @@ def no_cyclic_gc():
     """Python's cycle collector off inside the block. A collection during a capture can free
     an unreachable session's CUDA graphs, and destroying a graph is an operation CUDA forbids
     while a stream captures: the capture is invalidated (seen on the H200: the previous
-    benchmark mode's graphs freed mid-capture). torch.cuda.graph collects just before."""
+    benchmark mode's graphs freed mid-capture)."""
     was = gc.isenabled()
     gc.disable()
     try:
