@@ -83,7 +83,8 @@ def cmd_capture(layers: str, mode: str, variant: str) -> None:
                 found.append((name, "".join(traceback.format_stack(frame, limit=12))))
 
         mode_ = "relaxed" if variant == "relaxed" else "global"
-        with torch.cuda.graph(g, pool=self.pool, capture_error_mode=mode_):
+        with graphs.no_cyclic_gc(), torch.cuda.graph(g, pool=self.pool,
+                                                          capture_error_mode=mode_):
             sys.setprofile(hook)
             try:
                 run()
@@ -97,8 +98,10 @@ def cmd_capture(layers: str, mode: str, variant: str) -> None:
     orig = graphs.GraphedForward._capture
 
     def _capture(self, tokens, logits):
-        print(f"capture T={tokens.numel()} logits={logits} pos={self.state.position}",
-              flush=True)
+        free, total = torch.cuda.mem_get_info()
+        print(f"capture T={tokens.numel()} logits={logits} pos={self.state.position} "
+              f"free {free / 2**30:.1f} GiB reserved {torch.cuda.memory_reserved() / 2**30:.1f} "
+              f"GiB", flush=True)
         return orig(self, tokens, logits)
     graphs.GraphedForward._capture = _capture
 
@@ -107,7 +110,7 @@ def cmd_capture(layers: str, mode: str, variant: str) -> None:
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 100_000, (512,), generator=g).tolist()
     try:
-        res = bench_decode(model, prompt, [mode], n=24, runs=1, warmup=1,
+        res = bench_decode(model, prompt, mode.split(","), n=24, runs=1, warmup=1,
                            progress=lambda line: print(line, flush=True))
         print("OK", {k: v.tok_per_s for k, v in res.items()}, flush=True)
     except Exception as e:  # the diagnosis is the point: print and exit non-zero
