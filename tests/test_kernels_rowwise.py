@@ -37,11 +37,11 @@ def test_strided_weight_and_batch_invariance():
 
 def test_rows_split_over_tiles_give_the_same_bits():
     """M ≥ 2 rows share a tile shape whatever M (tensor parallelism halves the heads): a split
-    gives the full call's bits, with rows crossing a 16-row tile; M = 1 rows alone or batched."""
+    gives the full call's bits, with rows crossing a 64-row tile; M = 1 rows alone or batched."""
     from strata.kernels.rowwise import tile_shape
     assert tile_shape(2) == tile_shape(64) != tile_shape(1)
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(2, 20, 40, generator=g)
+    x = torch.randn(2, 70, 40, generator=g)
     w = torch.randn(2, 24, 40, generator=g)
     full = rowwise_bmm(x, w)
     torch.testing.assert_close(full, rowwise_bmm_reference(x, w), rtol=1e-5, atol=1e-5)
@@ -50,6 +50,20 @@ def test_rows_split_over_tiles_give_the_same_bits():
     one = rowwise_bmm(x[:, :1], w)
     assert torch.equal(torch.cat([rowwise_bmm(x[i:i + 1, :1], w[i:i + 1]) for i in range(2)]),
                        one)
+
+
+def test_a_shared_w_fills_tiles_with_several_batch_elements():
+    """One w for the whole batch (the indexer's queries against the index keys): the batch's
+    rows share tiles, and each element's bits are those it has alone; a batch whose rows are
+    not evenly strided (a transposed view) takes the per-element tiles, same values."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 3, 40, generator=g)
+    w = torch.randn(1, 24, 40, generator=g)
+    full = rowwise_bmm(x, w)
+    torch.testing.assert_close(full, rowwise_bmm_reference(x, w), rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.cat([rowwise_bmm(x[i:i + 1], w) for i in range(5)]), full)
+    xt = x.transpose(0, 1).contiguous().transpose(0, 1)  # [5, 3, 40], stride(0) = 40
+    assert torch.equal(rowwise_bmm(xt, w), full)
 
 
 def test_shape_mismatch():

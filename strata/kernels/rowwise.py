@@ -10,12 +10,15 @@ One kernel, two ways of summing a slice, chosen by the call site's structural M 
 the batch):
 - M = 1 (row products: linears, mHC, row sums): one row per program, products summed along
   BLOCK_K on the CUDA cores — a decode step reads each weight once and wastes no lanes.
-- M ≥ 2 (attention and the indexer: a query's heads against its rows): tiles of 16 heads
-  through tl.dot with one fixed tile, warp count and precision (fp32 operands as IEEE fp32
-  FMAs, bf16/fp16 pairs on tensor cores with fp32 accumulation). A row's bits depend only on
-  its own operands, so a head split (tensor parallelism) or another batch changes none; a long
-  prefill's [query, heads, rows] products are most of its time (bench/results/performance.md),
-  which the per-element broadcast-and-sum of the row kernel ran at a few TFLOP/s.
+- M ≥ 2 (attention and the indexer: a query's heads against its rows): tiles of 64 rows
+  through tl.dot with one fixed tile, warp count and precision per operand type (fp32 operands
+  as IEEE fp32 FMAs, bf16/fp16 pairs on tensor cores with fp32 accumulation). A row's bits
+  depend only on its own operands — an output element is the same chain of MMA steps over k
+  whichever rows share its tile — so a head split (tensor parallelism) or another batch changes
+  none. That also lets a call whose batch shares one w (the indexer's queries against the
+  index keys) fill its tiles with the rows of several batch elements. A long prefill's
+  [query, heads, rows] products are most of its time (bench/results/performance.md): one tile
+  holding all of a query's heads reads its rows once.
 
 `rowwise_bmm_reference` is the torch definition it is tested against (under TRITON_INTERPRET=1
 on CPU).
@@ -87,7 +90,6 @@ if triton is not None:
         tl.store(o_ptr + offs, acc.to(o_ptr.dtype.element_ty), mask=offs < n)
 
 
-BLOCK_N = 32
 TILE_WARPS = 4  # fixed: part of how tl.dot lowers (and the M = 1 kernel's default)
 # Long reductions (mHC's 4·D inputs, Engram's row sums) split K into chunks of this many,
 # computed in parallel and added in chunk order: the partition depends on K alone, so a row's
@@ -95,12 +97,16 @@ TILE_WARPS = 4  # fixed: part of how tl.dot lowers (and the M = 1 kernel's defau
 K_CHUNK = 1024
 
 
-def tile_shape(M: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_K) for a call with M rows per batch element. A call site's M is
-    structural (1 for row products, the heads of a layer for attention and the indexer) and
-    every M ≥ 2 gets the same tile, so a row's bits never depend on the batch (decode, verify
-    window, prefill chunk) nor on how tensor parallelism splits the heads."""
-    return (1, 64) if M == 1 else (16, 32)
+def tile_shape(M: int, native: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) for a call with M rows per batch element; `native`: 16-bit
+    operand pairs on tensor cores. A call site's M is structural (1 for row products, the heads
+    of a layer for attention and the indexer) and every M ≥ 2 gets the same tile, so a row's
+    bits never depend on the batch (decode, verify window, prefill chunk) nor on how tensor
+    parallelism splits the heads. (64 rows: V4.1's 64 attention heads in one tile, which
+    reads each query's gathered rows once.)"""
+    if M == 1:
+        return 1, 32, 64
+    return (64, 64, 64) if native else (64, 32, 32)
 
 
 def rowwise_bmm(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
@@ -117,8 +123,15 @@ def rowwise_bmm(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
     out = torch.empty((B, M, N), dtype=out_dtype or x.dtype, device=x.device)
     if B * M == 0 or N == 0:
         return out
+    if M > 1 and Bw == 1 and B > 1 and x.stride(0) == M * x.stride(1):
+        # One w for the whole batch: its rows are one [B·M, K] operand (same bits per row)
+        rows = x.as_strided((1, B * M, K), (0, x.stride(1), x.stride(2)))
+        return rowwise_bmm(rows, w, k_chunk, out_dtype).view(B, M, N)
     swb = 0 if Bw == 1 else w.stride(0)
-    bm, bk = tile_shape(M)
+    # (the interpreter multiplies 16-bit tiles as the integers it stores them as: on CPU the
+    # operands go to fp32 first — exact, the same products and fp32 accumulation)
+    native = x.is_cuda and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
+    bm, bn, bk = tile_shape(M, native)
     m_blocks = triton.cdiv(M, bm)
     chunks = triton.cdiv(K, k_chunk) if K > k_chunk else 1
     dest = out if chunks == 1 else torch.empty((chunks, B, M, N), dtype=torch.float32,
@@ -126,11 +139,8 @@ def rowwise_bmm(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
     args = (x, w, dest, M, N, K, m_blocks, k_chunk if chunks > 1 else K,
             x.stride(0), x.stride(1), x.stride(2), swb, w.stride(1), w.stride(2),
             dest.stride(0) if chunks > 1 else 0, *dest.stride()[-3:])
-    grid = (B * m_blocks, triton.cdiv(N, BLOCK_N), chunks)
-    # (the interpreter multiplies 16-bit tiles as the integers it stores them as: on CPU the
-    # operands go to fp32 first — exact, the same products and fp32 accumulation)
-    native = x.is_cuda and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
-    _rowwise_kernel[grid](*args, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=bk, DOT=M > 1,
+    grid = (B * m_blocks, triton.cdiv(N, bn), chunks)
+    _rowwise_kernel[grid](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT=M > 1,
                           NATIVE=native, num_warps=TILE_WARPS)
     if chunks > 1:
         n = B * M * N
