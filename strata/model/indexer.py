@@ -15,6 +15,7 @@ import torch
 
 from strata.checkpoint.weights import WeightReader
 from strata.config import ModelConfig
+from strata.kernels import indexer as index_kernels
 from strata.model.context import ForwardContext
 from strata.model.numerics import ranked_topk, rms_norm, rows_bmm
 from strata.model.rope import apply_rope
@@ -23,7 +24,8 @@ from strata.runtime.state import State, entry_bucket
 
 # Queries are scored in pieces of at most this many per-head scores (fp32: 1 GiB): a 4,096-row
 # prefill chunk against a 524K context's 131K entries would otherwise make a [T, heads, n]
-# tensor of 69 GB. Every query's selection is its own, so the pieces change no bit.
+# tensor of 69 GB (the torch path; the CUDA kernel keeps them in registers, and the pieces
+# bound its [rows, n] scores). Every query's selection is its own, so the pieces change no bit.
 SCORE_SCRATCH = 1 << 28
 
 
@@ -112,9 +114,12 @@ class Indexer:
         picks, candidates = [], []
         for i in range(0, ctx.T, rows):
             j = min(i + rows, ctx.T)
-            per_head = torch.relu(rows_bmm(q[i:j], keys.unsqueeze(0), torch.float32))
-            scores = rows_bmm(w[i:j].unsqueeze(1), per_head.transpose(1, 2)).squeeze(1)
-            del per_head  # (Σ_h w_h·relu(q_h·k) is made: free the piece's scratch now)
+            if index_kernels.available(q):  # (one launch, no per-head scratch)
+                scores = index_kernels.index_scores(q[i:j], keys, w[i:j])
+            else:
+                per_head = torch.relu(rows_bmm(q[i:j], keys.unsqueeze(0), torch.float32))
+                scores = rows_bmm(w[i:j].unsqueeze(1), per_head.transpose(1, 2)).squeeze(1)
+                del per_head  # (Σ_h w_h·relu(q_h·k) is made: free the piece's scratch now)
             visible = torch.arange(n, device=u.device)[None] < n_visible[i:j, None]
             scores = torch.where(visible, scores, torch.full_like(scores, float("-inf")))
             if source:

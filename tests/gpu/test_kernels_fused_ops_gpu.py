@@ -1,6 +1,7 @@
 """The fused small-op kernels on CUDA (pytest -m gpu): mHC collapse, hc_update, RoPE, the qdq
 steps, the MoE's slot sum and the attention's row gather give the torch code's bits, routing
-its picks; hc_coeffs, RMSNorm, the SwiGLU and the sink softmax stay within fp32 rounding of it,
+its picks; hc_coeffs, RMSNorm, the SwiGLU, the sink softmax and the indexer's scores stay
+within fp32 rounding of it,
 and their rows do not depend on the other rows of the call. V4.1 shapes (H = 4, D = 5120)."""
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ pytestmark = pytest.mark.gpu
 
 def torch_path(monkeypatch, fn, *args):
     """The torch definitions on CUDA (the fused kernels switched off for the call)."""
-    from strata.kernels import attention, moe_ops, norm, qdq, rope
+    from strata.kernels import attention, indexer, moe_ops, norm, qdq, rope
     with monkeypatch.context() as m:
-        for module in (K, attention, moe_ops, norm, qdq, rope):
+        for module in (K, attention, indexer, moe_ops, norm, qdq, rope):
             m.setattr(module, "available", lambda t: False)
         return fn(*args)
 
@@ -183,3 +184,23 @@ def test_attention_rows_gathered_in_one_launch_equal_the_torch_code(cuda, monkey
     got = A.gather_rows(kv, ring, window, cache, sel)
     want = torch_path(monkeypatch, A.gather_rows, kv, ring, window, cache, sel)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexer_scores_in_one_launch_near_the_torch_code(cuda, dtype):
+    """V4.1's indexer (32 heads of 128) over 5,000 entries: Σ_h w_h·relu(q_h·k) from one
+    launch within fp32 rounding of the torch steps (rows_bmm, relu, rows_bmm); a query's
+    scores alone and over fewer entries are the batch's bits."""
+    from strata.kernels.indexer import index_scores
+    from strata.model.numerics import rows_bmm
+    g = torch.Generator().manual_seed(8)
+    T, H, D, n = 37, 32, 128, 5000
+    q = torch.randn(T, H, D, generator=g).to(cuda, dtype)
+    keys = torch.randn(n, D, generator=g).to(cuda, dtype)
+    w = (torch.randn(T, H, generator=g) * 0.02).to(cuda)
+    got = index_scores(q, keys, w)
+    per_head = torch.relu(rows_bmm(q, keys.unsqueeze(0), torch.float32))
+    want = rows_bmm(w.unsqueeze(1), per_head.transpose(1, 2)).squeeze(1)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(index_scores(q[5:6], keys, w[5:6]), got[5:6])
+    assert torch.equal(index_scores(q, keys[:1234], w), got[:, :1234])

@@ -1,0 +1,79 @@
+"""The indexer's scores in one launch on CUDA (strata.model.indexer.Indexer.select).
+
+score[t, e] = Σ_h w[t, h] · relu(q[t, h] · k[e]) over a query's heads. In torch that is a
+[T, heads, entries] fp32 tensor of per-head products written and read back, a relu over it
+and a second product — at long context the largest tensors a prefill chunk makes (32 heads ×
+131,072 entries × 4 bytes per query at 524K). Here a program takes one query and a block of
+entries: the heads' products stay in registers (tl.dot over the head dimension, fp32
+accumulation; tensor cores for 16-bit pairs, which in vendor numerics hold exact fp4 values),
+then the relu, the weights and the sum over heads. Every score is computed from its own query
+and entry in a fixed order, so it does not depend on the batch (decode, verify window,
+prefill piece) nor on how many entries the call covers.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch definition is used
+    triton = None
+
+BLOCK_H = 32   # heads per tl.dot tile (V4.1's indexer has 32); more heads: tiles summed in order
+BLOCK_N = 128  # entries per program
+BLOCK_K = 64   # head-dimension slice per tl.dot
+
+
+def available(t: torch.Tensor) -> bool:
+    return triton is not None and t.is_cuda
+
+
+if triton is not None:
+    @triton.jit
+    def _index_scores_kernel(q_ptr, k_ptr, w_ptr, o_ptr, H, N, D,
+                             sqt, sqh, sqd, skn, skd, swt, swh, sot,
+                             BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, NATIVE: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        live_n = offs_n < N
+        total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            acc = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, D, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                qk = tl.load(q_ptr + t * sqt + offs_h[:, None] * sqh + offs_k[None, :] * sqd,
+                             mask=(offs_h[:, None] < H) & (offs_k[None, :] < D), other=0.0)
+                kt = tl.load(k_ptr + offs_n[:, None] * skn + offs_k[None, :] * skd,
+                             mask=live_n[:, None] & (offs_k[None, :] < D), other=0.0)
+                if NATIVE:
+                    acc = tl.dot(qk, tl.trans(kt), acc)
+                else:
+                    acc = tl.dot(qk.to(tl.float32), tl.trans(kt.to(tl.float32)), acc,
+                                 input_precision="ieee")
+            wh = tl.load(w_ptr + t * swt + offs_h * swh, mask=offs_h < H, other=0.0)
+            total += tl.sum(tl.maximum(acc, 0.0) * wh[:, None], axis=0)
+        tl.store(o_ptr + t * sot + offs_n, total, mask=live_n)
+
+
+def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """q [T, H, D], keys [n, D] (any strides), w [T, H] fp32 → scores [T, n] fp32."""
+    T, H, D = q.shape
+    n = keys.shape[0]
+    if keys.shape[1] != D or tuple(w.shape) != (T, H):
+        raise ValueError(f"index_scores: q {list(q.shape)}, keys {list(keys.shape)} and "
+                         f"w {list(w.shape)} do not match")
+    out = torch.empty((T, n), dtype=torch.float32, device=q.device)
+    if T == 0 or n == 0:
+        return out
+    # (as in kernels/rowwise: the interpreter multiplies 16-bit tiles as integers, so on CPU
+    # the operands are widened to fp32 — exact, the same products and accumulation)
+    native = q.is_cuda and q.dtype == keys.dtype and q.dtype in (torch.bfloat16, torch.float16)
+    wf = w.float()
+    _index_scores_kernel[(T, triton.cdiv(n, BLOCK_N))](
+        q, keys, wf, out, H, n, D, q.stride(0), q.stride(1), q.stride(2),
+        keys.stride(0), keys.stride(1), wf.stride(0), wf.stride(1), out.stride(0),
+        BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NATIVE=native, num_warps=4)
+    return out

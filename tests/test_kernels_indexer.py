@@ -1,0 +1,41 @@
+"""The indexer's one-launch scores (strata.kernels.indexer) against the torch steps of
+strata.model.indexer.Indexer.select, under TRITON_INTERPRET=1 on CPU
+(tests/gpu/test_kernels_fused_ops_gpu.py runs it compiled)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernel is first launched
+
+from strata.kernels.indexer import index_scores  # noqa: E402
+
+
+def torch_steps(q, keys, w):
+    per_head = torch.relu(torch.bmm(q.float(), keys.float().T.expand(q.shape[0], -1, -1)))
+    return torch.bmm(w.float().unsqueeze(1), per_head).squeeze(1)
+
+
+@pytest.mark.parametrize("H", [3, 40])  # fewer heads than a tile, and a second tile of heads
+def test_matches_the_torch_steps_and_scores_stand_alone(H):
+    g = torch.Generator().manual_seed(H)
+    T, n, D = 4, 150, 72  # entries past one block, a head dimension past one k slice
+    q = torch.randn(T, H, D, generator=g)
+    keys = torch.randn(n, D, generator=g)
+    w = torch.randn(T, H, generator=g)
+    got = index_scores(q, keys, w)
+    torch.testing.assert_close(got, torch_steps(q, keys, w), rtol=1e-5, atol=1e-4)
+    # a query alone, and fewer entries (the bucketed count grows with the context): same bits
+    assert torch.equal(index_scores(q[2:3], keys, w[2:3]), got[2:3])
+    assert torch.equal(index_scores(q, keys[:70], w), got[:, :70])
+    # bf16 operands (vendor numerics: fp4 values) accumulate their exact products in fp32
+    qb, kb = q.to(torch.bfloat16), keys.to(torch.bfloat16)
+    torch.testing.assert_close(index_scores(qb, kb, w), torch_steps(qb, kb, w),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_shapes_must_agree():
+    with pytest.raises(ValueError, match="do not match"):
+        index_scores(torch.zeros(2, 3, 8), torch.zeros(5, 9), torch.zeros(2, 3))
