@@ -466,19 +466,25 @@ def _bench_moe(X, dev, timer, copy_gbs, smoke, cb) -> list[dict]:
 # (name, B, M, N, K, x dtype, w dtype, w as a transposed view): what the model hands the row
 # kernel — a prefill piece of 243 queries (attention.ATTN_SCRATCH) × 64 heads against its 640
 # rows of 512 and back, the indexer's 32 heads × 128 against 32K keys for 64 queries, mHC's
-# 4·D-long rows (M = 1) for a 4,096-row chunk, and one decode query's q·k.
+# 4·D-long rows (M = 1) for a 4,096-row chunk, and one decode query's q·k. "index_scores":
+# the indexer's whole score, Σ_h w_h·relu(q_h·k), one launch (strata.kernels.indexer) against
+# cuBLAS's q·k (bf16 out) + relu + the heads' weighted sum.
 ROWWISE = (("attn_qk_prefill", 243, 64, 640, 512, "bf16", "bf16", False),
            ("attn_pv_prefill", 243, 64, 512, 640, "fp32", "bf16", True),
            ("index_qk_prefill", 64, 32, 32768, 128, "bf16", "bf16", False),
+           ("index_scores_prefill", 64, 32, 32768, 128, "bf16", "bf16", False),
            ("mhc_prefill", 4096, 1, 24, 20480, "fp32", "fp32", False),
            ("attn_qk_decode", 1, 64, 640, 512, "bf16", "bf16", False))
 SMOKE_ROWWISE = (("smoke_qk", 3, 4, 40, 32, "bf16", "bf16", False),
-                 ("smoke_pv", 3, 4, 32, 40, "fp32", "bf16", True))
+                 ("smoke_pv", 3, 4, 32, 40, "fp32", "bf16", True),
+                 ("index_scores_smoke", 3, 4, 40, 32, "bf16", "bf16", False))
 _DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def _bench_rowwise(dev, timer, smoke) -> list[dict]:
-    """The row kernel against torch.bmm (cuBLAS) on the same operands: µs and TFLOP/s."""
+    """The row kernel (and the indexer's fused scores) against torch.bmm (cuBLAS) on the same
+    operands: µs and TFLOP/s."""
+    from strata.kernels.indexer import index_scores
     from strata.kernels.rowwise import rowwise_bmm
     out = []
     for name, B, M, N, K, xd, wd, transposed in SMOKE_ROWWISE if smoke else ROWWISE:
@@ -488,11 +494,18 @@ def _bench_rowwise(dev, timer, smoke) -> list[dict]:
         w = (torch.randn(B, K, N, generator=g).to(dev, _DT[wd]).transpose(1, 2) if transposed
              else torch.randn(1 if name.startswith("index") else B, N, K,
                               generator=g).to(dev, _DT[wd]))
-        ours = timer(lambda: rowwise_bmm(x, w, out_dtype=torch.float32))
         common = torch.promote_types(x.dtype, w.dtype)
         xc, wc = x.to(common), w.to(common).expand(B, -1, -1).transpose(1, 2)
-        blas = timer(lambda: torch.bmm(xc, wc))
         flop = 2 * B * M * N * K
+        if name.startswith("index_scores"):
+            heads = torch.randn(B, M, generator=g).to(dev)
+            hc = heads.to(common).unsqueeze(1)
+            ours = timer(lambda: index_scores(x, w[0], heads))
+            blas = timer(lambda: torch.bmm(hc, torch.relu(torch.bmm(xc, wc))))
+            flop += 2 * B * M * N
+        else:
+            ours = timer(lambda: rowwise_bmm(x, w, out_dtype=torch.float32))
+            blas = timer(lambda: torch.bmm(xc, wc))
         out.append({"case": name, "B": B, "M": M, "N": N, "K": K, "x": xd, "w": wd,
                     "ours_us": ours, "blas_us": blas, "ours_tflops": flop / ours / 1e6,
                     "blas_tflops": flop / blas / 1e6, "ours_over_blas_time": ours / blas})
