@@ -10,7 +10,7 @@ One kernel, two ways of summing a slice, chosen by the call site's structural M 
 the batch):
 - M = 1 (row products: linears, mHC, row sums): one row per program, products summed along
   BLOCK_K on the CUDA cores — a decode step reads each weight once and wastes no lanes.
-- M ≥ 2 (attention and the indexer: a query's heads against its rows): tiles of 64 rows
+- M ≥ 2 (attention and the indexer: a query's heads against its rows): tiles of rows
   through tl.dot with one fixed tile, warp count and precision per operand type (fp32 operands
   as IEEE fp32 FMAs, bf16/fp16 pairs on tensor cores with fp32 accumulation). A row's bits
   depend only on its own operands — an output element is the same chain of MMA steps over k
@@ -102,11 +102,13 @@ def tile_shape(M: int, native: bool = False) -> tuple[int, int, int]:
     operand pairs on tensor cores. A call site's M is structural (1 for row products, the heads
     of a layer for attention and the indexer) and every M ≥ 2 gets the same tile, so a row's
     bits never depend on the batch (decode, verify window, prefill chunk) nor on how tensor
-    parallelism splits the heads. (64 rows: V4.1's 64 attention heads in one tile, which
-    reads each query's gathered rows once.)"""
+    parallelism splits the heads. 16-bit pairs: 64 rows, V4.1's 64 attention heads in one
+    tensor-core tile, which reads a query's gathered rows once. fp32 FMAs (the attention's
+    p·v): 32 rows, as a decode step's p·v has one query and 512 outputs to spread over the
+    SMs (a 64-row tile would leave it 16 programs)."""
     if M == 1:
         return 1, 32, 64
-    return (64, 64, 64) if native else (64, 32, 32)
+    return (64, 64, 64) if native else (32, 32, 32)
 
 
 def rowwise_bmm(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,

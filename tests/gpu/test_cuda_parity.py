@@ -59,7 +59,7 @@ def test_rowwise_kernel_compiled(cuda):
                                    atol=2e-1 if dtype == torch.bfloat16 else 1e-3)
         alone = torch.cat([rowwise_bmm(x[i:i + 1, j:j + 1], w) for i in range(37)
                            for j in range(4)]).view(37, 4, 640)
-        # One row alone runs the 1-row tile, the batch a 64-row tile: the same products
+        # One row alone runs the 1-row tile, the batch a row tile: the same products
         # summed in another order (rounding apart, ~1e-6 of the |values| ≈ 40 here).
         tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=0.1)
         torch.testing.assert_close(alone, full, **tol)
