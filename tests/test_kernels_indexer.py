@@ -27,8 +27,10 @@ def test_matches_the_torch_steps_and_scores_stand_alone(H):
     w = torch.randn(T, H, generator=g)
     got = index_scores(q, keys, w)
     torch.testing.assert_close(got, torch_steps(q, keys, w), rtol=1e-5, atol=1e-4)
-    # a query alone, and fewer entries (the bucketed count grows with the context): same bits
-    assert torch.equal(index_scores(q[2:3], keys, w[2:3]), got[2:3])
+    # a query alone (in another row of its program's tile than in the batch), an odd count,
+    # and fewer entries (the bucketed count grows with the context): the same bits
+    assert torch.equal(index_scores(q[3:4], keys, w[3:4]), got[3:4])
+    assert torch.equal(index_scores(q[:3], keys, w[:3]), got[:3])
     assert torch.equal(index_scores(q, keys[:70], w), got[:, :70])
     # bf16 operands (vendor numerics: fp4 values) accumulate their exact products in fp32
     qb, kb = q.to(torch.bfloat16), keys.to(torch.bfloat16)

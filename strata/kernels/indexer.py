@@ -3,8 +3,8 @@
 score[t, e] = Σ_h w[t, h] · relu(q[t, h] · k[e]) over a query's heads. In torch that is a
 [T, heads, entries] fp32 tensor of per-head products written and read back, a relu over it
 and a second product — at long context the largest tensors a prefill chunk makes (32 heads ×
-131,072 entries × 4 bytes per query at 524K). Here a program takes one query and a block of
-entries: the heads' products stay in registers (tl.dot over the head dimension, fp32
+131,072 entries × 4 bytes per query at 524K). Here a program takes two queries and a block
+of entries: the heads' products stay in registers (tl.dot over the head dimension, fp32
 accumulation; tensor cores for 16-bit pairs, which in vendor numerics hold exact fp4 values),
 then the relu, the weights and the sum over heads. Every score is computed from its own query
 and entry in a fixed order, so it does not depend on the batch (decode, verify window,
@@ -20,7 +20,8 @@ try:
 except ImportError:  # CPU-only installs: the torch definition is used
     triton = None
 
-BLOCK_H = 32   # heads per tl.dot tile (V4.1's indexer has 32); more heads: tiles summed in order
+BLOCK_T = 2    # queries per program (their heads fill a 64-row tile; the keys are read T/2 times)
+BLOCK_H = 32   # heads per query in a tile (V4.1's indexer has 32); more: tiles summed in order
 BLOCK_N = 128  # entries per program
 BLOCK_K = 64   # head-dimension slice per tl.dot
 
@@ -31,21 +32,30 @@ def available(t: torch.Tensor) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _index_scores_kernel(q_ptr, k_ptr, w_ptr, o_ptr, H, N, D,
+    def _index_scores_kernel(q_ptr, k_ptr, w_ptr, o_ptr, T, H, N, D,
                              sqt, sqh, sqd, skn, skd, swt, swh, sot,
-                             BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, NATIVE: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
+                             BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             NATIVE: tl.constexpr):
+        # A tile row is one (query, head): BLOCK_T queries' heads share the keys' tile loads.
+        # A score's q·k is its own chain of MMA steps over the head dimension whatever row of
+        # the tile holds it, and its sum over heads runs along an axis laid out alike for
+        # every query: the same bits for a query alone or in any row of a batch.
+        t0 = tl.program_id(0).to(tl.int64) * BLOCK_T
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         live_n = offs_n < N
-        total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        r = tl.arange(0, BLOCK_T * BLOCK_H)
+        tq = t0 + r // BLOCK_H
+        total = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
         for h0 in range(0, H, BLOCK_H):
-            offs_h = h0 + tl.arange(0, BLOCK_H)
-            acc = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+            heads = h0 + r % BLOCK_H
+            live = (tq < T) & (heads < H)
+            acc = tl.zeros([BLOCK_T * BLOCK_H, BLOCK_N], dtype=tl.float32)
             for k0 in range(0, D, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
-                qk = tl.load(q_ptr + t * sqt + offs_h[:, None] * sqh + offs_k[None, :] * sqd,
-                             mask=(offs_h[:, None] < H) & (offs_k[None, :] < D), other=0.0)
+                qk = tl.load(q_ptr + tq[:, None] * sqt + heads[:, None] * sqh
+                             + offs_k[None, :] * sqd,
+                             mask=live[:, None] & (offs_k[None, :] < D), other=0.0)
                 kt = tl.load(k_ptr + offs_n[:, None] * skn + offs_k[None, :] * skd,
                              mask=live_n[:, None] & (offs_k[None, :] < D), other=0.0)
                 if NATIVE:
@@ -53,9 +63,12 @@ if triton is not None:
                 else:
                     acc = tl.dot(qk.to(tl.float32), tl.trans(kt.to(tl.float32)), acc,
                                  input_precision="ieee")
-            wh = tl.load(w_ptr + t * swt + offs_h * swh, mask=offs_h < H, other=0.0)
-            total += tl.sum(tl.maximum(acc, 0.0) * wh[:, None], axis=0)
-        tl.store(o_ptr + t * sot + offs_n, total, mask=live_n)
+            wh = tl.load(w_ptr + tq * swt + heads * swh, mask=live, other=0.0)
+            part = tl.maximum(acc, 0.0) * wh[:, None]
+            total += tl.sum(tl.reshape(part, [BLOCK_T, BLOCK_H, BLOCK_N]), axis=1)
+        ts = t0 + tl.arange(0, BLOCK_T)
+        tl.store(o_ptr + ts[:, None] * sot + offs_n[None, :], total,
+                 mask=(ts[:, None] < T) & live_n[None, :])
 
 
 def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -72,8 +85,9 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor) -> torch.
     # the operands are widened to fp32 — exact, the same products and accumulation)
     native = q.is_cuda and q.dtype == keys.dtype and q.dtype in (torch.bfloat16, torch.float16)
     wf = w.float()
-    _index_scores_kernel[(T, triton.cdiv(n, BLOCK_N))](
-        q, keys, wf, out, H, n, D, q.stride(0), q.stride(1), q.stride(2),
+    _index_scores_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(n, BLOCK_N))](
+        q, keys, wf, out, T, H, n, D, q.stride(0), q.stride(1), q.stride(2),
         keys.stride(0), keys.stride(1), wf.stride(0), wf.stride(1), out.stride(0),
-        BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NATIVE=native, num_warps=4)
+        BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NATIVE=native,
+        num_warps=4)
     return out
