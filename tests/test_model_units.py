@@ -659,13 +659,13 @@ def test_indexer_scores_recomputed(tiny_reference):
 
 def test_indexer_scores_queries_in_bounded_pieces(tiny_reference, monkeypatch):
     """A long prefill's queries are scored a few at a time (indexer.SCORE_SCRATCH bounds the
-    [rows, heads, entries] scratch): the picks, the candidate blocks and the logits equal
-    those of one piece, bit for bit."""
+    [rows, heads, entries] scratch, in bytes): the picks, the candidate blocks and the logits
+    equal those of one piece, bit for bit."""
     from strata.model import indexer
     model, cfg = tiny_reference, tiny_reference.cfg
     tokens = random_tokens(200, seed=8, vocab=cfg.vocab_size)
     runs = []
-    for scratch in (indexer.SCORE_SCRATCH, cfg.index_n_heads * 64 * 3):  # one piece; 3 rows
+    for scratch in (indexer.SCORE_SCRATCH, 4 * cfg.index_n_heads * 64 * 3):  # one piece; 3 rows
         monkeypatch.setattr(indexer, "SCORE_SCRATCH", scratch)
         state = model.new_state(256)
         logits, ctx = model.forward(tokens, state, logits="all")

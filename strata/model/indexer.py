@@ -22,11 +22,13 @@ from strata.model.rope import apply_rope
 from strata.quant.qdq import fp4_qdq_ue8m0
 from strata.runtime.state import State, entry_bucket
 
-# Queries are scored in pieces of at most this many per-head scores (fp32: 1 GiB): a 4,096-row
-# prefill chunk against a 524K context's 131K entries would otherwise make a [T, heads, n]
-# tensor of 69 GB (the torch path; the CUDA kernel keeps them in registers, and the pieces
-# bound its [rows, n] scores). Every query's selection is its own, so the pieces change no bit.
-SCORE_SCRATCH = 1 << 28
+# Queries are scored in pieces whose largest temporaries stay under this many bytes: a 4,096-row
+# prefill chunk against a 524K context's 262K entries would otherwise make a [T, heads, n] fp32
+# tensor of 137 GB (the torch path: 4 bytes per head and entry), or [T, n] top-k keys of
+# 8.6 GB and their temporaries (the CUDA kernel keeps the heads in registers: about
+# TOPK_BYTES per entry remain). Every query's selection is its own: the pieces change no bit.
+SCORE_SCRATCH = 1 << 30
+TOPK_BYTES = 32  # the scores, their int64 ranking keys and the keys' temporaries
 
 
 def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -110,11 +112,13 @@ class Indexer:
         n_visible = (ctx.positions + 1) // r
         source = self.layer == cfg.candidate_source_layer_id
         reindex = not source and cfg.is_reindex(self.layer)
-        rows = max(1, SCORE_SCRATCH // max(1, nh * n))
+        fused = index_kernels.available(q)
+        per_entry = TOPK_BYTES if fused else 4 * nh
+        rows = max(1, SCORE_SCRATCH // max(1, per_entry * n))
         picks, candidates = [], []
         for i in range(0, ctx.T, rows):
             j = min(i + rows, ctx.T)
-            if index_kernels.available(q):  # (one launch, no per-head scratch)
+            if fused:  # (one launch, no per-head scratch)
                 scores = index_kernels.index_scores(q[i:j], keys, w[i:j])
             else:
                 per_head = torch.relu(rows_bmm(q[i:j], keys.unsqueeze(0), torch.float32))
