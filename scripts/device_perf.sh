@@ -1,24 +1,25 @@
 # One device call (one GPU) for issue 8's single-GPU figures, most valuable first, each step
-# with its own timeout and tee'd to $OUT: (1) the GPU tests that check the row kernel's tile
-# path compiled (ref-closeness and bit invariance), the exactness ladder, the graphs, the fused
-# small ops and the grouped wo_a; (2) the synthetic V4.1 with half the layers (an encoder and a
-# decoder half), graphed decode modes against session 7's 53.0 / 127.2 / 64.8 tok/s, with the
-# step breakdown; (3) a 64K prefill's chunk times and one late chunk's kernel profile against
-# session 7's 59.4 s (row kernel 2.05 of 2.55 s per chunk); (4) the row kernel against cuBLAS at
-# the model's shapes (TFLOP/s).
+# with its own timeout and tee'd to $OUT: (1) the GPU tests of the kernels changed since the
+# last measurement (the row kernel's tiles, the indexer's fused scores, the qdq signed zeros,
+# the fused small ops), then the exactness ladder and the graphs; (2) the synthetic V4.1 with
+# half the layers (an encoder and a decoder half): graphed decode modes with the step
+# breakdown, and 8K / 32K prefills with and without the decoder skip (logits compared);
+# (3) the row kernel and the indexer's scores against cuBLAS at the model's shapes;
+# (4) a 128K prefill. Session 8's figures to compare with: performance.md "Session 8".
 # On the device: source scripts/device_env.sh && bash scripts/device_perf.sh
 set -o pipefail
-timeout ${T1:-240} python -m pytest -q -m gpu tests/gpu/test_cuda_parity.py \
-    tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_kernels_fused_ops_gpu.py \
-    "tests/gpu/test_kernels_exl3_gpu.py::test_wo_a_groups_as_one_launch_equal_each_groups_linear" \
+timeout ${T1:-150} python -m pytest -q -m gpu tests/gpu/test_kernels_fused_ops_gpu.py \
+    "tests/gpu/test_cuda_parity.py::test_rowwise_kernel_compiled" tests/gpu/test_cuda_parity.py \
+    tests/gpu/test_cuda_graph_gpu.py \
     "tests/gpu/test_kernels_exl3_gpu.py::test_exl3_fixture_ladder_through_kernels" \
     -rf --tb=short --durations=8 2>&1 | tee $OUT/gpu_tests.log
-timeout ${T2:-150} python -m strata bench synthetic --device cuda:0 --layers 0-9,20-29 \
+timeout ${T2:-200} python -m strata bench synthetic --device cuda:0 --layers 0-9,20-29 \
     --modes plain+graphs,oracle+graphs,oracle:2.9+graphs --tokens 24 --runs 1 --warmup 1 \
-    --breakdown 2 --json $OUT/synthetic_1gpu.json 2>&1 | grep -v CUDAGraph.cpp \
-    | tee $OUT/synthetic_1gpu.log
-timeout ${T3:-150} python scripts/device_diag.py prefill 0-9,20-29 65536 4096 2>&1 \
-    | tail -60 | tee $OUT/prefill_64k.log
-timeout ${T4:-90} python -m strata bench kernels --no-peer --rowwise --shapes expert_w13 \
-    --ks 2.5 --rows 1,6 --rep 50 --json $OUT/kernels_rowwise.json 2>&1 | tail -20 \
+    --breakdown 2 --prefill 8K,32K --prefill-skip both --prefill-chunk 4096 \
+    --json $OUT/synthetic_1gpu.json 2>&1 | grep -v CUDAGraph.cpp | tee $OUT/synthetic_1gpu.log
+timeout ${T3:-60} python -m strata bench kernels --no-peer --rowwise --shapes expert_w13 \
+    --ks 2.5 --rows 1 --rep 50 --json $OUT/kernels_rowwise.json 2>&1 | tail -24 \
     | tee $OUT/kernels_rowwise.log
+timeout ${T4:-115} python -m strata bench synthetic --device cuda:0 --layers 0-9,20-29 \
+    --modes plain --tokens 2 --runs 1 --warmup 0 --prefill 128K --prefill-skip on \
+    --prefill-chunk 4096 --json $OUT/prefill_128k.json 2>&1 | tee $OUT/prefill_128k.log
