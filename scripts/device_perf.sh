@@ -9,7 +9,7 @@
 # On the device: source scripts/device_env.sh && bash scripts/device_perf.sh
 set -o pipefail
 timeout ${T1:-150} python -m pytest -q -m gpu tests/gpu/test_kernels_fused_ops_gpu.py \
-    "tests/gpu/test_cuda_parity.py::test_rowwise_kernel_compiled" tests/gpu/test_cuda_parity.py \
+    tests/gpu/test_cuda_parity.py \
     tests/gpu/test_cuda_graph_gpu.py \
     "tests/gpu/test_kernels_exl3_gpu.py::test_exl3_fixture_ladder_through_kernels" \
     -rf --tb=short --durations=8 2>&1 | tee $OUT/gpu_tests.log
