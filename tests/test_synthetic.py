@@ -161,6 +161,7 @@ def test_bench_synthetic_prefill_with_and_without_the_decoder_skip(tiny_dir, tmp
     assert [(r["tokens"], r["decoder_skip"], r["skip_applied"]) for r in rows] == \
         [(1000, False, False), (1000, True, True)]
     assert all(r["logits_equal_to_full"] and r["tok_per_s"] > 0 for r in rows)
+    assert all(r["base_device_bytes"] is None for r in rows)  # (device counters: CUDA only)
     captured = capsys.readouterr()
     assert "prefill" in captured.out
     # each prefill is reported as soon as it is timed (a run cut short keeps them)

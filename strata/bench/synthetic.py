@@ -360,9 +360,11 @@ def bench_prefill(model, lengths: list[int], chunk: int, skip: str, seed: int,
         last = {}
         for on in modes:
             s = Session(model, n + 8, prefill_chunk=chunk, decoder_skip=on)
+            base = None
             if cuda:
                 torch.cuda.synchronize(dev)
                 torch.cuda.reset_peak_memory_stats(dev)
+                base = torch.cuda.memory_allocated(dev)  # weights, tables, the session's caches
             t0 = time.perf_counter()
             logits = None
             for i in range(0, n, piece):
@@ -381,6 +383,8 @@ def bench_prefill(model, lengths: list[int], chunk: int, skip: str, seed: int,
                         # this process's (rank 0's) device; host: the process's peak so far
                         "peak_device_bytes": torch.cuda.max_memory_allocated(dev) if cuda
                         else None,
+                        # what the prefill itself added at its peak: the chunks' scratch
+                        "base_device_bytes": base,
                         "peak_host_rss_bytes": proc_status("VmHWM")})
             if progress is not None:
                 peak = out[-1]["peak_device_bytes"]
@@ -397,13 +401,15 @@ def bench_prefill(model, lengths: list[int], chunk: int, skip: str, seed: int,
 
 def prefill_report(rows: list[dict], scale: float) -> str:
     lines = [f"{'prefill':>9}{'skip':>6}{'s':>9}{'tok/s':>10}{'scaled':>10}{'dev GiB':>9}"
-             f"{'host GiB':>10}{'= full':>8}"]
+             f"{'scratch':>9}{'host GiB':>10}{'= full':>8}"]
     for r in rows:
         peak = "-" if r["peak_device_bytes"] is None else f"{r['peak_device_bytes'] / 2**30:.1f}"
+        scratch = ("-" if r.get("base_device_bytes") is None else
+                   f"{(r['peak_device_bytes'] - r['base_device_bytes']) / 2**30:.2f}")
         same = {True: "yes", False: "NO"}.get(r.get("logits_equal_to_full"), "-")
         skip = ("on" if r["skip_applied"] else "n/a") if r["decoder_skip"] else "off"
         lines.append(f"{r['tokens']:>9}{skip:>6}{r['seconds']:>9.2f}{r['tok_per_s']:>10.0f}"
-                     f"{r['tok_per_s'] * scale:>10.0f}{peak:>9}"
+                     f"{r['tok_per_s'] * scale:>10.0f}{peak:>9}{scratch:>9}"
                      f"{r['peak_host_rss_bytes'] / 2**30:>10.1f}{same:>8}")
     return "\n".join(lines)
 
