@@ -466,8 +466,7 @@ def _bench_moe(X, dev, timer, copy_gbs, smoke, cb) -> list[dict]:
 # (name, B, M, N, K, x dtype, w dtype, w as a transposed view): what the model hands the row
 # kernel — a prefill piece of 243 queries (attention.ATTN_SCRATCH) × 64 heads against its 640
 # rows of 512 and back, the indexer's 32 heads × 128 against 32K keys for 64 queries, mHC's
-# 4·D-long rows (M = 1, through the tile kernel as the model runs them) for a 4,096-row chunk
-# and for one decode row, and one decode query's q·k and p·v. "index_scores":
+# 4·D-long rows (M = 1) for a 4,096-row chunk, and one decode query's q·k and p·v. "index_scores":
 # the indexer's whole score, Σ_h w_h·relu(q_h·k), one launch (strata.kernels.indexer) against
 # cuBLAS's q·k (bf16 out) + relu + the heads' weighted sum.
 ROWWISE = (("attn_qk_prefill", 243, 64, 640, 512, "bf16", "bf16", False),
@@ -475,8 +474,6 @@ ROWWISE = (("attn_qk_prefill", 243, 64, 640, 512, "bf16", "bf16", False),
            ("index_qk_prefill", 64, 32, 32768, 128, "bf16", "bf16", False),
            ("index_scores_prefill", 64, 32, 32768, 128, "bf16", "bf16", False),
            ("mhc_prefill", 4096, 1, 24, 20480, "fp32", "fp32", False),
-           ("mhc_decode", 1, 1, 24, 20480, "fp32", "fp32", False),
-           ("mhc_decode_m1", 1, 1, 24, 20480, "fp32", "fp32", False),
            ("attn_qk_decode", 1, 64, 640, 512, "bf16", "bf16", False),
            ("attn_pv_decode", 1, 64, 512, 640, "fp32", "bf16", True))
 SMOKE_ROWWISE = (("smoke_qk", 3, 4, 40, 32, "bf16", "bf16", False),
@@ -508,9 +505,7 @@ def _bench_rowwise(dev, timer, smoke) -> list[dict]:
             blas = timer(lambda: torch.bmm(hc, torch.relu(torch.bmm(xc, wc))))
             flop += 2 * B * M * N
         else:
-            # (mHC as mhc.hc_mixes calls it; "_m1": the M = 1 kernel it used before, to compare)
-            tiles = False if name.endswith("_m1") else True if name.startswith("mhc") else None
-            ours = timer(lambda: rowwise_bmm(x, w, out_dtype=torch.float32, tiles=tiles))
+            ours = timer(lambda: rowwise_bmm(x, w, out_dtype=torch.float32))
             blas = timer(lambda: torch.bmm(xc, wc))
         out.append({"case": name, "B": B, "M": M, "N": N, "K": K, "x": xd, "w": wd,
                     "ours_us": ours, "blas_us": blas, "ours_tflops": flop / ours / 1e6,

@@ -3,24 +3,22 @@
 cuBLAS picks its kernel (tiling, split-K) from the whole problem's shape, so the same row can
 round differently in a decode step, a verify window and a prefill chunk. This kernel computes
 every output row with the same fixed-order reduction over K (blocks of BLOCK_K, fp32
-accumulation) whatever B or the grid — and, in the tile kernel, whatever M (`tile_shape`) — which
+accumulation) whatever B or the grid — and, for M ≥ 2, whatever M (`tile_shape`) — which
 makes forwards bit-identical across batch shapes on the GPU.
 
-One kernel, two ways of summing a slice, chosen by the call site (its structural M, or its
-own choice — never by the batch):
-- the M = 1 kernel (row products: linears, row sums): one row per program, products summed
-  along BLOCK_K on the CUDA cores — a decode step reads each weight once and wastes no lanes.
-- the tile kernel (M ≥ 2 — attention and the indexer: a query's heads against its rows — and
-  mHC's rows against its small 24-row weight): tiles of rows through tl.dot with one fixed
-  tile, warp count and precision per operand type (fp32 operands as IEEE fp32 FMAs, bf16/fp16
-  pairs on tensor cores with fp32 accumulation). A row's bits depend only on its own operands
-  — an output element is the same chain of MMA steps over k whichever rows share its tile —
-  so a head split (tensor parallelism) or another batch changes none. That also lets a call
-  whose batch shares one w (the indexer's queries against the index keys, a prefill's rows
-  against mHC's weight) fill its tiles with the rows of several batch elements, which then
-  share each w tile's load. A long prefill's [query, heads, rows] products are most of its
-  time (bench/results/performance.md): one tile holding all of a query's heads reads its rows
-  once.
+One kernel, two ways of summing a slice, chosen by the call site's structural M (never by
+the batch):
+- M = 1 (row products: linears, mHC, row sums): one row per program, products summed along
+  BLOCK_K on the CUDA cores — a decode step reads each weight once and wastes no lanes.
+- M ≥ 2 (attention and the indexer: a query's heads against its rows): tiles of rows
+  through tl.dot with one fixed tile, warp count and precision per operand type (fp32 operands
+  as IEEE fp32 FMAs, bf16/fp16 pairs on tensor cores with fp32 accumulation). A row's bits
+  depend only on its own operands — an output element is the same chain of MMA steps over k
+  whichever rows share its tile — so a head split (tensor parallelism) or another batch changes
+  none. That also lets a call whose batch shares one w (the indexer's queries against the
+  index keys) fill its tiles with the rows of several batch elements. A long prefill's
+  [query, heads, rows] products are most of its time (bench/results/performance.md): one tile
+  holding all of a query's heads reads its rows once.
 
 `rowwise_bmm_reference` is the torch definition it is tested against (under TRITON_INTERPRET=1
 on CPU).
@@ -99,27 +97,25 @@ TILE_WARPS = 4  # fixed: part of how tl.dot lowers (and the M = 1 kernel's defau
 K_CHUNK = 1024
 
 
-def tile_shape(tiles: bool, native: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) for the M = 1 kernel (tiles False) or the tile kernel;
-    `native`: 16-bit operand pairs on tensor cores. Which one a call runs is structural (its
-    call site's M, or the call site's choice), and every tile call of a dtype pair gets the same
-    tile, so a row's bits never depend on the batch (decode, verify window, prefill chunk) nor
-    on how tensor parallelism splits the heads. 16-bit pairs: 64 rows, V4.1's 64 attention heads in one
+def tile_shape(M: int, native: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) for a call with M rows per batch element; `native`: 16-bit
+    operand pairs on tensor cores. A call site's M is structural (1 for row products, the heads
+    of a layer for attention and the indexer) and every M ≥ 2 gets the same tile, so a row's
+    bits never depend on the batch (decode, verify window, prefill chunk) nor on how tensor
+    parallelism splits the heads. 16-bit pairs: 64 rows, V4.1's 64 attention heads in one
     tensor-core tile, which reads a query's gathered rows once. fp32 FMAs (the attention's
     p·v): 32 rows, as a decode step's p·v has one query and 512 outputs to spread over the
     SMs (a 64-row tile would leave it 16 programs)."""
-    if not tiles:
+    if M == 1:
         return 1, 32, 64
     return (64, 64, 64) if native else (32, 32, 32)
 
 
 def rowwise_bmm(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
-                out_dtype: torch.dtype | None = None, tiles: bool | None = None) -> torch.Tensor:
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [B, M, K], w [B or 1, N, K] (any strides) → [B, M, N] in out_dtype (default x's),
-    batch-invariant; fp32 accumulation whatever the operands' dtypes. `tiles`: the tile kernel
-    (default: for M ≥ 2) — a call site whose rows are a batch (M = T) and whose w is small
-    chooses it for every T, so a prefill's rows share each w tile. (`k_chunk`: a multiple of
-    64; tests lower it to split small shapes.)"""
+    batch-invariant; fp32 accumulation whatever the operands' dtypes. (`k_chunk`: a multiple
+    of 64; tests lower it to split small shapes.)"""
     if triton is None:
         raise RuntimeError("rowwise_bmm needs triton")
     B, M, K = x.shape
@@ -129,16 +125,15 @@ def rowwise_bmm(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
     out = torch.empty((B, M, N), dtype=out_dtype or x.dtype, device=x.device)
     if B * M == 0 or N == 0:
         return out
-    tiles = M > 1 if tiles is None else tiles
-    if tiles and Bw == 1 and B > 1 and x.stride(0) == M * x.stride(1):
+    if M > 1 and Bw == 1 and B > 1 and x.stride(0) == M * x.stride(1):
         # One w for the whole batch: its rows are one [B·M, K] operand (same bits per row)
         rows = x.as_strided((1, B * M, K), (0, x.stride(1), x.stride(2)))
-        return rowwise_bmm(rows, w, k_chunk, out_dtype, tiles=True).view(B, M, N)
+        return rowwise_bmm(rows, w, k_chunk, out_dtype).view(B, M, N)
     swb = 0 if Bw == 1 else w.stride(0)
     # (the interpreter multiplies 16-bit tiles as the integers it stores them as: on CPU the
     # operands go to fp32 first — exact, the same products and fp32 accumulation)
     native = x.is_cuda and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
-    bm, bn, bk = tile_shape(tiles, native)
+    bm, bn, bk = tile_shape(M, native)
     m_blocks = triton.cdiv(M, bm)
     chunks = triton.cdiv(K, k_chunk) if K > k_chunk else 1
     dest = out if chunks == 1 else torch.empty((chunks, B, M, N), dtype=torch.float32,
@@ -147,7 +142,7 @@ def rowwise_bmm(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
             x.stride(0), x.stride(1), x.stride(2), swb, w.stride(1), w.stride(2),
             dest.stride(0) if chunks > 1 else 0, *dest.stride()[-3:])
     grid = (B * m_blocks, triton.cdiv(N, bn), chunks)
-    _rowwise_kernel[grid](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT=tiles,
+    _rowwise_kernel[grid](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT=M > 1,
                           NATIVE=native, num_warps=TILE_WARPS)
     if chunks > 1:
         n = B * M * N

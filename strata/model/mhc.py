@@ -42,9 +42,8 @@ def hc_mixes(h: torch.Tensor, w: HcWeights, norm_eps: float, hc_eps: float,
     T, H, _ = h.shape
     x = h.float().flatten(1)
     if kernels.available(x):
-        # (tiles: a prefill's rows share each load of the 24-row weight)
-        return kernels.hc_coeffs(row_matmul(x, w.fn, tiles=True), row_mean(x * x), w.scale,
-                                 w.base, H, norm_eps, hc_eps, iters)
+        return kernels.hc_coeffs(row_matmul(x, w.fn), row_mean(x * x), w.scale, w.base, H,
+                                 norm_eps, hc_eps, iters)
     m = row_matmul(x, w.fn) * torch.rsqrt(row_mean(x * x) + norm_eps)
     s, b = w.scale, w.base
     pre = torch.sigmoid(m[:, :H] * s[0] + b[:H]) + hc_eps

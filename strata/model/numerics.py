@@ -63,8 +63,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y.to(x.dtype)
 
 
-def rows_bmm(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
-             tiles: bool | None = None) -> torch.Tensor:
+def rows_bmm(x: torch.Tensor, w: torch.Tensor,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [B, M, K] · w[b]ᵀ for w [B or 1, N, K] → [B, M, N] in out_dtype (default x's dtype,
     the operands computed in it); every row computed alike.
 
@@ -76,16 +76,14 @@ def rows_bmm(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = N
     """
     if x.is_cuda:
         from strata.kernels.rowwise import rowwise_bmm
-        return rowwise_bmm(x, w, out_dtype=out_dtype, tiles=tiles)
+        return rowwise_bmm(x, w, out_dtype=out_dtype)
     dt = out_dtype or x.dtype
     return torch.bmm(x.to(dt), w.to(dt).expand(x.shape[0], -1, -1).transpose(1, 2))
 
 
-def row_matmul(x: torch.Tensor, w: torch.Tensor, tiles: bool = False) -> torch.Tensor:
-    """x [T, K] · w[N, K]ᵀ → [T, N], each row by the same [1, K]×[K, N] product. `tiles`
-    (for a small w, e.g. mHC's 24 rows): on CUDA the rows share tiles of the row kernel's tile
-    path, whatever T — a prefill's rows then read w once per tile instead of once per row."""
-    return rows_bmm(x.unsqueeze(1), w.unsqueeze(0), tiles=tiles).squeeze(1)
+def row_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, K] · w[N, K]ᵀ → [T, N], each row by the same [1, K]×[K, N] product."""
+    return rows_bmm(x.unsqueeze(1), w.unsqueeze(0)).squeeze(1)
 
 
 def row_sum(x: torch.Tensor) -> torch.Tensor:
