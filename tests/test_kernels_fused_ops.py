@@ -1,8 +1,9 @@
 """The fused small-op kernels — mHC (strata.kernels.mhc) and RMSNorm (strata.kernels.norm) —
 against the torch definitions (strata.model.mhc, numerics.rms_norm), under TRITON_INTERPRET=1
 on CPU. collapse and hc_update repeat the torch operations in order and
-must give its bits; hc_coeffs uses Triton's exp / sigmoid / rsqrt, so it is held to a few fp32
-ulps, and each of its rows must not depend on the other rows of the call."""
+must give its bits; hc_mix sums in its own fixed order and hc_coeffs uses Triton's exp /
+sigmoid / rsqrt, so they are held to a few fp32 ulps, and each of their rows must not depend
+on the other rows of the call."""
 from __future__ import annotations
 
 import os
@@ -23,6 +24,26 @@ def weights(H: int, D: int, seed: int) -> HcWeights:
     return HcWeights(fn=torch.randn(n, H * D, generator=g) * (H * D) ** -0.5,
                      base=torch.randn(n, generator=g) * 0.5,
                      scale=torch.rand(3, generator=g) + 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_mix_matches_the_products_and_rows_stand_alone(dtype):
+    """The mixing products and the mean square in one pass (K past one chunk, the stream in
+    its stored dtype): the torch values to fp32 rounding, and each row's bits the same alone
+    (a decode step) as among a prefill's rows, wherever it sits in a program's rows."""
+    H, D, T = 4, 300, 37
+    w = weights(H, D, 11)
+    g = torch.Generator().manual_seed(12)
+    h = torch.randn(T, H, D, generator=g).to(dtype)
+    m, ms = K.hc_mix(h, w.fn)
+    x = h.float().flatten(1)
+    torch.testing.assert_close(m, x @ w.fn.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ms, (x * x).mean(-1), rtol=1e-5, atol=0)
+    for i in (0, 17, 36):
+        mi, msi = K.hc_mix(h[i:i + 1], w.fn)
+        assert torch.equal(mi, m[i:i + 1]) and torch.equal(msi, ms[i:i + 1])
+    with pytest.raises(ValueError, match="does not match"):
+        K.hc_mix(h, w.fn[:, :-1])
 
 
 @pytest.mark.parametrize("H", [4, 3])

@@ -465,20 +465,25 @@ def _bench_moe(X, dev, timer, copy_gbs, smoke, cb) -> list[dict]:
 
 # (name, B, M, N, K, x dtype, w dtype, w as a transposed view): what the model hands the row
 # kernel — a prefill piece of 243 queries (attention.ATTN_SCRATCH) × 64 heads against its 640
-# rows of 512 and back, the indexer's 32 heads × 128 against 32K keys for 64 queries, mHC's
-# 4·D-long rows (M = 1) for a 4,096-row chunk, and one decode query's q·k and p·v. "index_scores":
-# the indexer's whole score, Σ_h w_h·relu(q_h·k), one launch (strata.kernels.indexer) against
-# cuBLAS's q·k (bf16 out) + relu + the heads' weighted sum.
+# rows of 512 and back, one decode query's q·k and p·v — and, through their former path, the
+# indexer's 32 heads × 128 against 32K keys for 64 queries and mHC's 4·D-long rows for a
+# 4,096-row chunk and for one decode row. Two fused cases time what the model runs instead of the row kernel: "index_scores", the
+# indexer's whole score Σ_h w_h·relu(q_h·k) in one launch (strata.kernels.indexer) against
+# cuBLAS's q·k (bf16 out) + relu + the heads' weighted sum; "mhc", mHC's products and the
+# stream's mean square in one pass (strata.kernels.mhc.hc_mix) against cuBLAS's product and
+# torch's mean square.
 ROWWISE = (("attn_qk_prefill", 243, 64, 640, 512, "bf16", "bf16", False),
            ("attn_pv_prefill", 243, 64, 512, 640, "fp32", "bf16", True),
            ("index_qk_prefill", 64, 32, 32768, 128, "bf16", "bf16", False),
            ("index_scores_prefill", 64, 32, 32768, 128, "bf16", "bf16", False),
            ("mhc_prefill", 4096, 1, 24, 20480, "fp32", "fp32", False),
+           ("mhc_decode", 1, 1, 24, 20480, "fp32", "fp32", False),
            ("attn_qk_decode", 1, 64, 640, 512, "bf16", "bf16", False),
            ("attn_pv_decode", 1, 64, 512, 640, "fp32", "bf16", True))
 SMOKE_ROWWISE = (("smoke_qk", 3, 4, 40, 32, "bf16", "bf16", False),
                  ("smoke_pv", 3, 4, 32, 40, "fp32", "bf16", True),
-                 ("index_scores_smoke", 3, 4, 40, 32, "bf16", "bf16", False))
+                 ("index_scores_smoke", 3, 4, 40, 32, "bf16", "bf16", False),
+                 ("mhc_smoke", 3, 1, 24, 64, "fp32", "fp32", False))
 _DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -498,7 +503,12 @@ def _bench_rowwise(dev, timer, smoke) -> list[dict]:
         common = torch.promote_types(x.dtype, w.dtype)
         xc, wc = x.to(common), w.to(common).expand(B, -1, -1).transpose(1, 2)
         flop = 2 * B * M * N * K
-        if name.startswith("index_scores"):
+        if name.startswith("mhc"):  # mHC's products and mean square in one pass, as the model
+            from strata.kernels.mhc import hc_mix
+            x2, fn = x.view(B, K), w[0]
+            ours = timer(lambda: hc_mix(x2.view(B, 4, K // 4), fn))
+            blas = timer(lambda: (torch.mm(x2, fn.T), (x2 * x2).mean(-1)))
+        elif name.startswith("index_scores"):
             heads = torch.randn(B, M, generator=g).to(dev)
             hc = heads.to(common).unsqueeze(1)
             ours = timer(lambda: index_scores(x, w[0], heads))

@@ -3,6 +3,11 @@
 Per sublayer the torch code issues ~170 small kernels — Sinkhorn alone is ~6 per iteration ×
 20 — which over 80 sublayers is ~13,600 launches a token, more time than the weights take to
 stream. Here:
+- `hc_mix`: the mixing matmul m = x·fnᵀ and the mean square of x = flatten(h) (4·D = 20,480
+  long) in one pass over h in its stored dtype: per block of rows and chunk of K, the chunk's
+  partial products (tl.dot, IEEE fp32) and Σx², then the chunks added in order (the row
+  kernel's chunk sum) — two launches where the row products, the cast, the square and their
+  chunk sums were seven, and a prefill's rows share each load of the 24-row weight;
 - `hc_coeffs`: (pre, post, comb) from the mixing matmul's output m and the stream's mean square,
   one program per block of rows: scale/base, sigmoids, the row softmax and every Sinkhorn
   iteration in registers (one launch);
@@ -26,8 +31,10 @@ try:
 except ImportError:  # CPU-only installs: strata.model.mhc's torch code is used
     triton = None
 
-ROWS = 16      # rows per program in hc_coeffs
+ROWS = 16      # rows per program in hc_coeffs and hc_mix (tl.dot's smallest tile)
 BLOCK_D = 512  # hidden columns per program in collapse / hc_update
+MIX_K = 32     # hc_mix: K per tl.dot step
+MIX_CHUNK = 1024  # hc_mix: K per program; chunks summed in order (the partition is K's alone)
 
 
 def available(t: torch.Tensor) -> bool:
@@ -92,6 +99,31 @@ if triton is not None:
                  mask=rmask[:, None, None] & cmask)
 
     @triton.jit
+    def _hc_mix_kernel(x_ptr, fn_ptr, part_ptr, T, N, K, sx_row, sf_row, sp_chunk, sp_row,
+                       BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       CHUNK: tl.constexpr):
+        # Rows [BT] × the chunk's K: partial m (columns 0..N-1) and Σx² (column N). Each
+        # output is its own fixed chain over k whatever rows share the program.
+        rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+        chunk = tl.program_id(1)
+        cols = tl.arange(0, BN)
+        rmask = rows < T
+        acc = tl.zeros([BT, BN], dtype=tl.float32)
+        sq = tl.zeros([BT], dtype=tl.float32)
+        for k0 in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, K), BK):
+            ks = k0 + tl.arange(0, BK)
+            kmask = ks < K
+            x = tl.load(x_ptr + rows[:, None] * sx_row + ks[None, :],
+                        mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            f = tl.load(fn_ptr + cols[:, None] * sf_row + ks[None, :],
+                        mask=(cols[:, None] < N) & kmask[None, :], other=0.0).to(tl.float32)
+            acc = tl.dot(x, tl.trans(f), acc, input_precision="ieee")
+            sq += tl.sum(x * x, axis=1)
+        out = part_ptr + chunk.to(tl.int64) * sp_chunk + rows * sp_row
+        tl.store(out[:, None] + cols[None, :], acc, mask=rmask[:, None] & (cols[None, :] < N))
+        tl.store(out + N, sq, mask=rmask)
+
+    @triton.jit
     def _collapse_kernel(h_ptr, pre_ptr, out_ptr, D, sh_row, sh_copy, so_row,
                          H: tl.constexpr, BD: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
@@ -136,7 +168,9 @@ def hc_coeffs(m: torch.Tensor, ms: torch.Tensor, scale: torch.Tensor, base: torc
     T = m.shape[0]
     if m.shape[1] != (2 + H) * H:
         raise ValueError(f"hc_coeffs: m has {m.shape[1]} columns, expected {(2 + H) * H}")
-    m = _contig(m.float())
+    m = m.float()
+    if m.stride(1) != 1:  # (rows may be strided: hc_mix's m is a view)
+        m = m.contiguous()
     ms = _contig(ms.float().reshape(T))
     pre = torch.empty((T, H), dtype=torch.float32, device=m.device)
     post = torch.empty_like(pre)
@@ -147,6 +181,35 @@ def hc_coeffs(m: torch.Tensor, ms: torch.Tensor, scale: torch.Tensor, base: torc
             m.stride(0), float(norm_eps), float(hc_eps), H=H, HP=triton.next_power_of_2(H),
             ITERS=iters, BT=ROWS, num_warps=4, enable_fp_fusion=False)
     return pre, post, comb
+
+
+def hc_mix(h: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [T, H, D] (any float dtype), fn [N, H·D] → (m = flatten(h)·fnᵀ [T, N] fp32, the mean
+    square of flatten(h) [T] fp32), each row computed alone in a fixed order."""
+    from strata.kernels.rowwise import _chunk_sum_kernel
+    T = h.shape[0]
+    x = h.reshape(T, -1)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    K, N = x.shape[1], fn.shape[0]
+    if fn.shape[1] != K:
+        raise ValueError(f"hc_mix: fn {list(fn.shape)} does not match the stream's {K} values")
+    fn = _contig(fn)
+    chunks = triton.cdiv(K, MIX_CHUNK)
+    part = torch.empty((chunks, T, N + 1), dtype=torch.float32, device=h.device)
+    if T:
+        _hc_mix_kernel[(triton.cdiv(T, ROWS), chunks)](
+            x, fn, part, T, N, K, x.stride(0), fn.stride(0), part.stride(0), part.stride(1),
+            BT=ROWS, BN=max(16, triton.next_power_of_2(N)), BK=MIX_K, CHUNK=MIX_CHUNK,
+            num_warps=4)
+    if chunks == 1:
+        total = part[0]
+    else:
+        total = torch.empty((T, N + 1), dtype=torch.float32, device=h.device)
+        n = T * (N + 1)
+        if n:
+            _chunk_sum_kernel[(triton.cdiv(n, 1024),)](part, total, n, chunks, BLOCK=1024)
+    return total[:, :N], total[:, N] / K
 
 
 def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

@@ -40,10 +40,10 @@ def hc_mixes(h: torch.Tensor, w: HcWeights, norm_eps: float, hc_eps: float,
              iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pre [T,H], post [T,H], comb [T,H,H]) in fp32 for stream h [T, H, D]."""
     T, H, _ = h.shape
+    if kernels.available(h):  # (the products and the mean square in one pass over h)
+        m, ms = kernels.hc_mix(h, w.fn)
+        return kernels.hc_coeffs(m, ms, w.scale, w.base, H, norm_eps, hc_eps, iters)
     x = h.float().flatten(1)
-    if kernels.available(x):
-        return kernels.hc_coeffs(row_matmul(x, w.fn), row_mean(x * x), w.scale, w.base, H,
-                                 norm_eps, hc_eps, iters)
     m = row_matmul(x, w.fn) * torch.rsqrt(row_mean(x * x) + norm_eps)
     s, b = w.scale, w.base
     pre = torch.sigmoid(m[:, :H] * s[0] + b[:H]) + hc_eps
