@@ -441,17 +441,16 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _rotate_in_kernel(x_ptr, suh_ptr, out_ptr, xidx_ptr, eidx_ptr,
-                          R, k_in, sx_row, ssuh_e, ssuh_set, so_set, so_row, inv,
-                          HAS_XIDX: tl.constexpr, HAS_EIDX: tl.constexpr, BR: tl.constexpr):
-        """out[set, r, blk] = fp16(H128(fp16(x[xr]·suh[set, e(r)])) · 1/√128)."""
+    def _rotate_in_kernel(x_ptr, suh_ptr, out_ptr, eidx_ptr,
+                          R, x_per, k_in, sx_row, ssuh_e, ssuh_set, so_set, so_row, inv,
+                          HAS_EIDX: tl.constexpr, BR: tl.constexpr):
+        """out[set, r, blk] = fp16(H128(fp16(x[r // x_per]·suh[set, e(r)])) · 1/√128)
+        (x_per: rows of out per row of x — a token's k expert pairs read its one x row)."""
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         cols = tl.program_id(1) * 128 + tl.arange(0, 128)
         wset = tl.program_id(2).to(tl.int64)
         rmask = rows < R
-        xr = rows
-        if HAS_XIDX:
-            xr = tl.load(xidx_ptr + rows, mask=rmask, other=0)
+        xr = rows // x_per
         x = tl.load(x_ptr + xr.to(tl.int64)[:, None] * sx_row + cols[None, :],
                     mask=rmask[:, None] & (cols < k_in)[None, :], other=0.0).to(tl.float32)
         suh_row = suh_ptr + wset * ssuh_set
@@ -574,9 +573,8 @@ def rotate_in(x: torch.Tensor, suh: torch.Tensor) -> torch.Tensor:
     if M == 0:
         return out
     grid = (triton.cdiv(M, ROT_ROWS), kp // 128, 1)
-    _rotate_in_kernel[grid](x, suh, out, x, x, M, k_in, x.stride(0), 0, 0, 0, kp, INV_SQRT128,
-                            HAS_XIDX=False, HAS_EIDX=False, BR=ROT_ROWS, num_warps=4,
-                            enable_fp_fusion=False)
+    _rotate_in_kernel[grid](x, suh, out, x, M, 1, k_in, x.stride(0), 0, 0, 0, kp, INV_SQRT128,
+                            HAS_EIDX=False, BR=ROT_ROWS, num_warps=4, enable_fp_fusion=False)
     return out
 
 
@@ -869,22 +867,20 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     if groups.block_m != BLOCK_M:
         raise ValueError(f"exl3_moe_linear: groups.block_m must be {BLOCK_M}")
     sets = _stack_sets(weights)
-    eidx = idx.reshape(-1).to(torch.int32)
-    if x.dim() == 2:
-        xin = _contig_rows(x)
-        xidx = torch.div(torch.arange(P, device=dev, dtype=torch.int32), k,
-                         rounding_mode="floor")
+    eidx = idx.reshape(-1)  # (int64 or int32 ids, read as they are: no cast launch)
+    if eidx.dtype not in (torch.int32, torch.int64):
+        eidx = eidx.to(torch.int32)
+    if x.dim() == 2:  # one x row per token, read by its k pairs
+        xin, x_per = _contig_rows(x), k
     else:
-        xin = _contig_rows(x.reshape(P, x.shape[-1]))
-        xidx = None
+        xin, x_per = _contig_rows(x.reshape(P, x.shape[-1])), 1
     k_in = xin.shape[1]
     # 1. x' per (set, pair) with the pair's expert's suh
     xr = torch.empty((W, P, kp), dtype=torch.float16, device=dev)
     _rotate_in_kernel[(triton.cdiv(P, ROT_ROWS), kp // 128, W)](
-        xin, sets.suh, xr, xidx if xidx is not None else eidx, eidx, P, k_in, xin.stride(0),
+        xin, sets.suh, xr, eidx, P, x_per, k_in, xin.stride(0),
         sets.suh.stride(0), sets.ssuh_set, xr.stride(0), xr.stride(1), INV_SQRT128,
-        HAS_XIDX=xidx is not None, HAS_EIDX=True, BR=ROT_ROWS, num_warps=4,
-        enable_fp_fusion=False)
+        HAS_EIDX=True, BR=ROT_ROWS, num_warps=4, enable_fp_fusion=False)
     # 2. the grouped kernel over tiles of ≤ BLOCK_M pairs sharing an expert. Few pairs
     #    (decode): one program per split, the last of each (tile, 128 columns) finishing
     #    the block (Σ_s, output Hadamard, the pair's expert's svh) into out. Many pairs: each
