@@ -28,20 +28,20 @@ def weights(H: int, D: int, seed: int) -> HcWeights:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hc_mix_matches_the_products_and_rows_stand_alone(dtype):
-    """The mixing products and the mean square in one pass (K past one chunk, the stream in
+    """The mixing products and the sum of squares in one pass (K past one chunk, the stream in
     its stored dtype): the torch values to fp32 rounding, and each row's bits the same alone
     (a decode step) as among a prefill's rows, wherever it sits in a program's rows."""
     H, D, T = 4, 300, 37
     w = weights(H, D, 11)
     g = torch.Generator().manual_seed(12)
     h = torch.randn(T, H, D, generator=g).to(dtype)
-    m, ms = K.hc_mix(h, w.fn)
+    m, sq = K.hc_mix(h, w.fn)
     x = h.float().flatten(1)
     torch.testing.assert_close(m, x @ w.fn.T, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ms, (x * x).mean(-1), rtol=1e-5, atol=0)
+    torch.testing.assert_close(sq, (x * x).sum(-1), rtol=1e-5, atol=0)
     for i in (0, 17, 36):
-        mi, msi = K.hc_mix(h[i:i + 1], w.fn)
-        assert torch.equal(mi, m[i:i + 1]) and torch.equal(msi, ms[i:i + 1])
+        mi, sqi = K.hc_mix(h[i:i + 1], w.fn)
+        assert torch.equal(mi, m[i:i + 1]) and torch.equal(sqi, sq[i:i + 1])
     with pytest.raises(ValueError, match="does not match"):
         K.hc_mix(h, w.fn[:, :-1])
 
@@ -63,6 +63,11 @@ def test_hc_coeffs_match_the_definition_and_rows_are_independent(H):
     alone = K.hc_coeffs(m[13:14], ms[13:14], w.scale, w.base, H, 1e-6, 1e-6, 20)
     for a, full in zip(alone, got):
         assert torch.equal(a[0], full[13])
+    # a sum of squares divided in the kernel (hc_mix's form, a strided column) == the mean
+    sq = torch.stack(((x * x).sum(-1), torch.zeros(T)), 1)[:, 0]
+    by_count = K.hc_coeffs(m, sq, w.scale, w.base, H, 1e-6, 1e-6, 20, ms_count=H * D)
+    by_mean = K.hc_coeffs(m, sq / (H * D), w.scale, w.base, H, 1e-6, 1e-6, 20)
+    assert all(torch.equal(a, b) for a, b in zip(by_count, by_mean))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -3,11 +3,12 @@
 Per sublayer the torch code issues ~170 small kernels — Sinkhorn alone is ~6 per iteration ×
 20 — which over 80 sublayers is ~13,600 launches a token, more time than the weights take to
 stream. Here:
-- `hc_mix`: the mixing matmul m = x·fnᵀ and the mean square of x = flatten(h) (4·D = 20,480
-  long) in one pass over h in its stored dtype: per block of rows and chunk of K, the chunk's
+- `hc_mix`: the mixing matmul m = x·fnᵀ and the sum of squares of x = flatten(h) (4·D =
+  20,480 long) in one pass over h in its stored dtype: per block of rows and chunk of K, the chunk's
   partial products (tl.dot, IEEE fp32) and Σx², then the chunks added in order (the row
-  kernel's chunk sum) — two launches where the row products, the cast, the square and their
-  chunk sums were seven, and a prefill's rows share each load of the 24-row weight;
+  kernel's chunk sum) — two launches where the row products, the cast, the square, their
+  chunk sums and the mean were seven, and a prefill's rows share each load of the 24-row
+  weight;
 - `hc_coeffs`: (pre, post, comb) from the mixing matmul's output m and the stream's mean square,
   one program per block of rows: scale/base, sigmoids, the row softmax and every Sinkhorn
   iteration in registers (one launch);
@@ -57,7 +58,7 @@ if triton is not None:
 
     @triton.jit
     def _hc_coeffs_kernel(m_ptr, ms_ptr, s_ptr, b_ptr, pre_ptr, post_ptr, comb_ptr,
-                          T, sm_row, norm_eps, hc_eps,
+                          T, sm_row, s_ms, ms_count, norm_eps, hc_eps,
                           H: tl.constexpr, HP: tl.constexpr, ITERS: tl.constexpr,
                           BT: tl.constexpr):
         rows = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -65,7 +66,8 @@ if triton is not None:
         r64 = tl.where(rmask, rows, 0).to(tl.int64)
         i = tl.arange(0, HP)
         imask = i < H
-        inv = tl.rsqrt(tl.load(ms_ptr + r64) + norm_eps)[:, None]            # [BT, 1]
+        ms = tl.math.div_rn(tl.load(ms_ptr + r64 * s_ms), ms_count)          # (÷1: exact)
+        inv = tl.rsqrt(ms + norm_eps)[:, None]                               # [BT, 1]
         s0 = tl.load(s_ptr)
         s1 = tl.load(s_ptr + 1)
         s2 = tl.load(s_ptr + 2)
@@ -161,31 +163,34 @@ def _contig(t: torch.Tensor) -> torch.Tensor:
 
 
 def hc_coeffs(m: torch.Tensor, ms: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-              H: int, norm_eps: float, hc_eps: float,
-              iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              H: int, norm_eps: float, hc_eps: float, iters: int,
+              ms_count: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """m [T, (2+H)·H] fp32 (the mixing matmul, before the RMS factor), ms [T] or [T, 1] fp32
-    (the stream's mean square) → (pre [T, H], post [T, H], comb [T, H, H]) fp32."""
+    (the stream's mean square — or, with ms_count, its sum of squares over that many values,
+    divided here as torch divides) → (pre [T, H], post [T, H], comb [T, H, H]) fp32."""
     T = m.shape[0]
     if m.shape[1] != (2 + H) * H:
         raise ValueError(f"hc_coeffs: m has {m.shape[1]} columns, expected {(2 + H) * H}")
     m = m.float()
     if m.stride(1) != 1:  # (rows may be strided: hc_mix's m is a view)
         m = m.contiguous()
-    ms = _contig(ms.float().reshape(T))
+    ms = ms.float().reshape(T)  # (may be strided: hc_mix's sums are a column)
     pre = torch.empty((T, H), dtype=torch.float32, device=m.device)
     post = torch.empty_like(pre)
     comb = torch.empty((T, H, H), dtype=torch.float32, device=m.device)
     if T:
         _hc_coeffs_kernel[(triton.cdiv(T, ROWS),)](
             m, ms, _contig(scale.float()), _contig(base.float()), pre, post, comb, T,
-            m.stride(0), float(norm_eps), float(hc_eps), H=H, HP=triton.next_power_of_2(H),
+            m.stride(0), ms.stride(0), float(ms_count), float(norm_eps), float(hc_eps), H=H,
+            HP=triton.next_power_of_2(H),
             ITERS=iters, BT=ROWS, num_warps=4, enable_fp_fusion=False)
     return pre, post, comb
 
 
 def hc_mix(h: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """h [T, H, D] (any float dtype), fn [N, H·D] → (m = flatten(h)·fnᵀ [T, N] fp32, the mean
-    square of flatten(h) [T] fp32), each row computed alone in a fixed order."""
+    """h [T, H, D] (any float dtype), fn [N, H·D] → (m = flatten(h)·fnᵀ [T, N] fp32, the sum
+    of squares of flatten(h) [T] fp32 — hc_coeffs divides it by H·D), each row computed alone
+    in a fixed order."""
     from strata.kernels.rowwise import _chunk_sum_kernel
     T = h.shape[0]
     x = h.reshape(T, -1)
@@ -209,7 +214,7 @@ def hc_mix(h: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
         n = T * (N + 1)
         if n:
             _chunk_sum_kernel[(triton.cdiv(n, 1024),)](part, total, n, chunks, BLOCK=1024)
-    return total[:, :N], total[:, N] / K
+    return total[:, :N], total[:, N]
 
 
 def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
