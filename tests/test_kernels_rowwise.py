@@ -52,20 +52,6 @@ def test_rows_split_over_tiles_give_the_same_bits():
                        one)
 
 
-def test_a_shared_w_fills_tiles_with_several_batch_elements():
-    """One w for the whole batch (the indexer's queries against the index keys): the batch's
-    rows share tiles, and each element's bits are those it has alone; a batch whose rows are
-    not evenly strided (a transposed view) takes the per-element tiles, same values."""
-    g = torch.Generator().manual_seed(6)
-    x = torch.randn(5, 3, 40, generator=g)
-    w = torch.randn(1, 24, 40, generator=g)
-    full = rowwise_bmm(x, w)
-    torch.testing.assert_close(full, rowwise_bmm_reference(x, w), rtol=1e-5, atol=1e-5)
-    assert torch.equal(torch.cat([rowwise_bmm(x[i:i + 1], w) for i in range(5)]), full)
-    xt = x.transpose(0, 1).contiguous().transpose(0, 1)  # [5, 3, 40], stride(0) = 40
-    assert torch.equal(rowwise_bmm(xt, w), full)
-
-
 def test_shape_mismatch():
     with pytest.raises(ValueError, match="do not match"):
         rowwise_bmm(torch.zeros(2, 1, 8), torch.zeros(1, 4, 9))

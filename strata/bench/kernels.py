@@ -465,13 +465,13 @@ def _bench_moe(X, dev, timer, copy_gbs, smoke, cb) -> list[dict]:
 
 # (name, B, M, N, K, x dtype, w dtype, w as a transposed view): what the model hands the row
 # kernel — a prefill piece of 243 queries (attention.ATTN_SCRATCH) × 64 heads against its 640
-# rows of 512 and back, one decode query's q·k and p·v — and, through their former path, the
-# indexer's 32 heads × 128 against 32K keys for 64 queries and mHC's 4·D-long rows for a
-# 4,096-row chunk and for one decode row. Two fused cases time what the model runs instead of the row kernel: "index_scores", the
-# indexer's whole score Σ_h w_h·relu(q_h·k) in one launch (strata.kernels.indexer) against
-# cuBLAS's q·k (bf16 out) + relu + the heads' weighted sum; "mhc", mHC's products and the
-# stream's mean square in one pass (strata.kernels.mhc.hc_mix) against cuBLAS's product and
-# torch's mean square.
+# rows of 512 and back, one decode query's q·k and p·v — and, through its former path, the
+# indexer's 32 heads × 128 against 32K keys for 64 queries. Two fused kernels time what the
+# model runs instead of the row kernel: "index_scores", the indexer's whole score
+# Σ_h w_h·relu(q_h·k) in one launch (strata.kernels.indexer) against cuBLAS's q·k (bf16 out)
+# + relu + the heads' weighted sum; "mhc", mHC's products and the stream's sum of squares in
+# one pass (strata.kernels.mhc.hc_mix, 4·D-long rows for a 4,096-row chunk and for one decode
+# row) against cuBLAS's product and torch's mean square.
 ROWWISE = (("attn_qk_prefill", 243, 64, 640, 512, "bf16", "bf16", False),
            ("attn_pv_prefill", 243, 64, 512, 640, "fp32", "bf16", True),
            ("index_qk_prefill", 64, 32, 32768, 128, "bf16", "bf16", False),
@@ -488,7 +488,7 @@ _DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def _bench_rowwise(dev, timer, smoke) -> list[dict]:
-    """The row kernel (and the indexer's fused scores) against torch.bmm (cuBLAS) on the same
+    """The row kernel (and the fused indexer scores and mHC mix) against cuBLAS on the same
     operands: µs and TFLOP/s."""
     from strata.kernels.indexer import index_scores
     from strata.kernels.rowwise import rowwise_bmm
@@ -503,7 +503,7 @@ def _bench_rowwise(dev, timer, smoke) -> list[dict]:
         common = torch.promote_types(x.dtype, w.dtype)
         xc, wc = x.to(common), w.to(common).expand(B, -1, -1).transpose(1, 2)
         flop = 2 * B * M * N * K
-        if name.startswith("mhc"):  # mHC's products and mean square in one pass, as the model
+        if name.startswith("mhc"):  # mHC's products and Σx² in one pass, as the model runs it
             from strata.kernels.mhc import hc_mix
             x2, fn = x.view(B, K), w[0]
             ours = timer(lambda: hc_mix(x2.view(B, 4, K // 4), fn))

@@ -4,11 +4,11 @@ Per sublayer the torch code issues ~170 small kernels — Sinkhorn alone is ~6 p
 20 — which over 80 sublayers is ~13,600 launches a token, more time than the weights take to
 stream. Here:
 - `hc_mix`: the mixing matmul m = x·fnᵀ and the sum of squares of x = flatten(h) (4·D =
-  20,480 long) in one pass over h in its stored dtype: per block of rows and chunk of K, the chunk's
-  partial products (tl.dot, IEEE fp32) and Σx², then the chunks added in order (the row
-  kernel's chunk sum) — two launches where the row products, the cast, the square, their
-  chunk sums and the mean were seven, and a prefill's rows share each load of the 24-row
-  weight;
+  20,480 long) in one pass over h in its stored dtype: per block of rows and chunk of K, the
+  chunk's partial products (tl.dot, IEEE fp32) and Σx², then the chunks added in order (the
+  row kernel's chunk sum); hc_coeffs divides by 4·D — two launches where the row products,
+  the cast, the square, their chunk sums and the mean were seven, and a prefill's rows share
+  each load of the 24-row weight;
 - `hc_coeffs`: (pre, post, comb) from the mixing matmul's output m and the stream's mean square,
   one program per block of rows: scale/base, sigmoids, the row softmax and every Sinkhorn
   iteration in registers (one launch);

@@ -8,17 +8,16 @@ makes forwards bit-identical across batch shapes on the GPU.
 
 One kernel, two ways of summing a slice, chosen by the call site's structural M (never by
 the batch):
-- M = 1 (row products: linears, mHC, row sums): one row per program, products summed along
-  BLOCK_K on the CUDA cores — a decode step reads each weight once and wastes no lanes.
-- M ≥ 2 (attention and the indexer: a query's heads against its rows): tiles of rows
-  through tl.dot with one fixed tile, warp count and precision per operand type (fp32 operands
-  as IEEE fp32 FMAs, bf16/fp16 pairs on tensor cores with fp32 accumulation). A row's bits
-  depend only on its own operands — an output element is the same chain of MMA steps over k
-  whichever rows share its tile — so a head split (tensor parallelism) or another batch changes
-  none. That also lets a call whose batch shares one w (the indexer's queries against the
-  index keys) fill its tiles with the rows of several batch elements. A long prefill's
-  [query, heads, rows] products are most of its time (bench/results/performance.md): one tile
-  holding all of a query's heads reads its rows once.
+- M = 1 (row products: linears, row sums, the MoE's per-slot products): one row per program,
+  products summed along BLOCK_K on the CUDA cores — a decode step reads each weight once and
+  wastes no lanes.
+- M ≥ 2 (attention: a query's heads against its rows; the indexer's torch path): tiles of
+  rows through tl.dot with one fixed tile, warp count and precision per operand type (fp32
+  operands as IEEE fp32 FMAs, bf16/fp16 pairs on tensor cores with fp32 accumulation). A row's
+  bits depend only on its own operands — an output element is the same chain of MMA steps
+  over k whichever rows share its tile — so a head split (tensor parallelism) or another batch
+  changes none. A long prefill's [query, heads, rows] products are a large part of its time
+  (bench/results/performance.md): one tile holding all of a query's heads reads its rows once.
 
 `rowwise_bmm_reference` is the torch definition it is tested against (under TRITON_INTERPRET=1
 on CPU).
@@ -91,9 +90,9 @@ if triton is not None:
 
 
 TILE_WARPS = 4  # fixed: part of how tl.dot lowers (and the M = 1 kernel's default)
-# Long reductions (mHC's 4·D inputs, Engram's row sums) split K into chunks of this many,
+# Long reductions (Engram's row sums, 4·D-long rows) split K into chunks of this many,
 # computed in parallel and added in chunk order: the partition depends on K alone, so a row's
-# bits still do not depend on the batch. One chunk up to K_CHUNK (attention, the indexer).
+# bits still do not depend on the batch. One chunk up to K_CHUNK (attention).
 K_CHUNK = 1024
 
 
@@ -125,10 +124,6 @@ def rowwise_bmm(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
     out = torch.empty((B, M, N), dtype=out_dtype or x.dtype, device=x.device)
     if B * M == 0 or N == 0:
         return out
-    if M > 1 and Bw == 1 and B > 1 and x.stride(0) == M * x.stride(1):
-        # One w for the whole batch: its rows are one [B·M, K] operand (same bits per row)
-        rows = x.as_strided((1, B * M, K), (0, x.stride(1), x.stride(2)))
-        return rowwise_bmm(rows, w, k_chunk, out_dtype).view(B, M, N)
     swb = 0 if Bw == 1 else w.stride(0)
     # (the interpreter multiplies 16-bit tiles as the integers it stores them as: on CPU the
     # operands go to fp32 first — exact, the same products and fp32 accumulation)
