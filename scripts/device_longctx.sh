@@ -4,7 +4,7 @@
 # keeps its rate). Default: the synthetic V4.1 with all 40 layers over both GPUs of
 # nvidia-h200-x2 (layer split: each rank holds its layers and their caches, as the memory plan
 # assumes). LAYERS=0-3,20-23: one GPU holding those layers instead (session 8's 524K run:
-# 222 s for 8 layers; all 40 at that speed need ~1,110 s, past one call).
+# 222 s for 8 layers; all 40 at that speed need ~760 s, past one call).
 # bench/results/memory_plan.md has the plan these are checked against.
 # On the device: source scripts/device_env.sh && bash scripts/device_longctx.sh
 set -o pipefail

@@ -1,8 +1,8 @@
 """The fused small-op kernels on CUDA (pytest -m gpu): mHC collapse, hc_update, RoPE, the qdq
 steps, the MoE's slot sum and the attention's row gather give the torch code's bits, routing
-its picks; hc_coeffs, RMSNorm, the SwiGLU, the sink softmax and the indexer's scores stay
-within fp32 rounding of it,
-and their rows do not depend on the other rows of the call. V4.1 shapes (H = 4, D = 5120)."""
+its picks; mHC's coefficients, RMSNorm, the SwiGLU, the sink softmax and the indexer's scores
+stay within fp32 rounding of it, and their rows do not depend on the other rows of the call.
+V4.1 shapes (H = 4, D = 5120)."""
 from __future__ import annotations
 
 import pytest
