@@ -511,7 +511,8 @@ def _bench_rowwise(dev, timer, smoke) -> list[dict]:
         elif name.startswith("index_scores"):
             heads = torch.randn(B, M, generator=g).to(dev)
             hc = heads.to(common).unsqueeze(1)
-            ours = timer(lambda: index_scores(x, w[0], heads))
+            seen = torch.full((B,), N, dtype=torch.long, device=dev)
+            ours = timer(lambda: index_scores(x, w[0], heads, seen))
             blas = timer(lambda: torch.bmm(hc, torch.relu(torch.bmm(xc, wc))))
             flop += 2 * B * M * N
         else:

@@ -6,7 +6,7 @@ and a second product — at long context the largest tensors a prefill chunk mak
 131,072 entries × 4 bytes per query at 524K). Here a program takes two queries and a block
 of entries: the heads' products stay in registers (tl.dot over the head dimension, fp32
 accumulation; tensor cores for 16-bit pairs, which in vendor numerics hold exact fp4 values),
-then the relu, the weights and the sum over heads. Every score is computed from its own query
+then the relu, the weights, the sum over heads and the query's visibility mask. Every score is computed from its own query
 and entry in a fixed order, so it does not depend on the batch (decode, verify window,
 prefill piece) nor on how many entries the call covers.
 """
@@ -30,9 +30,13 @@ def available(t: torch.Tensor) -> bool:
     return triton is not None and t.is_cuda
 
 
+def _contig(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
 if triton is not None:
     @triton.jit
-    def _index_scores_kernel(q_ptr, k_ptr, w_ptr, o_ptr, T, H, N, D,
+    def _index_scores_kernel(q_ptr, k_ptr, w_ptr, vis_ptr, o_ptr, T, H, N, D,
                              sqt, sqh, sqd, skn, skd, swt, swh, sot,
                              BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -67,17 +71,21 @@ if triton is not None:
             part = tl.maximum(acc, 0.0) * wh[:, None]
             total += tl.sum(tl.reshape(part, [BLOCK_T, BLOCK_H, BLOCK_N]), axis=1)
         ts = t0 + tl.arange(0, BLOCK_T)
+        visible = tl.load(vis_ptr + ts, mask=ts < T, other=0)  # entries the query may see
+        total = tl.where(offs_n[None, :] < visible[:, None], total, float("-inf"))
         tl.store(o_ptr + ts[:, None] * sot + offs_n[None, :], total,
                  mask=(ts[:, None] < T) & live_n[None, :])
 
 
-def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """q [T, H, D], keys [n, D] (any strides), w [T, H] fp32 → scores [T, n] fp32."""
+def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor,
+                 visible: torch.Tensor) -> torch.Tensor:
+    """q [T, H, D], keys [n, D] (any strides), w [T, H] fp32, visible [T] (how many entries
+    each query sees) → scores [T, n] fp32, −inf at the entries a query does not see."""
     T, H, D = q.shape
     n = keys.shape[0]
-    if keys.shape[1] != D or tuple(w.shape) != (T, H):
-        raise ValueError(f"index_scores: q {list(q.shape)}, keys {list(keys.shape)} and "
-                         f"w {list(w.shape)} do not match")
+    if keys.shape[1] != D or tuple(w.shape) != (T, H) or tuple(visible.shape) != (T,):
+        raise ValueError(f"index_scores: q {list(q.shape)}, keys {list(keys.shape)}, "
+                         f"w {list(w.shape)} and visible {list(visible.shape)} do not match")
     out = torch.empty((T, n), dtype=torch.float32, device=q.device)
     if T == 0 or n == 0:
         return out
@@ -86,7 +94,7 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor) -> torch.
     native = q.is_cuda and q.dtype == keys.dtype and q.dtype in (torch.bfloat16, torch.float16)
     wf = w.float()
     _index_scores_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(n, BLOCK_N))](
-        q, keys, wf, out, T, H, n, D, q.stride(0), q.stride(1), q.stride(2),
+        q, keys, wf, _contig(visible), out, T, H, n, D, q.stride(0), q.stride(1), q.stride(2),
         keys.stride(0), keys.stride(1), wf.stride(0), wf.stride(1), out.stride(0),
         BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NATIVE=native,
         num_warps=4)

@@ -118,14 +118,14 @@ class Indexer:
         picks, candidates = [], []
         for i in range(0, ctx.T, rows):
             j = min(i + rows, ctx.T)
-            if fused:  # (one launch, no per-head scratch)
-                scores = index_kernels.index_scores(q[i:j], keys, w[i:j])
+            if fused:  # (one launch, masked too, no per-head scratch)
+                scores = index_kernels.index_scores(q[i:j], keys, w[i:j], n_visible[i:j])
             else:
                 per_head = torch.relu(rows_bmm(q[i:j], keys.unsqueeze(0), torch.float32))
                 scores = rows_bmm(w[i:j].unsqueeze(1), per_head.transpose(1, 2)).squeeze(1)
                 del per_head  # (Σ_h w_h·relu(q_h·k) is made: free the piece's scratch now)
-            visible = torch.arange(n, device=u.device)[None] < n_visible[i:j, None]
-            scores = torch.where(visible, scores, torch.full_like(scores, float("-inf")))
+                visible = torch.arange(n, device=u.device)[None] < n_visible[i:j, None]
+                scores = torch.where(visible, scores, torch.full_like(scores, float("-inf")))
             if source:
                 candidates.append(select_candidate_blocks(
                     scores, n_visible[i:j], cfg.candidate_block_size, cfg.candidate_topk_blocks))

@@ -188,9 +188,10 @@ def test_attention_rows_gathered_in_one_launch_equal_the_torch_code(cuda, monkey
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_indexer_scores_in_one_launch_near_the_torch_code(cuda, dtype):
-    """V4.1's indexer (32 heads of 128) over 5,000 entries: Σ_h w_h·relu(q_h·k) from one
-    launch within fp32 rounding of the torch steps (rows_bmm, relu, rows_bmm); a query's
-    scores alone and over fewer entries are the batch's bits."""
+    """V4.1's indexer (32 heads of 128) over 5,000 entries: Σ_h w_h·relu(q_h·k), masked to
+    each query's visible entries, from one launch within fp32 rounding of the torch steps
+    (rows_bmm, relu, rows_bmm, where); a query's scores alone and over fewer entries are the
+    batch's bits."""
     from strata.kernels.indexer import index_scores
     from strata.model.numerics import rows_bmm
     g = torch.Generator().manual_seed(8)
@@ -198,9 +199,12 @@ def test_indexer_scores_in_one_launch_near_the_torch_code(cuda, dtype):
     q = torch.randn(T, H, D, generator=g).to(cuda, dtype)
     keys = torch.randn(n, D, generator=g).to(cuda, dtype)
     w = (torch.randn(T, H, generator=g) * 0.02).to(cuda)
-    got = index_scores(q, keys, w)
+    visible = torch.randint(0, n + 1, (T,), generator=g).to(cuda)
+    got = index_scores(q, keys, w, visible)
     per_head = torch.relu(rows_bmm(q, keys.unsqueeze(0), torch.float32))
     want = rows_bmm(w.unsqueeze(1), per_head.transpose(1, 2)).squeeze(1)
+    seen = torch.arange(n, device=cuda)[None] < visible[:, None]
+    want = torch.where(seen, want, torch.full_like(want, float("-inf")))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert torch.equal(index_scores(q[5:6], keys, w[5:6]), got[5:6])
-    assert torch.equal(index_scores(q, keys[:1234], w), got[:, :1234])
+    assert torch.equal(index_scores(q[5:6], keys, w[5:6], visible[5:6]), got[5:6])
+    assert torch.equal(index_scores(q, keys[:1234], w, visible), got[:, :1234])
