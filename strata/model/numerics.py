@@ -112,6 +112,9 @@ def ranked_topk(scores: torch.Tensor, k: int, sorted: bool = True) -> torch.Tens
     same order (−0 made +0 first, so the zeros tie as floats do) above the reversed index.
     The keys are distinct, so the top k is one set in one order whatever algorithm selects
     it (a radix select instead of a full sort). NaN scores are not expected."""
+    from strata.kernels import ranking
+    if ranking.available(scores):  # (the keys in one launch, the same bits)
+        return torch.topk(ranking.rank_keys(scores), k, dim=-1, sorted=sorted).indices
     n = scores.shape[-1]
     bits = (scores.float() + 0.0).view(torch.int32).to(torch.int64)
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)

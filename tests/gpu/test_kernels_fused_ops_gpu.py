@@ -1,8 +1,8 @@
 """The fused small-op kernels on CUDA (pytest -m gpu): mHC collapse, hc_update, RoPE, the qdq
 steps, the MoE's slot sum and the attention's row gather give the torch code's bits, routing
-its picks; mHC's coefficients, RMSNorm, the SwiGLU, the sink softmax and the indexer's scores
-stay within fp32 rounding of it, and their rows do not depend on the other rows of the call.
-V4.1 shapes (H = 4, D = 5120)."""
+and ranked_topk's keys its picks; mHC's coefficients, RMSNorm, the SwiGLU, the sink softmax
+and the indexer's scores stay within fp32 rounding of it, and their rows do not depend on the
+other rows of the call. V4.1 shapes (H = 4, D = 5120)."""
 from __future__ import annotations
 
 import pytest
@@ -17,9 +17,9 @@ pytestmark = pytest.mark.gpu
 
 def torch_path(monkeypatch, fn, *args):
     """The torch definitions on CUDA (the fused kernels switched off for the call)."""
-    from strata.kernels import attention, indexer, moe_ops, norm, qdq, rope
+    from strata.kernels import attention, indexer, moe_ops, norm, qdq, ranking, rope
     with monkeypatch.context() as m:
-        for module in (K, attention, indexer, moe_ops, norm, qdq, rope):
+        for module in (K, attention, indexer, moe_ops, norm, qdq, ranking, rope):
             m.setattr(module, "available", lambda t: False)
         return fn(*args)
 
@@ -208,3 +208,20 @@ def test_indexer_scores_in_one_launch_near_the_torch_code(cuda, dtype):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert torch.equal(index_scores(q[5:6], keys, w[5:6], visible[5:6]), got[5:6])
     assert torch.equal(index_scores(q, keys[:1234], w, visible), got[:, :1234])
+
+
+def test_ranked_topk_keys_in_one_launch_pick_as_the_torch_code(cuda, monkeypatch):
+    """ranked_topk with its keys from one launch: the torch code's indices in the torch code's
+    order (signed zeros, infinities and ties included), at an indexer piece's shape."""
+    from strata.model.numerics import ranked_topk
+    g = torch.Generator().manual_seed(10)
+    scores = torch.randn(64, 20000, generator=g)
+    scores[0, :6] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 1e-45, -1e-45])
+    scores[1, 100:900] = 0.5
+    scores = scores.to(cuda)
+    for sorted_ in (True, False):
+        got = ranked_topk(scores, 512, sorted=sorted_)
+        want = torch_path(monkeypatch, ranked_topk, scores, 512, sorted_)
+        assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+        if sorted_:
+            assert torch.equal(got, want)

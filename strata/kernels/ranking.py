@@ -1,0 +1,49 @@
+"""ranked_topk's keys in one launch on CUDA (strata.model.numerics.ranked_topk).
+
+A stable descending top-k is a top-k over distinct int64 keys: the score's float bits mapped to
+an integer of the same order (−0 made +0 first), above the reversed index. In torch that is
+six launches over the [rows, n] scores, each writing int64 — at long context the indexer ranks
+[queries, 262K] entries per piece. Here one pass writes the keys, with the same integer
+operations (the same bits: the selection cannot differ)."""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch definition is used
+    triton = None
+
+BLOCK = 1024
+
+
+def available(t: torch.Tensor) -> bool:
+    return triton is not None and t.is_cuda
+
+
+if triton is not None:
+    @triton.jit
+    def _rank_keys_kernel(s_ptr, o_ptr, n, s_row, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        live = cols < n
+        s = tl.load(s_ptr + row * s_row + cols, mask=live, other=0.0).to(tl.float32)
+        bits = tl.where(s == 0.0, 0, s.to(tl.int32, bitcast=True))  # (−0 ranks as +0)
+        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+        key = (ordered << 32) + (n - 1 - cols).to(tl.int64)
+        tl.store(o_ptr + row * n + cols, key, mask=live)
+
+
+def rank_keys(scores: torch.Tensor) -> torch.Tensor:
+    """int64 keys [..., n] of scores [..., n] (float; rows may be strided): key order = score
+    order, ties to the lower index."""
+    n = scores.shape[-1]
+    rows = scores.reshape(-1, n)
+    if n and rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=torch.int64, device=scores.device)
+    if rows.numel():
+        _rank_keys_kernel[(rows.shape[0], triton.cdiv(n, BLOCK))](
+            rows, out, n, rows.stride(0), BLOCK=BLOCK, num_warps=4)
+    return out.view(scores.shape)

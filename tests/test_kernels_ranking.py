@@ -1,0 +1,34 @@
+"""ranked_topk's one-launch keys (strata.kernels.ranking) against the torch definition in
+strata.model.numerics.ranked_topk, under TRITON_INTERPRET=1 on CPU
+(tests/gpu/test_kernels_fused_ops_gpu.py runs it compiled)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernel is first launched
+
+from strata.kernels.ranking import rank_keys  # noqa: E402
+
+
+def torch_keys(scores):
+    n = scores.shape[-1]
+    bits = (scores.float() + 0.0).view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return ordered * (1 << 32) + ((n - 1) - torch.arange(n))
+
+
+def test_keys_are_the_definitions_bits_and_rank_like_a_stable_sort():
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(5, 1100, generator=g)  # a row past one block
+    scores[0, :6] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 1e-45, -1e-45])
+    scores[1, 100:200] = 0.25  # ties: the lower index first
+    keys = rank_keys(scores)
+    assert keys.dtype == torch.int64 and torch.equal(keys, torch_keys(scores))
+    top = torch.topk(keys, 50, dim=-1).indices
+    stable = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :50]
+    assert torch.equal(top, stable)
+    wide = torch.randn(5, 1200, generator=g)
+    assert torch.equal(rank_keys(wide[:, :1100]), torch_keys(wide[:, :1100]))  # strided rows
+    assert torch.equal(rank_keys(scores[None]), torch_keys(scores)[None])  # leading dims
