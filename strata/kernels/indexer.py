@@ -43,8 +43,9 @@ if triton is not None:
                              NATIVE: tl.constexpr):
         # A tile row is one (query, head): BLOCK_T queries' heads share the keys' tile loads.
         # A score's q·k is its own chain of MMA steps over the head dimension whatever row of
-        # the tile holds it, and its sum over heads runs along an axis laid out alike for
-        # every query: the same bits for a query alone or in any row of a batch.
+        # the tile holds it, and a query's sum over its heads is a reduction over the whole
+        # tile with the other queries' rows as +0 (exact): the same bits for a query alone or
+        # in any row of a batch (tests/gpu checks a query in the second row against alone).
         t0 = tl.program_id(0).to(tl.int64) * BLOCK_T
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         live_n = offs_n < N
@@ -69,7 +70,10 @@ if triton is not None:
                                  input_precision="ieee")
             wh = tl.load(w_ptr + tq * swt + heads * swh, mask=live, other=0.0)
             part = tl.maximum(acc, 0.0) * wh[:, None]
-            total += tl.sum(tl.reshape(part, [BLOCK_T, BLOCK_H, BLOCK_N]), axis=1)
+            for tt in tl.static_range(BLOCK_T):  # each query's heads: its rows, others as +0
+                mine = (r // BLOCK_H) == tt
+                s_tt = tl.sum(tl.where(mine[:, None], part, 0.0), axis=0)
+                total += tl.where((tl.arange(0, BLOCK_T) == tt)[:, None], s_tt[None, :], 0.0)
         ts = t0 + tl.arange(0, BLOCK_T)
         visible = tl.load(vis_ptr + ts, mask=ts < T, other=0)  # entries the query may see
         total = tl.where(offs_n[None, :] < visible[:, None], total, float("-inf"))
