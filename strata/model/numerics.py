@@ -81,9 +81,11 @@ def rows_bmm(x: torch.Tensor, w: torch.Tensor,
     return torch.bmm(x.to(dt), w.to(dt).expand(x.shape[0], -1, -1).transpose(1, 2))
 
 
-def row_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [T, K] · w[N, K]ᵀ → [T, N], each row by the same [1, K]×[K, N] product."""
-    return rows_bmm(x.unsqueeze(1), w.unsqueeze(0)).squeeze(1)
+def row_matmul(x: torch.Tensor, w: torch.Tensor,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [T, K] · w[N, K]ᵀ → [T, N] in out_dtype (default x's, the operands computed in it),
+    each row by the same [1, K]×[K, N] product."""
+    return rows_bmm(x.unsqueeze(1), w.unsqueeze(0), out_dtype).squeeze(1)
 
 
 def row_sum(x: torch.Tensor) -> torch.Tensor:

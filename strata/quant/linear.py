@@ -48,7 +48,12 @@ class Linear:
         # An fp32 output (gate, head, compressor) is also computed in fp32.
         cd = torch.float32 if out_dtype == torch.float32 else nx.act_dtype
         w = self.materialize(cd)
-        y = row_matmul(x.to(cd), w)
+        if cd == torch.float32 and x.dtype in (torch.bfloat16, torch.float16):
+            # widening is exact and the row products read 16-bit operands into fp32
+            # themselves: no cast launch (the same values as x.to(cd))
+            y = row_matmul(x, w, cd)
+        else:
+            y = row_matmul(x.to(cd), w)
         return y.to(out_dtype or nx.act_dtype)
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:

@@ -225,3 +225,18 @@ def test_ranked_topk_keys_in_one_launch_pick_as_the_torch_code(cuda, monkeypatch
         assert torch.equal(got.sort(-1).values, want.sort(-1).values)
         if sorted_:
             assert torch.equal(got, want)
+
+
+def test_a_dense_fp32_linear_reads_bf16_rows_as_their_fp32_values(cuda):
+    """Linear.forward with an fp32 output hands bf16 activations to the row kernel uncast (no
+    cast launch): the bits of casting them first, rows alone as in the batch."""
+    from strata.model.numerics import Numerics, row_matmul
+    from strata.quant.linear import DenseLinear
+    g = torch.Generator().manual_seed(11)
+    lin = DenseLinear((torch.randn(384, 5120, generator=g) * 0.02).to(cuda, torch.bfloat16))
+    x = torch.randn(9, 5120, generator=g).to(cuda, torch.bfloat16)
+    nx = Numerics(mode="reference", act_dtype=torch.bfloat16)
+    got = lin(x, nx, torch.float32)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, row_matmul(x.float(), lin.materialize(torch.float32)))
+    assert torch.equal(lin(x[4:5], nx, torch.float32), got[4:5])
