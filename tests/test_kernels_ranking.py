@@ -32,3 +32,11 @@ def test_keys_are_the_definitions_bits_and_rank_like_a_stable_sort():
     wide = torch.randn(5, 1200, generator=g)
     assert torch.equal(rank_keys(wide[:, :1100]), torch_keys(wide[:, :1100]))  # strided rows
     assert torch.equal(rank_keys(scores[None]), torch_keys(scores)[None])  # leading dims
+
+
+def test_no_entries_or_no_rows_give_empty_keys():
+    """A selection before the first compressed entry exists scores [T, 0] (the model's first
+    chunk); and a call may have no rows."""
+    for shape in [(3, 0), (0, 7), (2, 0, 5)]:
+        keys = rank_keys(torch.zeros(shape))
+        assert keys.shape == shape and keys.dtype == torch.int64

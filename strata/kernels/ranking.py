@@ -39,8 +39,10 @@ def rank_keys(scores: torch.Tensor) -> torch.Tensor:
     """int64 keys [..., n] of scores [..., n] (float; rows may be strided): key order = score
     order, ties to the lower index."""
     n = scores.shape[-1]
+    if scores.numel() == 0:  # (no entries yet, or no rows: reshape(-1, 0) is ambiguous)
+        return torch.empty(scores.shape, dtype=torch.int64, device=scores.device)
     rows = scores.reshape(-1, n)
-    if n and rows.stride(-1) != 1:
+    if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape, dtype=torch.int64, device=scores.device)
     if rows.numel():
