@@ -5,10 +5,13 @@ score[t, e] = Σ_h w[t, h] · relu(q[t, h] · k[e]) over a query's heads. In tor
 and a second product — at long context the largest tensors a prefill chunk makes (32 heads ×
 131,072 entries × 4 bytes per query at 524K). Here a program takes two queries and a block
 of entries: the heads' products stay in registers (tl.dot over the head dimension, fp32
-accumulation; tensor cores for 16-bit pairs, which in vendor numerics hold exact fp4 values),
-then the relu, the weights, the sum over heads and the query's visibility mask. Every score is computed from its own query
-and entry in a fixed order, so it does not depend on the batch (decode, verify window,
-prefill piece) nor on how many entries the call covers.
+accumulation), then the relu, the weights, the sum over heads and the query's visibility mask.
+The products run on tensor cores: 16-bit pairs directly (vendor numerics: exact fp4 values);
+the reference numerics' fp32 queries against bf16 keys as three bf16 products, the query
+split exactly into hi + mid + lo (each product exact in fp32, so within fp32 rounding of the
+torch code). Every score is computed from its own query and entry in a fixed order, so it
+does not depend on the batch (decode, verify window, prefill piece) nor on how many entries
+the call covers.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ BLOCK_T = 2    # queries per program (their heads fill a 64-row tile; the keys a
 BLOCK_H = 32   # heads per query in a tile (V4.1's indexer has 32); more: tiles summed in order
 BLOCK_N = 128  # entries per program
 BLOCK_K = 64   # head-dimension slice per tl.dot
+NUM_WARPS = 4
 
 
 def available(t: torch.Tensor) -> bool:
@@ -40,12 +44,12 @@ if triton is not None:
                              sqt, sqh, sqd, skn, skd, swt, swh, sot,
                              BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             NATIVE: tl.constexpr):
+                             PRODUCT: tl.constexpr):
         # A tile row is one (query, head): BLOCK_T queries' heads share the keys' tile loads.
         # A score's q·k is its own chain of MMA steps over the head dimension whatever row of
-        # the tile holds it, and a query's sum over its heads is a reduction over the whole
-        # tile with the other queries' rows as +0 (exact): the same bits for a query alone or
-        # in any row of a batch (tests/gpu checks a query in the second row against alone).
+        # the tile holds it, and a query's sum over its heads reduces its own BLOCK_H rows:
+        # the same bits for a query alone or in any row of a batch (tests/gpu checks a query
+        # in the second row against alone).
         t0 = tl.program_id(0).to(tl.int64) * BLOCK_T
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         live_n = offs_n < N
@@ -63,17 +67,25 @@ if triton is not None:
                              mask=live[:, None] & (offs_k[None, :] < D), other=0.0)
                 kt = tl.load(k_ptr + offs_n[:, None] * skn + offs_k[None, :] * skd,
                              mask=live_n[:, None] & (offs_k[None, :] < D), other=0.0)
-                if NATIVE:
+                if PRODUCT == 1:  # 16-bit pairs on tensor cores
                     acc = tl.dot(qk, tl.trans(kt), acc)
+                elif PRODUCT == 2:  # fp32 queries as hi + mid + lo in bf16 (exactly): three
+                    q32 = qk.to(tl.float32)  # tensor-core products, each exact in fp32
+                    hi = q32.to(tl.bfloat16)
+                    rest = q32 - hi.to(tl.float32)
+                    mid = rest.to(tl.bfloat16)
+                    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+                    ktt = tl.trans(kt)
+                    acc = tl.dot(hi, ktt, acc)
+                    acc = tl.dot(mid, ktt, acc)
+                    acc = tl.dot(lo, ktt, acc)
                 else:
                     acc = tl.dot(qk.to(tl.float32), tl.trans(kt.to(tl.float32)), acc,
                                  input_precision="ieee")
             wh = tl.load(w_ptr + tq * swt + heads * swh, mask=live, other=0.0)
             part = tl.maximum(acc, 0.0) * wh[:, None]
-            for tt in tl.static_range(BLOCK_T):  # each query's heads: its rows, others as +0
-                mine = (r // BLOCK_H) == tt
-                s_tt = tl.sum(tl.where(mine[:, None], part, 0.0), axis=0)
-                total += tl.where((tl.arange(0, BLOCK_T) == tt)[:, None], s_tt[None, :], 0.0)
+            # a query's heads are its BLOCK_H rows: summed apart from the other queries'
+            total += tl.sum(tl.reshape(part, (BLOCK_T, BLOCK_H, BLOCK_N)), axis=1)
         ts = t0 + tl.arange(0, BLOCK_T)
         visible = tl.load(vis_ptr + ts, mask=ts < T, other=0)  # entries the query may see
         total = tl.where(offs_n[None, :] < visible[:, None], total, float("-inf"))
@@ -95,11 +107,20 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor,
         return out
     # (as in kernels/rowwise: the interpreter multiplies 16-bit tiles as integers, so on CPU
     # the operands are widened to fp32 — exact, the same products and accumulation)
-    native = q.is_cuda and q.dtype == keys.dtype and q.dtype in (torch.bfloat16, torch.float16)
+    # fp32 queries against bf16 keys (the reference numerics' cache) take the split product:
+    # Triton's IEEE fp32 dot runs on the FMA units, ~100× slower at these shapes.
+    if not q.is_cuda:
+        product = 0
+    elif q.dtype == keys.dtype and q.dtype in (torch.bfloat16, torch.float16):
+        product = 1
+    elif q.dtype == torch.float32 and keys.dtype == torch.bfloat16:
+        product = 2
+    else:
+        product = 0
     wf = w.float()
     _index_scores_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(n, BLOCK_N))](
         q, keys, wf, _contig(visible), out, T, H, n, D, q.stride(0), q.stride(1), q.stride(2),
         keys.stride(0), keys.stride(1), wf.stride(0), wf.stride(1), out.stride(0),
-        BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NATIVE=native,
-        num_warps=4)
+        BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRODUCT=product,
+        num_warps=NUM_WARPS)
     return out

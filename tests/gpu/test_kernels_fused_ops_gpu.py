@@ -186,8 +186,10 @@ def test_attention_rows_gathered_in_one_launch_equal_the_torch_code(cuda, monkey
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_indexer_scores_in_one_launch_near_the_torch_code(cuda, dtype):
+@pytest.mark.parametrize("dtype, key_dtype", [(torch.float32, torch.float32),
+                                               (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.bfloat16)])
+def test_indexer_scores_in_one_launch_near_the_torch_code(cuda, dtype, key_dtype):
     """V4.1's indexer (32 heads of 128) over 5,000 entries: Σ_h w_h·relu(q_h·k), masked to
     each query's visible entries, from one launch within fp32 rounding of the torch steps
     (rows_bmm, relu, rows_bmm, where); a query's scores alone and over fewer entries are the
@@ -197,7 +199,7 @@ def test_indexer_scores_in_one_launch_near_the_torch_code(cuda, dtype):
     g = torch.Generator().manual_seed(8)
     T, H, D, n = 37, 32, 128, 5000
     q = torch.randn(T, H, D, generator=g).to(cuda, dtype)
-    keys = torch.randn(n, D, generator=g).to(cuda, dtype)
+    keys = torch.randn(n, D, generator=g).to(cuda, key_dtype)  # (fp32 × bf16: split product)
     w = (torch.randn(T, H, generator=g) * 0.02).to(cuda)
     visible = torch.randint(0, n + 1, (T,), generator=g).to(cuda)
     got = index_scores(q, keys, w, visible)
