@@ -8,16 +8,16 @@
 # (4) a 128K prefill. Session 8's figures to compare with: performance.md "Session 8".
 # On the device: source scripts/device_env.sh && bash scripts/device_perf.sh
 set -o pipefail
-timeout ${T1:-150} python -m pytest -q -m gpu tests/gpu/test_kernels_fused_ops_gpu.py \
+timeout ${T1:-200} python -m pytest -v -m gpu tests/gpu/test_kernels_fused_ops_gpu.py \
     tests/gpu/test_cuda_parity.py \
     tests/gpu/test_cuda_graph_gpu.py \
     "tests/gpu/test_kernels_exl3_gpu.py::test_exl3_fixture_ladder_through_kernels" \
     -rf --tb=short --durations=8 2>&1 | tee $OUT/gpu_tests.log
-timeout ${T2:-200} python -m strata bench synthetic --device cuda:0 --layers 0-9,20-29 \
+timeout ${T2:-170} python -m strata bench synthetic --device cuda:0 --layers 0-9,20-29 \
     --modes plain+graphs,oracle+graphs,oracle:2.9+graphs --tokens 24 --runs 1 --warmup 1 \
-    --breakdown 2 --prefill 8K,32K --prefill-skip both --prefill-chunk 4096 \
+    --breakdown 2 --prefill ${PREFILLS:-32K} --prefill-skip both --prefill-chunk 4096 \
     --json $OUT/synthetic_1gpu.json 2>&1 | grep -v CUDAGraph.cpp | tee $OUT/synthetic_1gpu.log
-timeout ${T3:-60} python -m strata bench kernels --no-peer --rowwise --shapes expert_w13 \
+[ -n "$SKIP_KERNELS" ] || timeout ${T3:-90} python -m strata bench kernels --no-peer --rowwise --shapes expert_w13 \
     --ks 2.5 --rows 1 --rep 50 --json $OUT/kernels_rowwise.json 2>&1 | tail -24 \
     | tee $OUT/kernels_rowwise.log
 timeout ${T4:-115} python -m strata bench synthetic --device cuda:0 --layers 0-9,20-29 \
