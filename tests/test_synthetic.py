@@ -145,10 +145,21 @@ def test_bench_synthetic_cli_parallel(tiny_dir, tmp_path, capsys):
     assert {"attention", "moe", "mhc"} <= set(data["breakdown"]["plain"]["ms"])
 
 
+def test_prefill_warmup_has_the_timed_prompts_chunk_forms():
+    from strata.bench.synthetic import prefill_warmup_length
+    # V4.1-like: reach 2,600 rows, chunks of 4,096 — two chunks, the skip's boundary in the
+    # second as in the timed prompt's last two
+    assert prefill_warmup_length(32768, 4096, 2600) == 8192
+    assert prefill_warmup_length(32768 + 1000, 4096, 2600) == 8192 + 1000
+    assert prefill_warmup_length(5000, 4096, 2600) == 5000  # short prompts: themselves
+    assert prefill_warmup_length(100_000, 2048, 0) == 100_000 % 2048 + 2048  # no skip: 1 chunk
+
+
 def test_bench_synthetic_prefill_with_and_without_the_decoder_skip(tiny_dir, tmp_path, capsys):
     """--prefill: chunked prefills timed with and without the decoder skip (the tiny config's
     reach is 896 rows, so 1,000 tokens skip the decoder on their first 104); the last logits
-    must be bit-identical or the command fails."""
+    must be bit-identical or the command fails. With --prefill-warmup an untimed prefill runs
+    before each timed one."""
     import json
 
     from strata.cli import main
@@ -156,8 +167,10 @@ def test_bench_synthetic_prefill_with_and_without_the_decoder_skip(tiny_dir, tmp
     assert main(["bench", "synthetic", "--config", str(tiny_dir), "--device", "cpu",
                  "--prompt-tokens", "8", "--tokens", "2", "--runs", "1", "--warmup", "0",
                  "--modes", "plain", "--engram-rows", "32", "--prefill", "1000",
-                 "--prefill-chunk", "256", "--prefill-piece", "384", "--json", str(out)]) == 0
+                 "--prefill-chunk", "256", "--prefill-piece", "384", "--prefill-warmup",
+                 "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["prefill"]
+    assert [r["warmup_tokens"] for r in rows] == [1000, 1000]  # (the tiny reach: all of it)
     assert [(r["tokens"], r["decoder_skip"], r["skip_applied"]) for r in rows] == \
         [(1000, False, False), (1000, True, True)]
     assert all(r["logits_equal_to_full"] and r["tok_per_s"] > 0 for r in rows)
@@ -170,3 +183,4 @@ def test_bench_synthetic_prefill_with_and_without_the_decoder_skip(tiny_dir, tmp
     # fed in pieces of 384 tokens (a progress line after each but the last), still exact
     assert captured.err.count("prefill 1000: 384 tokens in") == 2
     assert captured.err.count("prefill 1000: 768 tokens in") == 2
+    assert captured.err.count("prefill 1000: untimed warm-up of 1000 tokens took") == 2

@@ -16,6 +16,7 @@ table as packed records to a file and reads it through the Engram store, like th
 """
 from __future__ import annotations
 
+import argparse
 import math
 import re
 import zlib
@@ -325,6 +326,10 @@ def add_arguments(p) -> None:
     p.add_argument("--prefill-piece", type=int, default=32768,
                    help="feed a prefill's prompt in pieces of this many tokens, with a "
                         "progress line after each")
+    p.add_argument("--prefill-warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="before each timed prefill, an untimed one of a shorter prompt with "
+                        "the same chunk shapes (the Triton kernels compile there, not in the "
+                        "timed run); default: on CUDA")
     p.add_argument("--prefill-skip", default="both", choices=["both", "on", "off"],
                    help="the exact decoder-skipping prefill: with, without, or both (then the "
                         "last logits are checked bit-identical)")
@@ -338,13 +343,23 @@ def add_arguments(p) -> None:
     _add_parallel_args(p)  # every rank builds its part of the same synthetic model
 
 
+def prefill_warmup_length(n: int, chunk: int, reach: int) -> int:
+    """The warm-up prompt for a timed prefill of n tokens: the same remainder modulo the chunk,
+    so its chunks (the decoder skip's boundary and the decoder's rows included) have the timed
+    run's lengths and alignments mod 16, the forms Triton specialises its kernels on — and
+    long enough to reach past the decoder skip's reach by a chunk."""
+    chunks = -(-(reach + chunk) // chunk)
+    return min(n, n % chunk + chunks * chunk)
+
+
 def bench_prefill(model, lengths: list[int], chunk: int, skip: str, seed: int,
-                  progress=None, piece: int = 32768) -> list[dict]:
+                  progress=None, piece: int = 32768, warmup: bool | None = None) -> list[dict]:
     """Time a chunked prefill of random prompts of each length (device synchronised around it)
     with and/or without the decoder skip; peak device memory; with both, whether the last
     row's logits are bit-identical (the skip is exact). `progress(text)`: a line per prefill
     as soon as it is timed, and one per `piece` tokens fed (the prompt goes in pieces, as the
-    engine feeds long prompts: a long-context run cut short by a time limit keeps its rate)."""
+    engine feeds long prompts: a long-context run cut short by a time limit keeps its rate).
+    `warmup` (default: on CUDA): an untimed prefill of `prefill_warmup_length` tokens first."""
     import time
 
     from strata.bench.memory import proc_status
@@ -353,12 +368,23 @@ def bench_prefill(model, lengths: list[int], chunk: int, skip: str, seed: int,
     cuda = dev.type == "cuda"
     can_skip = getattr(model, "decoder_start", None) is not None
     modes = {"both": (False, True), "on": (True,), "off": (False,)}[skip]
+    if warmup is None:
+        warmup = cuda
+    reach = getattr(model, "prefill_reach", 0) if can_skip else 0
     out = []
     for n in lengths:
         g = torch.Generator().manual_seed(seed + n)
         prompt = torch.randint(3, min(model.cfg.vocab_size, 100_000), (n,), generator=g)
         last = {}
         for on in modes:
+            warm = prefill_warmup_length(n, chunk, reach) if warmup else 0
+            if warm:
+                t0 = time.perf_counter()
+                Session(model, warm + 8, prefill_chunk=chunk, decoder_skip=on).prefill(
+                    prompt[:warm])
+                if progress is not None:
+                    progress(f"prefill {n}: untimed warm-up of {warm} tokens took "
+                             f"{time.perf_counter() - t0:.1f} s")
             s = Session(model, n + 8, prefill_chunk=chunk, decoder_skip=on)
             base = None
             if cuda:
@@ -380,6 +406,7 @@ def bench_prefill(model, lengths: list[int], chunk: int, skip: str, seed: int,
             last[on] = logits
             out.append({"tokens": n, "decoder_skip": on, "skip_applied": on and can_skip,
                         "seconds": secs, "tok_per_s": n / secs, "chunk": chunk,
+                        "warmup_tokens": warm,
                         # this process's (rank 0's) device; host: the process's peak so far
                         "peak_device_bytes": torch.cuda.max_memory_allocated(dev) if cuda
                         else None,
@@ -491,7 +518,7 @@ def run(args) -> int:
             prefill = bench_prefill(model, lengths, args.prefill_chunk, args.prefill_skip,
                                     args.seed, progress=lambda line: print(
                                         line, file=sys.stderr, flush=True),
-                                    piece=args.prefill_piece)
+                                    piece=args.prefill_piece, warmup=args.prefill_warmup)
         # Eager plain steps, and graphed ones too when "plain+graphs" was measured.
         breakdown = {m: decode_breakdown(model, prompt, args.breakdown,
                                          graphs=m == "plain+graphs")
