@@ -91,3 +91,23 @@ def test_16_bit_and_mixed_operands_accumulate_in_fp32():
         assert torch.equal(torch.cat([rowwise_bmm(a[:, :7], w, out_dtype=torch.float32),
                                       rowwise_bmm(a[:, 7:], w, out_dtype=torch.float32)], 1),
                            got)
+
+
+@pytest.mark.parametrize("chunks", [1, 4, 7, 9])
+def test_chunk_sums_add_in_chunk_order(chunks):
+    """The K chunks' partials are added in chunk order, element by element, whatever the
+    unrolling: the bits of a plain left-to-right fp32 sum (-0.0 partials included)."""
+    import triton
+
+    from strata.kernels.rowwise import _chunk_sum_kernel
+    g = torch.Generator().manual_seed(chunks)
+    n = 1500  # past one block
+    part = torch.randn(chunks, n, generator=g) * torch.logspace(-6, 6, n)
+    part[:, 0] = -0.0
+    want = torch.zeros(n)
+    for c in range(chunks):
+        want = want + part[c]
+    got = torch.empty(n)
+    _chunk_sum_kernel[(triton.cdiv(n, 1024),)](part, got, n, chunks, BLOCK=1024)
+    assert torch.equal(got, want)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # (signed zeros too)

@@ -79,14 +79,27 @@ if triton is not None:
 
     @triton.jit
     def _chunk_sum_kernel(p_ptr, o_ptr, n, chunks, BLOCK: tl.constexpr):
-        # The chunks' partial sums added in chunk order, element by element.
+        # The chunks' partial sums added in chunk order, element by element. Four chunks'
+        # loads are issued before their adds (the same adds in the same order): at decode a
+        # call is one program whose time is the loads' latency, chunk after chunk.
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = offs < n
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         p = p_ptr + offs
-        for c in range(0, chunks):
-            acc += tl.load(p, mask=offs < n, other=0.0)
-            p += n  # (a pointer step: no int32 chunk × n product)
-        tl.store(o_ptr + offs, acc.to(o_ptr.dtype.element_ty), mask=offs < n)
+        for _ in range(0, chunks // 4):
+            a = tl.load(p, mask=live, other=0.0)
+            b = tl.load(p + n, mask=live, other=0.0)
+            c = tl.load(p + 2 * n, mask=live, other=0.0)
+            d = tl.load(p + 3 * n, mask=live, other=0.0)
+            acc += a
+            acc += b
+            acc += c
+            acc += d
+            p += 4 * n  # (a pointer step: no int32 chunk × n product)
+        for _ in range(0, chunks % 4):
+            acc += tl.load(p, mask=live, other=0.0)
+            p += n
+        tl.store(o_ptr + offs, acc.to(o_ptr.dtype.element_ty), mask=live)
 
 
 TILE_WARPS = 4  # fixed: part of how tl.dot lowers (and the M = 1 kernel's default)
