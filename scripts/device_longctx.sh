@@ -3,8 +3,9 @@
 # device (rank 0) and host memory, with a progress line per 32,768 tokens fed (a run cut short
 # keeps its rate). Default: the synthetic V4.1 with all 40 layers over both GPUs of
 # nvidia-h200-x2 (layer split: each rank holds its layers and their caches, as the memory plan
-# assumes). LAYERS=0-3,20-23: one GPU holding those layers instead (session 8's 524K run:
-# 222 s for 8 layers; all 40 at that speed need ~760 s, past one call).
+# assumes). LAYERS=0-3,20-23: one GPU holding those layers instead. Session 9: 524K at full
+# size in 177.5 s (PREFILL=512K T1=440); at its ~10.5 s per 32K piece, PREFILL=1M T1=560
+# needs ~370 s plus the 67 s build.
 # bench/results/memory_plan.md has the plan these are checked against.
 # On the device: source scripts/device_env.sh && bash scripts/device_longctx.sh
 set -o pipefail

@@ -1,11 +1,11 @@
 # One device call (one GPU) for issue 8's single-GPU figures, most valuable first, each step
-# with its own timeout and tee'd to $OUT: (1) the GPU tests of the kernels changed since the
-# last measurement (the row kernel's tiles, the indexer's fused scores, the qdq signed zeros,
-# the fused small ops), then the exactness ladder and the graphs; (2) the synthetic V4.1 with
-# half the layers (an encoder and a decoder half): graphed decode modes with the step
-# breakdown, and 8K / 32K prefills with and without the decoder skip (logits compared);
-# (3) the row kernel and the indexer's scores against cuBLAS at the model's shapes;
-# (4) a 128K prefill. Session 8's figures to compare with: performance.md "Session 8".
+# with its own timeout and tee'd to $OUT: (1) the GPU tests of the fused kernels, the exactness
+# ladders and the graphs (-v: each result streams, a cut run keeps them); (2) the synthetic
+# V4.1 with half the layers (an encoder and a decoder half): graphed decode modes with the
+# step breakdown, and prefills of PREFILLS (default 32K; each after an untimed warm-up) with
+# and without the decoder skip (logits compared); (3) unless SKIP_KERNELS is set, the row
+# kernel, the indexer's scores and hc_mix against cuBLAS at the model's shapes; (4) a 128K
+# prefill. Figures to compare with: performance.md, the latest session's section.
 # On the device: source scripts/device_env.sh && bash scripts/device_perf.sh
 set -o pipefail
 timeout ${T1:-200} python -m pytest -v -m gpu tests/gpu/test_kernels_fused_ops_gpu.py \
