@@ -123,3 +123,21 @@ def test_rope_kernel_gives_the_definitions_bits(dtype, inverse):
         x = (torch.randn(*shape, generator=g) * 2).to(dtype)
         got = kernel.apply_rope(x, cos, sin, inverse)
         assert torch.equal(got, rope.apply_rope(x, cos, sin, inverse)), shape
+
+
+def test_the_models_mix_and_coefficients_in_two_launches_are_the_three_launch_bits():
+    """hc_mixed_coeffs (the coefficients kernel adding hc_mix's chunk partials itself) gives
+    exactly hc_coeffs(*hc_mix(...)) — K over several chunks, the last one partial, rows
+    spanning programs — and every row alone gives its bits in the batch."""
+    H, D, T = 4, 200, 21  # K = 800: chunks of 256, 256, 256, 32
+    assert H * D > 3 * K.MIX_CHUNK
+    w = weights(H, D, 13)
+    h = torch.randn(T, H, D, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
+    m, sq = K.hc_mix(h, w.fn)
+    want = K.hc_coeffs(m, sq, w.scale, w.base, H, 1e-6, 1e-6, 20, ms_count=H * D)
+    got = K.hc_mixed_coeffs(h, w.fn, w.scale, w.base, H, 1e-6, 1e-6, 20)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    alone = K.hc_mixed_coeffs(h[17:18], w.fn, w.scale, w.base, H, 1e-6, 1e-6, 20)
+    assert all(torch.equal(a[0], b[17]) for a, b in zip(alone, got))
+    with pytest.raises(ValueError, match="columns"):
+        K.hc_mixed_coeffs(h, w.fn[:-1], w.scale, w.base, H, 1e-6, 1e-6, 20)

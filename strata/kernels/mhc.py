@@ -5,10 +5,11 @@ Per sublayer the torch code issues ~170 small kernels — Sinkhorn alone is ~6 p
 stream. Here:
 - `hc_mix`: the mixing matmul m = x·fnᵀ and the sum of squares of x = flatten(h) (4·D =
   20,480 long) in one pass over h in its stored dtype: per block of rows and chunk of K, the
-  chunk's partial products (tl.dot, IEEE fp32) and Σx², then the chunks added in order (the
-  row kernel's chunk sum); hc_coeffs divides by 4·D — two launches where the row products,
-  the cast, the square, their chunk sums and the mean were seven, and a prefill's rows share
-  each load of the 24-row weight;
+  chunk's partial products (tl.dot, IEEE fp32) and Σx², then the chunks added in order; a
+  prefill's rows share each load of the 24-row weight. `hc_mixed_coeffs` (the model's path)
+  lets the coefficients kernel add the chunks and divide by 4·D: mix and coefficients in two
+  launches, where the row products, the cast, the square, their chunk sums, the mean and the
+  coefficients were eight;
 - `hc_coeffs`: (pre, post, comb) from the mixing matmul's output m and the stream's mean square,
   one program per block of rows: scale/base, sigmoids, the row softmax and every Sinkhorn
   iteration in registers (one launch);
@@ -62,33 +63,44 @@ if triton is not None:
 
     @triton.jit
     def _hc_coeffs_kernel(m_ptr, ms_ptr, s_ptr, b_ptr, pre_ptr, post_ptr, comb_ptr,
-                          T, sm_row, s_ms, ms_count, norm_eps, hc_eps,
+                          T, sm_row, s_ms, chunks, s_chunk, ms_count, norm_eps, hc_eps,
                           H: tl.constexpr, HP: tl.constexpr, ITERS: tl.constexpr,
                           BT: tl.constexpr):
+        # m and ms are the sums of `chunks` partials s_chunk elements apart (hc_mix's K
+        # chunks; one for a plain m), added in chunk order from zero as the chunk sum adds.
         rows = tl.program_id(0) * BT + tl.arange(0, BT)
         rmask = rows < T
         r64 = tl.where(rmask, rows, 0).to(tl.int64)
         i = tl.arange(0, HP)
         imask = i < H
-        ms = tl.math.div_rn(tl.load(ms_ptr + r64 * s_ms), ms_count)          # (÷1: exact)
+        vmask = rmask[:, None] & imask[None, :]
+        a = i[:, None]
+        c = i[None, :]
+        cmask = (a < H) & (c < H)
+        off = 2 * H + a * H + c  # comb logits [BT, a, c] = m[2H + a·H + c]
+        ms = tl.zeros([BT], dtype=tl.float32)
+        m_pre = tl.zeros([BT, HP], dtype=tl.float32)
+        m_post = tl.zeros([BT, HP], dtype=tl.float32)
+        lg = tl.zeros([BT, HP, HP], dtype=tl.float32)
+        mrow = m_ptr + r64[:, None] * sm_row
+        msrow = ms_ptr + r64 * s_ms
+        for _ in range(0, chunks):
+            ms += tl.load(msrow)
+            m_pre += tl.load(mrow + i[None, :], mask=vmask, other=0.0)
+            m_post += tl.load(mrow + H + i[None, :], mask=vmask, other=0.0)
+            lg += tl.load(mrow[:, :, None] + off[None, :, :],
+                          mask=rmask[:, None, None] & cmask, other=0.0)
+            mrow += s_chunk
+            msrow += s_chunk
+        ms = tl.math.div_rn(ms, ms_count)                                    # (÷1: exact)
         inv = tl.rsqrt(ms + norm_eps)[:, None]                               # [BT, 1]
         s0 = tl.load(s_ptr)
         s1 = tl.load(s_ptr + 1)
         s2 = tl.load(s_ptr + 2)
-        vmask = rmask[:, None] & imask[None, :]
-        mrow = m_ptr + r64[:, None] * sm_row
-        m_pre = tl.load(mrow + i[None, :], mask=vmask, other=0.0)
-        m_post = tl.load(mrow + H + i[None, :], mask=vmask, other=0.0)
         pre = tl.sigmoid((m_pre * inv) * s0 + tl.load(b_ptr + i, mask=imask, other=0.0)) + hc_eps
         post = 2 * tl.sigmoid((m_post * inv) * s1
                               + tl.load(b_ptr + H + i, mask=imask, other=0.0))
-        # comb logits [BT, a, c] = m[2H + a·H + c]: row softmax over c, then Sinkhorn
-        a = i[:, None]
-        c = i[None, :]
-        cmask = (a < H) & (c < H)
-        off = 2 * H + a * H + c
-        lg = tl.load(mrow[:, :, None] + off[None, :, :], mask=rmask[:, None, None] & cmask,
-                     other=0.0)
+        # comb: row softmax over c, then Sinkhorn
         lg = (lg * inv[:, :, None]) * s2 + tl.load(b_ptr + off, mask=cmask, other=0.0)
         lg = tl.where(cmask, lg, -3.0e38)  # padding (H < HP): exp → 0, and no inf − inf
         e = tl.exp(lg - tl.max(lg, axis=2)[:, :, None])
@@ -185,17 +197,16 @@ def hc_coeffs(m: torch.Tensor, ms: torch.Tensor, scale: torch.Tensor, base: torc
     if T:
         _hc_coeffs_kernel[(triton.cdiv(T, ROWS),)](
             m, ms, _contig(scale.float()), _contig(base.float()), pre, post, comb, T,
-            m.stride(0), ms.stride(0), float(ms_count), float(norm_eps), float(hc_eps), H=H,
+            m.stride(0), ms.stride(0), 1, 0, float(ms_count), float(norm_eps), float(hc_eps),
+            H=H,
             HP=triton.next_power_of_2(H),
             ITERS=iters, BT=ROWS, num_warps=4, enable_fp_fusion=False)
     return pre, post, comb
 
 
-def hc_mix(h: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """h [T, H, D] (any float dtype), fn [N, H·D] → (m = flatten(h)·fnᵀ [T, N] fp32, the sum
-    of squares of flatten(h) [T] fp32 — hc_coeffs divides it by H·D), each row computed alone
-    in a fixed order."""
-    from strata.kernels.rowwise import _chunk_sum_kernel
+def _mix_partials(h: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
+    """hc_mix's per-chunk partials [chunks, T, N + 1] fp32: flatten(h)·fnᵀ over each chunk of
+    MIX_CHUNK values of K in columns 0..N−1, that chunk's Σx² in column N."""
     T = h.shape[0]
     x = h.reshape(T, -1)
     if x.stride(1) != 1:
@@ -211,14 +222,44 @@ def hc_mix(h: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
             x, fn, part, T, N, K, x.stride(0), fn.stride(0), part.stride(0), part.stride(1),
             BT=MIX_ROWS, BN=max(16, triton.next_power_of_2(N)), BK=MIX_K, CHUNK=MIX_CHUNK,
             num_warps=4)
-    if chunks == 1:
-        total = part[0]
-    else:
-        total = torch.empty((T, N + 1), dtype=torch.float32, device=h.device)
-        n = T * (N + 1)
-        if n:
-            _chunk_sum_kernel[(triton.cdiv(n, 1024),)](part, total, n, chunks, BLOCK=1024)
-    return total[:, :N], total[:, N]
+    return part
+
+
+def hc_mix(h: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [T, H, D] (any float dtype), fn [N, H·D] → (m = flatten(h)·fnᵀ [T, N] fp32, the sum
+    of squares of flatten(h) [T] fp32 — hc_coeffs divides it by H·D), each row computed alone
+    in a fixed order: the chunks' partials added in chunk order."""
+    from strata.kernels.rowwise import _chunk_sum_kernel
+    part = _mix_partials(h, fn)
+    chunks, T, N1 = part.shape
+    total = torch.empty((T, N1), dtype=torch.float32, device=h.device)
+    n = T * N1
+    if n:
+        _chunk_sum_kernel[(triton.cdiv(n, 1024),)](part, total, n, chunks, BLOCK=1024)
+    return total[:, :N1 - 1], total[:, N1 - 1]
+
+
+def hc_mixed_coeffs(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                    H: int, norm_eps: float, hc_eps: float,
+                    iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hc_coeffs(*hc_mix(h, fn), ..., ms_count=H·D) in two launches, not three: the
+    coefficients kernel adds hc_mix's chunk partials itself, in the chunk sum's order — the
+    same m and Σx², so the same bits (a decode step: 40 launches fewer on 20 layers)."""
+    part = _mix_partials(h, fn)
+    chunks, T, N1 = part.shape
+    if N1 - 1 != (2 + H) * H:
+        raise ValueError(f"hc_coeffs: m has {N1 - 1} columns, expected {(2 + H) * H}")
+    pre = torch.empty((T, H), dtype=torch.float32, device=h.device)
+    post = torch.empty_like(pre)
+    comb = torch.empty((T, H, H), dtype=torch.float32, device=h.device)
+    if T:
+        _hc_coeffs_kernel[(triton.cdiv(T, ROWS),)](
+            part, part[0, :, N1 - 1], _contig(scale.float()), _contig(base.float()), pre, post,
+            comb, T, part.stride(1), part.stride(1), chunks, part.stride(0),
+            float(H * h.shape[2]), float(norm_eps), float(hc_eps), H=H,
+            HP=triton.next_power_of_2(H), ITERS=iters, BT=ROWS, num_warps=4,
+            enable_fp_fusion=False)
+    return pre, post, comb
 
 
 def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

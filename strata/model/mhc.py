@@ -41,9 +41,7 @@ def hc_mixes(h: torch.Tensor, w: HcWeights, norm_eps: float, hc_eps: float,
     """(pre [T,H], post [T,H], comb [T,H,H]) in fp32 for stream h [T, H, D]."""
     T, H, _ = h.shape
     if kernels.available(h):  # (the products and the sum of squares in one pass over h)
-        m, sq = kernels.hc_mix(h, w.fn)
-        return kernels.hc_coeffs(m, sq, w.scale, w.base, H, norm_eps, hc_eps, iters,
-                                 ms_count=H * h.shape[2])
+        return kernels.hc_mixed_coeffs(h, w.fn, w.scale, w.base, H, norm_eps, hc_eps, iters)
     x = h.float().flatten(1)
     m = row_matmul(x, w.fn) * torch.rsqrt(row_mean(x * x) + norm_eps)
     s, b = w.scale, w.base
