@@ -123,6 +123,14 @@ def test_rope_kernel_gives_the_definitions_bits(dtype, inverse):
         x = (torch.randn(*shape, generator=g) * 2).to(dtype)
         got = kernel.apply_rope(x, cos, sin, inverse)
         assert torch.equal(got, rope.apply_rope(x, cos, sin, inverse)), shape
+        # written in bf16 by the kernel (the attention output's inverse rope): torch's cast
+        # of the fp32 result, ties to even included (1 + 3·2⁻⁸ in a head channel rounds up)
+        x.view(-1)[0] = 1 + 3 * 2 ** -8
+        got = kernel.apply_rope(x, cos, sin, inverse, out_dtype=torch.bfloat16)
+        want = rope.apply_rope(x, cos, sin, inverse).to(torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want), shape
+        assert torch.equal(rope.apply_rope(x, cos, sin, inverse, out_dtype=torch.bfloat16),
+                           want)
 
 
 def test_the_models_mix_and_coefficients_in_two_launches_are_the_three_launch_bits():

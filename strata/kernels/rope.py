@@ -29,22 +29,23 @@ if triton is not None:
         xrow = x_ptr + t * sx_t + m * sx_m
         orow = out_ptr + t * so_t + m * so_m
         nh = d - 2 * RD2
-        for h0 in range(0, nh, BH):  # the head channels, unchanged
+        dt = out_ptr.dtype.element_ty
+        for h0 in range(0, nh, BH):  # the head channels, unchanged (cast as torch casts)
             k = h0 + tl.arange(0, BH)
-            tl.store(orow + k, tl.load(xrow + k, mask=k < nh), mask=k < nh)
+            tl.store(orow + k, _round_out(tl.load(xrow + k, mask=k < nh).to(tl.float32), dt),
+                     mask=k < nh)
         p = tl.arange(0, BP)
         pm = p < RD2
         a = tl.load(xrow + nh + 2 * p, mask=pm, other=0.0).to(tl.float32)
         b = tl.load(xrow + nh + 2 * p + 1, mask=pm, other=0.0).to(tl.float32)
         c = tl.load(cos_ptr + t * sc_t + p, mask=pm, other=0.0)
         s = tl.load(sin_ptr + t * sc_t + p, mask=pm, other=0.0) * sign
-        dt = out_ptr.dtype.element_ty
         tl.store(orow + nh + 2 * p, _round_out(a * c - b * s, dt), mask=pm)
         tl.store(orow + nh + 2 * p + 1, _round_out(a * s + b * c, dt), mask=pm)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               inverse: bool = False) -> torch.Tensor:
+               inverse: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """As strata.model.rope.apply_rope: x [T, ..., d], cos/sin [T, rd/2] fp32."""
     T, d = x.shape[0], x.shape[-1]
     rd2 = cos.shape[-1]
@@ -52,7 +53,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
     M = x3.shape[1]
-    out = torch.empty((T, M, d), dtype=x.dtype, device=x.device)
+    out = torch.empty((T, M, d), dtype=out_dtype or x.dtype, device=x.device)
     if T * M:
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
         _rope_kernel[(T * M,)](x3, cos, sin, out, M, d, x3.stride(0), x3.stride(1),

@@ -69,7 +69,7 @@ class Attention:
         """Inverse RoPE on the output tails, grouped wo_a, then wo_b. o [T, H, hd] fp32."""
         nx = ctx.numerics
         cos, sin = ctx.rope(self.ratio)
-        o = apply_rope(o, cos, sin, inverse=True).to(nx.act_dtype)
+        o = apply_rope(o, cos, sin, inverse=True, out_dtype=nx.act_dtype)  # (cast in-kernel)
         G = self.n_groups
         # The vendor runs wo_a unquantized (convert.py dequantises it): no fp8 activation point.
         return self.wo_b(self.wo_a(o.reshape(ctx.T, G, -1), nx), nx)

@@ -15,13 +15,13 @@ from strata.model.mhc import HcWeights
 pytestmark = pytest.mark.gpu
 
 
-def torch_path(monkeypatch, fn, *args):
+def torch_path(monkeypatch, fn, *args, **kwargs):
     """The torch definitions on CUDA (the fused kernels switched off for the call)."""
     from strata.kernels import attention, indexer, moe_ops, norm, qdq, ranking, rope
     with monkeypatch.context() as m:
         for module in (K, attention, indexer, moe_ops, norm, qdq, ranking, rope):
             m.setattr(module, "available", lambda t: False)
-        return fn(*args)
+        return fn(*args, **kwargs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -76,6 +76,10 @@ def test_rope_equals_the_torch_code(cuda, monkeypatch, dtype):
     for inverse in (False, True):
         assert torch.equal(rope.apply_rope(x, cos, sin, inverse),
                            torch_path(monkeypatch, rope.apply_rope, x, cos, sin, inverse))
+        # the attention output's form: written in bf16 by the kernel, torch's cast's bits
+        assert torch.equal(rope.apply_rope(x, cos, sin, inverse, out_dtype=torch.bfloat16),
+                           torch_path(monkeypatch, rope.apply_rope, x, cos, sin, inverse,
+                                      out_dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("T,k", [(1, 6), (6, 6), (64, 1), (8, 8)])
