@@ -69,12 +69,16 @@ def test_bench_synthetic_cli(tiny_dir, tmp_path, capsys):
     assert "4 of 8 layers held" in text and "scaled to all layers" in text
     assert "[plain] decode step breakdown (2 steps on cpu)" in text
     assert "[plain+graphs] decode step breakdown (2 steps on cpu)" in text  # (eager on CPU)
+    # an oracle mode measured: its DSpark windows profiled too, per window
+    assert "[oracle] decode step breakdown (2 verify windows on cpu)" in text
+    assert "ms per window" in text
     data = json.loads(out.read_text())
     assert set(data["results"]) == {"plain", "plain+graphs", "oracle"}
     assert data["results"]["plain+graphs"]["capture_s"] == 0.0  # (CPU: eager, no capture)
     assert data["meta"]["layers"] == [0, 1, 2, 3]
-    assert set(data["breakdown"]) == {"plain", "plain+graphs"}
+    assert set(data["breakdown"]) == {"plain", "plain+graphs", "oracle"}
     assert {"attention", "moe", "mhc", "head"} <= set(data["breakdown"]["plain"]["ms"])
+    assert {"draft", "attention", "moe"} <= set(data["breakdown"]["oracle"]["ms"])
     assert data["breakdown"]["plain"]["unprofiled_ms"] > 0
     assert data["breakdown"]["plain"]["python_top"]
     assert main(["bench", "synthetic", "--config", str(tiny_dir), "--layers", "5-99",

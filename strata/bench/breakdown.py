@@ -142,10 +142,14 @@ def _host_top(prof, n: int, top: int = 15) -> list[dict]:
 
 def format_breakdown(b: dict) -> str:
     total = b["wall_ms"]
-    lines = [f"decode step breakdown ({b['steps']} steps on {b['device']}): "
-             f"{total:.2f} ms per step" + (f", {b['kernels_per_step']:.0f} kernels, GPU busy "
-                                           f"{b['busy_ms']:.2f} ms" if "busy_ms" in b else "")
-             + (f" (unprofiled: {b['unprofiled_ms']:.2f} ms)" if "unprofiled_ms" in b else "")]
+    unit = b.get("unit", "steps")  # (or DSpark's verify windows)
+    head = (f"decode step breakdown ({b['steps']} {unit} on {b['device']}): {total:.2f} ms per "
+            f"{unit.split()[-1].removesuffix('s')}")
+    if "busy_ms" in b:
+        head += f", {b['kernels_per_step']:.0f} kernels, GPU busy {b['busy_ms']:.2f} ms"
+    if "unprofiled_ms" in b:
+        head += f" (unprofiled: {b['unprofiled_ms']:.2f} ms)"
+    lines = [head]
     parts = sorted(b["ms"].items(), key=lambda kv: -kv[1])
     if "launch_gaps_ms" in b:
         parts.append(("launch gaps", b["launch_gaps_ms"]))

@@ -91,8 +91,10 @@ class ModeResult:
                 "capture_s": self.capture_s}
 
 
-def _run_once(model, prompt: list[int], n: int, mode: str, reference: list[int] | None,
-              costs, length: int | None) -> tuple[list[int], float, Session]:
+def make_session(model, prompt: list[int], n: int, mode: str, reference: list[int] | None,
+                 costs=None, length: int | None = None) -> Session:
+    """The session a decode mode runs in (its graphs, speculative config and, for the oracle
+    modes, drafts taken from `reference`, plain decoding's continuation of the prompt)."""
     graphs = mode.endswith(GRAPHS)
     mode = mode.removesuffix(GRAPHS)
     plain = mode == "plain"
@@ -117,8 +119,15 @@ def _run_once(model, prompt: list[int], n: int, mode: str, reference: list[int] 
                     out[a] = (out[a] + 1) % vocab  # differs from the target's pick: rejected
             return out
     cap = len(prompt) + n + model.cfg.dspark_block_size + 2
-    s = Session(model, cap, speculative=spec, draft_override=override,
-                costs=costs if mode == "dspark" else None, graphs=graphs)
+    return Session(model, cap, speculative=spec, draft_override=override,
+                   costs=costs if mode == "dspark" else None, graphs=graphs)
+
+
+def _run_once(model, prompt: list[int], n: int, mode: str, reference: list[int] | None,
+              costs, length: int | None) -> tuple[list[int], float, Session]:
+    graphs = mode.endswith(GRAPHS)
+    s = make_session(model, prompt, n, mode, reference, costs, length)
+    plain = mode.removesuffix(GRAPHS) == "plain"
     gen = s.generate(prompt, n, SamplingParams(), stop_ids=frozenset(),
                      mode="plain" if plain else "dspark")
     out = [next(gen)]

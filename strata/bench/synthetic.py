@@ -441,23 +441,43 @@ def prefill_report(rows: list[dict], scale: float) -> str:
     return "\n".join(lines)
 
 
-def decode_breakdown(model, prompt: list[int], steps: int, graphs: bool = False) -> dict:
-    """strata.bench.breakdown over `steps` plain greedy decode steps after the prompt (three
-    steps first, so the profile sees steady state — and, with `graphs`, the step's graph
-    captured), then as many timed without a profiler and as many under cProfile."""
+def decode_breakdown(model, prompt: list[int], steps: int, mode: str = "plain") -> dict:
+    """strata.bench.breakdown over `steps` greedy decode steps after the prompt (three steps
+    first, so the profile sees steady state — and, graphed, the step's graph captured), then
+    as many timed without a profiler and as many under cProfile. `mode` "plain" or
+    "plain+graphs"; "oracle" or "oracle+graphs": a step is one DSpark window (draft, one
+    batched verify, commit) whose drafts are plain decoding's continuation, all accepted."""
     from strata.bench.breakdown import step_breakdown
+    from strata.bench.decode import GRAPHS, _run_once, make_session
     from strata.runtime.sampling import SamplingParams
-    from strata.runtime.session import Session
-    s = Session(model, len(prompt) + 3 * steps + 4, graphs=graphs)
-    gen = s.generate(prompt, 3 * steps + 3, SamplingParams(), stop_ids=frozenset(),
-                     mode="plain")
+    window = mode.removesuffix(GRAPHS) == "oracle"
+    per = model.cfg.dspark_block_size + 1 if window else 1  # tokens a step commits, at most
+    n = (3 + 3 * steps) * per + 1
+    reference = _run_once(model, prompt, n + per, "plain", None, None, None)[0] \
+        if window else None
+    s = make_session(model, prompt, n + per, mode, reference)
+    gen = s.generate(prompt, n + per, SamplingParams(), stop_ids=frozenset(),
+                     mode="dspark" if window else "plain")
+    next(gen)  # the prompt's token
+
+    def one_step():
+        if not window:
+            next(gen)
+            return
+        target = s.stats.windows + 1
+        while s.stats.windows < target:  # (a window's other tokens are served from its buffer)
+            next(gen)
+
     for _ in range(3):
-        next(gen)
+        one_step()
 
     def run():
         for _ in range(steps):
-            next(gen)
-    return step_breakdown(run, steps, s.state.device, plain_run=run, python_run=run)
+            one_step()
+    out = step_breakdown(run, steps, s.state.device, plain_run=run, python_run=run)
+    if window:
+        out["unit"] = "verify windows"
+    return out
 
 
 def _launch(args, cfg: ModelConfig):
@@ -519,11 +539,15 @@ def run(args) -> int:
                                     args.seed, progress=lambda line: print(
                                         line, file=sys.stderr, flush=True),
                                     piece=args.prefill_piece, warmup=args.prefill_warmup)
-        # Eager plain steps, and graphed ones too when "plain+graphs" was measured.
-        breakdown = {m: decode_breakdown(model, prompt, args.breakdown,
-                                         graphs=m == "plain+graphs")
-                     for m in ("plain", "plain+graphs") if m == "plain" or m in modes} \
-            if args.breakdown else None
+        # Eager plain steps, and graphed ones too when "plain+graphs" was measured; DSpark
+        # windows (oracle drafts) when an oracle mode was, graphed if it was graphed.
+        from strata.bench.decode import GRAPHS
+        kinds = {m.removesuffix(GRAPHS).split(":")[0] + (GRAPHS if m.endswith(GRAPHS) else "")
+                 for m in modes}  # (oracle:2.9+graphs → oracle+graphs)
+        wanted = ["plain"] + [m for m in ("plain+graphs", "oracle", "oracle+graphs")
+                              if m in kinds]
+        breakdown = {m: decode_breakdown(model, prompt, args.breakdown, m)
+                     for m in wanted} if args.breakdown else None
     finally:
         if args.parallel:
             model.close()  # the other ranks exit
