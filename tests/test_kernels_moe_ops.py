@@ -56,6 +56,22 @@ def test_swiglu_matches_the_torch_definition(dtype, weighted):
                                       None if w is None else w[1:2]), got[1:2])
 
 
+def test_the_routed_and_shared_outputs_join_as_torch_adds_and_casts():
+    g = torch.Generator().manual_seed(5)
+    routed = torch.randn(5, 1100, generator=g) * 30  # past one block
+    shared = torch.randn(5, 1100, generator=g)
+    routed[0, :2] = torch.tensor([1.0, -0.0])
+    shared[0, :2] = torch.tensor([3 * 2 ** -8, -0.0])  # a tie (rounds to even: up); −0 + −0
+    for dtype in (torch.bfloat16, torch.float32):
+        got = moe_ops.join(routed, shared, dtype)
+        want = (routed + shared).to(dtype)
+        assert got.dtype == dtype and torch.equal(got, want)
+        assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    with pytest.raises(ValueError, match="differ"):
+        moe_ops.join(routed, shared[:, :-1], torch.bfloat16)
+
+
 def test_slot_sum_is_the_torch_loop_bit_for_bit():
     g = torch.Generator().manual_seed(2)
     for dtype in (torch.float32, torch.bfloat16):

@@ -1,4 +1,5 @@
-"""The MoE's small steps in one launch each on CUDA: routing, SwiGLU, the slot sum.
+"""The MoE's small steps in one launch each on CUDA: routing, SwiGLU, the slot sum, the
+routed and shared outputs joined in the activation dtype.
 
 In torch a decode step's MoE layer spends ~40 launches on them: the router's scores
 (division, softplus, sqrt, bias), the radix top-k's key building and selection, the weights'
@@ -93,6 +94,14 @@ if triton is not None:
                 tl.float32)
         tl.store(o_ptr + t * D + cols, acc, mask=m)
 
+    @triton.jit
+    def _join_kernel(a_ptr, b_ptr, o_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        y = tl.load(a_ptr + offs, mask=m, other=0.0).to(tl.float32) \
+            + tl.load(b_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(o_ptr + offs, _round_out(y, o_ptr.dtype.element_ty), mask=m)
+
 
 def route(logits: torch.Tensor, bias: torch.Tensor, temp: float, k: int,
           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,4 +146,17 @@ def slot_sum(y: torch.Tensor) -> torch.Tensor:
     if T and D:
         _slot_sum_kernel[(T, triton.cdiv(D, SUM_BLOCK))](y, out, D, y.stride(0), y.stride(1),
                                                           K=k, BD=SUM_BLOCK)
+    return out
+
+
+def join(routed: torch.Tensor, shared: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(routed + shared) in fp32, rounded to dtype as torch casts: [T, D] each → [T, D]."""
+    if routed.shape != shared.shape:
+        raise ValueError(f"MoE join: routed {list(routed.shape)} and shared "
+                         f"{list(shared.shape)} differ")
+    a, b = routed.contiguous(), shared.contiguous()
+    out = torch.empty(a.shape, dtype=dtype, device=a.device)
+    n = a.numel()
+    if n:
+        _join_kernel[(triton.cdiv(n, SUM_BLOCK),)](a, b, out, n, BLOCK=SUM_BLOCK)
     return out

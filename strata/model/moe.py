@@ -39,6 +39,14 @@ def swiglu_to(g: torch.Tensor, v: torch.Tensor, limit: float, dtype: torch.dtype
     return (a if weight is None else a * weight.unsqueeze(-1).float()).to(dtype)
 
 
+def join(routed: torch.Tensor, shared: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The layer's output: routed + shared (fp32 sum) in dtype. One launch on CUDA."""
+    from strata.kernels import moe_ops
+    if moe_ops.available(routed):
+        return moe_ops.join(routed, shared, dtype)
+    return (routed.float() + shared.float()).to(dtype)
+
+
 def slot_sum(ys: torch.Tensor) -> torch.Tensor:
     """Σ_s ys[:, s] in slot order, fp32: [T, k, D] → [T, D] (one launch on CUDA)."""
     from strata.kernels import moe_ops
@@ -214,6 +222,6 @@ class MoE:
     def forward(self, u: torch.Tensor, nx: Numerics) -> torch.Tensor:
         idx, w = self.route(u, nx)
         y = self.experts.forward(u, idx, w, nx)
-        if self.shared is not None:
-            y = y + self.shared.forward(u, nx)
-        return y.to(nx.act_dtype)
+        if self.shared is None:
+            return y.to(nx.act_dtype)
+        return join(y, self.shared.forward(u, nx), nx.act_dtype)
