@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from strata.config import ModelConfig
+from strata.kernels import ring as ring_kernels
 from strata.errors import CapacityError
 
 
@@ -67,12 +68,16 @@ class PositionRing:
         kept_from = first + max(0, n - self.size)
         if n > self.size:
             rows, positions = rows[-self.size:], positions[-self.size:]
-        slots = positions % self.size
+        fused = ring_kernels.available(self.rows, rows)
+        slots = positions % self.size if journal is not None or not fused else None
         if journal is not None:
             journal.writes.append(RingWrite(self, first, kept_from, slots, positions,
                                             self.rows[slots].clone(), self.tags[slots].clone()))
-        self.rows[slots] = rows.to(self.rows.dtype)
-        self.tags[slots] = positions
+        if fused:  # (one launch: slots, cast and both stores)
+            ring_kernels.ring_write(self.rows, self.tags, positions, rows)
+        else:
+            self.rows[slots] = rows.to(self.rows.dtype)
+            self.tags[slots] = positions
 
     def clone(self) -> "PositionRing":
         other = object.__new__(PositionRing)

@@ -249,3 +249,34 @@ def test_a_dense_fp32_linear_reads_bf16_rows_as_their_fp32_values(cuda):
     assert got.dtype == torch.float32
     assert torch.equal(got, row_matmul(x.float(), lin.materialize(torch.float32)))
     assert torch.equal(lin(x[4:5], nx, torch.float32), got[4:5])
+
+
+def test_ring_writes_in_one_launch_equal_the_torch_code(cuda, monkeypatch):
+    """PositionRing.write on CUDA (one launch) against its torch code: a window ring of fp32
+    rows written from bf16 and fp32 sources, wrapping, then a journaled write undone."""
+    from strata.kernels import ring
+    from strata.runtime.state import Journal, PositionRing
+    g = torch.Generator().manual_seed(12)
+    rings = [PositionRing(256, (512,), torch.bfloat16, torch.device(cuda), keep=127)
+             for _ in range(2)]
+    writes = [(0, 200), (200, 1), (201, 100), (301, 6)]  # a prefill, decode, wrap, window
+    srcs = [torch.randn(n, 512, generator=g).to(cuda, torch.float32 if i % 2 else
+                                                 torch.bfloat16)
+            for i, (_, n) in enumerate(writes)]
+    journal = Journal(start=301)
+    for r, fused in zip(rings, (True, False)):
+        with monkeypatch.context() as m:
+            if not fused:
+                m.setattr(ring, "available", lambda rows, src: False)
+            for (first, n), src in zip(writes, srcs):
+                pos = torch.arange(first, first + n, device=cuda)
+                r.write(first, pos, src, journal if first == 301 and fused else None)
+    assert torch.equal(rings[0].rows, rings[1].rows)
+    assert torch.equal(rings[0].tags, rings[1].tags)
+    journal.writes[0].undo_from(301)  # the window rejected: back to the state after 301 rows
+    with monkeypatch.context() as m:
+        m.setattr(ring, "available", lambda rows, src: False)
+        back = PositionRing(256, (512,), torch.bfloat16, torch.device(cuda), keep=127)
+        for (first, n), src in zip(writes[:3], srcs[:3]):
+            back.write(first, torch.arange(first, first + n, device=cuda), src, None)
+    assert torch.equal(rings[0].rows, back.rows) and torch.equal(rings[0].tags, back.tags)
