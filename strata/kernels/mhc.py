@@ -35,12 +35,13 @@ except ImportError:  # CPU-only installs: strata.model.mhc's torch code is used
 
 ROWS = 16      # rows per program in hc_coeffs
 BLOCK_D = 512  # hidden columns per program in collapse / hc_update
-# hc_mix (H200, session 9): 32 rows per program halve a 4,096-row prefill's time against 16
-# (each weight chunk read once per 32 rows); chunks of 256 give a decode row 80 programs
-# (34 µs; 49 at 1,024). The partition is K's alone, so rows never depend on the batch.
+# hc_mix (H200, session 9 probe): 32 rows per program halve a 4,096-row prefill's time
+# against 16 (each weight chunk read once per 32 rows); chunks of 512 give a decode row 40
+# programs (36 µs; 49 at 1,024, 34 at 256 — but 80 partials for hc_coeffs to add). The
+# partition is K's alone, so rows never depend on the batch.
 MIX_ROWS = 32
 MIX_K = 64     # K per tl.dot step
-MIX_CHUNK = 256  # K per program; the chunks' partials are summed in order
+MIX_CHUNK = 512  # K per program; the chunks' partials are summed in order
 
 
 def available(t: torch.Tensor) -> bool:
@@ -60,6 +61,13 @@ if triton is not None:
             return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
         else:
             return acc.to(DT)
+
+    @triton.jit
+    def _mix_chunk(mrow, msrow, i, off, vmask, lmask, H: tl.constexpr):
+        """One chunk's partials of a block of rows: (Σx², m_pre, m_post, comb logits)."""
+        return (tl.load(msrow), tl.load(mrow + i[None, :], mask=vmask, other=0.0),
+                tl.load(mrow + H + i[None, :], mask=vmask, other=0.0),
+                tl.load(mrow[:, :, None] + off[None, :, :], mask=lmask, other=0.0))
 
     @triton.jit
     def _hc_coeffs_kernel(m_ptr, ms_ptr, s_ptr, b_ptr, pre_ptr, post_ptr, comb_ptr,
@@ -84,14 +92,29 @@ if triton is not None:
         lg = tl.zeros([BT, HP, HP], dtype=tl.float32)
         mrow = m_ptr + r64[:, None] * sm_row
         msrow = ms_ptr + r64 * s_ms
-        for _ in range(0, chunks):
-            ms += tl.load(msrow)
-            m_pre += tl.load(mrow + i[None, :], mask=vmask, other=0.0)
-            m_post += tl.load(mrow + H + i[None, :], mask=vmask, other=0.0)
-            lg += tl.load(mrow[:, :, None] + off[None, :, :],
-                          mask=rmask[:, None, None] & cmask, other=0.0)
-            mrow += s_chunk
-            msrow += s_chunk
+        lmask = rmask[:, None, None] & cmask
+        # Two chunks' loads issued before their in-order adds: at decode the loop's time is
+        # the loads' latency, chunk after chunk.
+        for _ in range(0, chunks // 2):
+            a0, p0, q0, l0 = _mix_chunk(mrow, msrow, i, off, vmask, lmask, H)
+            a1, p1, q1, l1 = _mix_chunk(mrow + s_chunk, msrow + s_chunk, i, off, vmask, lmask,
+                                        H)
+            ms += a0
+            m_pre += p0
+            m_post += q0
+            lg += l0
+            ms += a1
+            m_pre += p1
+            m_post += q1
+            lg += l1
+            mrow += 2 * s_chunk
+            msrow += 2 * s_chunk
+        if chunks % 2:
+            a0, p0, q0, l0 = _mix_chunk(mrow, msrow, i, off, vmask, lmask, H)
+            ms += a0
+            m_pre += p0
+            m_post += q0
+            lg += l0
         ms = tl.math.div_rn(ms, ms_count)                                    # (÷1: exact)
         inv = tl.rsqrt(ms + norm_eps)[:, None]                               # [BT, 1]
         s0 = tl.load(s_ptr)
