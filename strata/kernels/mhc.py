@@ -37,8 +37,9 @@ ROWS = 16      # rows per program in hc_coeffs
 BLOCK_D = 512  # hidden columns per program in collapse / hc_update
 # hc_mix (H200, session 9 probe): 32 rows per program halve a 4,096-row prefill's time
 # against 16 (each weight chunk read once per 32 rows); chunks of 512 give a decode row 40
-# programs (36 µs; 49 at 1,024, 34 at 256 — but 80 partials for hc_coeffs to add). The
-# partition is K's alone, so rows never depend on the batch.
+# programs (36 µs a call with its launch; 49 at 1,024, 34 at 256 — whose 80 partials
+# hc_coeffs would add one after another). The partition is K's alone, so rows never depend
+# on the batch.
 MIX_ROWS = 32
 MIX_K = 64     # K per tl.dot step
 MIX_CHUNK = 512  # K per program; the chunks' partials are summed in order
