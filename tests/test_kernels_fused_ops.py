@@ -150,3 +150,23 @@ def test_the_models_mix_and_coefficients_in_two_launches_are_the_three_launch_bi
     assert all(torch.equal(a[0], b[17]) for a, b in zip(alone, got))
     with pytest.raises(ValueError, match="columns"):
         K.hc_mixed_coeffs(h, w.fn[:-1], w.scale, w.base, H, 1e-6, 1e-6, 20)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_collapse_and_its_norm_in_one_launch_are_the_two_kernels_bits(dtype):
+    """collapse_rms_norm = rms_norm(collapse(h, pre)) through the two kernels, bit for bit —
+    a row past one column block (masked tail), with and without a weight — and a row alone
+    gives its bits in the batch."""
+    from strata.kernels import norm
+    g = torch.Generator().manual_seed(15)
+    T, H, D = 5, 4, 1500
+    h = (torch.randn(T, H, D, generator=g) * 3).to(dtype)
+    pre = torch.rand(T, H, generator=g) + 0.1
+    weight = torch.randn(D, generator=g).to(dtype)
+    for w in (weight, None):
+        got = norm.collapse_rms_norm(h, pre, w, 1e-6)
+        want = norm.rms_norm(K.collapse(h, pre), w, 1e-6)
+        assert got.dtype == dtype and torch.equal(got, want)
+        assert torch.equal(norm.collapse_rms_norm(h[3:4], pre[3:4], w, 1e-6), got[3:4])
+    with pytest.raises(ValueError, match="pre"):
+        norm.collapse_rms_norm(h, pre[:, :3], weight, 1e-6)

@@ -3,7 +3,12 @@ launches there). One program per row: Σx² accumulated over BLOCK-wide column c
 ascending order, one final tree sum, then y = (x·rsqrt(Σx²/K + eps))·w rounded once to the
 input's dtype. Every row is computed alone (batch-invariant); the sum's order differs from the
 torch path's, so results may differ from it in the last bits (tested under the interpreter
-against the definition, and bit for bit row-alone vs batched)."""
+against the definition, and bit for bit row-alone vs batched).
+
+`collapse_rms_norm`: the norm of mHC's collapse Σ_i pre[i]·h[i] (a sublayer's input) in the
+same launch — each x value computed as kernels/mhc's collapse computes it (fp32 products
+added in copy order, rounded once to h's dtype), then this kernel's arithmetic: the bits of
+rms_norm(collapse(h, pre)) with one launch fewer."""
 from __future__ import annotations
 
 import torch
@@ -25,19 +30,32 @@ if triton is not None:
     from strata.kernels.mhc import _round_out
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, K, sx_row, so_row, eps,
-                         HAS_W: tl.constexpr, BK: tl.constexpr):
+    def _row_values(xrow, pre_row, k, K, s_copy, H: tl.constexpr, DT: tl.constexpr):
+        """x[k] in fp32: the stored row (H = 0), or mHC's collapse Σ_i pre[i]·h[i] of the H
+        copies s_copy apart, as strata.kernels.mhc's collapse rounds it to DT."""
+        if H == 0:
+            return tl.load(xrow + k, mask=k < K, other=0.0).to(tl.float32)
+        acc = tl.load(pre_row) * tl.load(xrow + k, mask=k < K, other=0.0).to(tl.float32)
+        for i in tl.static_range(1, H):
+            acc = acc + tl.load(pre_row + i) * tl.load(xrow + i * s_copy + k, mask=k < K,
+                                                       other=0.0).to(tl.float32)
+        return _round_out(acc, DT).to(tl.float32)
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, pre_ptr, K, sx_row, so_row, s_copy, eps,
+                         HAS_W: tl.constexpr, BK: tl.constexpr, H: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         xrow = x_ptr + r * sx_row
+        pre_row = pre_ptr + r * H
         acc = tl.zeros([BK], dtype=tl.float32)
         for k0 in range(0, K, BK):
             k = k0 + tl.arange(0, BK)
-            xv = tl.load(xrow + k, mask=k < K, other=0.0).to(tl.float32)
+            xv = _row_values(xrow, pre_row, k, K, s_copy, H, out_ptr.dtype.element_ty)
             acc = acc + xv * xv
         inv = tl.rsqrt(tl.sum(acc, axis=0) / K + eps)
         for k0 in range(0, K, BK):
             k = k0 + tl.arange(0, BK)
-            y = tl.load(xrow + k, mask=k < K, other=0.0).to(tl.float32) * inv
+            y = _row_values(xrow, pre_row, k, K, s_copy, H, out_ptr.dtype.element_ty) * inv
             if HAS_W:
                 y = y * tl.load(w_ptr + k, mask=k < K, other=0.0).to(tl.float32)
             tl.store(out_ptr + r * so_row + k, _round_out(y, out_ptr.dtype.element_ty),
@@ -51,10 +69,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    if x2.shape[0]:
-        w = x2 if weight is None else weight.contiguous()
-        _rms_norm_kernel[(x2.shape[0],)](x2, w, out, K, x2.stride(0), out.stride(0), float(eps),
-                                         HAS_W=weight is not None,
-                                         BK=min(BLOCK, triton.next_power_of_2(K)),
-                                         num_warps=4, enable_fp_fusion=False)
+    _launch(x2, weight, out, None, 0, eps)
     return out.view(x.shape)
+
+
+def collapse_rms_norm(h: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None,
+                      eps: float) -> torch.Tensor:
+    """rms_norm(Σ_i pre[:, i]·h[:, i]) for h [T, H, D], pre [T, H] fp32 → [T, D] in h's
+    dtype, in one launch."""
+    T, H, D = h.shape
+    if tuple(pre.shape) != (T, H):
+        raise ValueError(f"collapse_rms_norm: pre {list(pre.shape)} for h {list(h.shape)}")
+    if h.stride(2) != 1:
+        h = h.contiguous()
+    out = torch.empty((T, D), dtype=h.dtype, device=h.device)
+    _launch(h, weight, out, pre.float().contiguous(), h.stride(1), eps)
+    return out
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor,
+            pre: torch.Tensor | None, s_copy: int, eps: float) -> None:
+    """One program per row of out; x: its rows (pre None) or the [T, H, D] copies."""
+    T, K = out.shape
+    if T == 0:
+        return
+    w = out if weight is None else weight.contiguous()
+    _rms_norm_kernel[(T,)](x, w, out, out if pre is None else pre, K, x.stride(0),
+                           out.stride(0), s_copy, float(eps), HAS_W=weight is not None,
+                           BK=min(BLOCK, triton.next_power_of_2(K)),
+                           H=0 if pre is None else pre.shape[1],
+                           num_warps=4, enable_fp_fusion=False)

@@ -13,9 +13,8 @@ from strata.config import ModelConfig
 from strata.model.attention import Attention
 from strata.model.context import ForwardContext
 from strata.model.engram import Engram
-from strata.model.mhc import HcWeights, collapse, hc_mixes, hc_update
+from strata.model.mhc import HcWeights, collapse_norm, hc_mixes, hc_update
 from strata.model.moe import MoE
-from strata.model.numerics import rms_norm
 from strata.runtime.state import State
 from strata.trace import scope
 
@@ -56,7 +55,7 @@ class Block:
                 state: State) -> None:
         """Only what later layers read from this block: its compressed entries and index
         keys, from its attention input (the prefill's decoder skip, Model.forward)."""
-        u = rms_norm(collapse(h, pre_mix), self.attn_norm, self.cfg.rms_norm_eps)
+        u = collapse_norm(h, pre_mix, self.attn_norm, self.cfg.rms_norm_eps)
         self.attn.publish(u, ctx, state)
 
     def forward(self, h: torch.Tensor, pre_mix: torch.Tensor, ctx: ForwardContext,
@@ -72,13 +71,13 @@ class Block:
 
         with scope("mhc"):
             pre_a, post_a, comb_a = self.mixes(self.hc_attn, h)
-            u = rms_norm(collapse(h, pre_mix), self.attn_norm, cfg.rms_norm_eps)
+            u = collapse_norm(h, pre_mix, self.attn_norm, cfg.rms_norm_eps)
         with scope("attention"):
             y = self.attend(u, ctx, state)
         with scope("mhc"):
             h = hc_update(y, h, post_a, comb_a)
             pre_f, post_f, comb_f = self.mixes(self.hc_ffn, h)
-            u = rms_norm(collapse(h, pre_a), self.ffn_norm, cfg.rms_norm_eps)
+            u = collapse_norm(h, pre_a, self.ffn_norm, cfg.rms_norm_eps)
         with scope("moe"):
             y = self.ffn.forward(u, nx)
         with scope("mhc"):

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from strata.kernels import mhc as kernels
-from strata.model.numerics import row_matmul, row_mean
+from strata.kernels import norm as norm_kernels
+from strata.model.numerics import rms_norm, row_matmul, row_mean
 
 
 @dataclass
@@ -64,6 +65,15 @@ def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     for i in range(1, h.shape[1]):
         out = out + pre[:, i, None] * hf[:, i]
     return out.to(h.dtype)
+
+
+def collapse_norm(h: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+    """A sublayer's input: rms_norm(collapse(h, pre), weight, eps). On CUDA one launch with
+    the bits of the two kernels (strata.kernels.norm.collapse_rms_norm)."""
+    if kernels.available(h) and norm_kernels.available(h):
+        return norm_kernels.collapse_rms_norm(h, pre, weight, eps)
+    return rms_norm(collapse(h, pre), weight, eps)
 
 
 def hc_update(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,

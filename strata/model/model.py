@@ -22,9 +22,9 @@ from strata.errors import ConfigError
 from strata.model.block import Block
 from strata.model.context import ForwardContext
 from strata.model.dspark import DSparkHead
-from strata.model.mhc import collapse
+from strata.model.mhc import collapse_norm
 from strata.model.ngram_hash import NgramHashConfig, NgramHasher, token_map_cached
-from strata.model.numerics import Numerics, rms_norm
+from strata.model.numerics import Numerics
 from strata.runtime.state import State, entry_bucket
 from strata.tokenizer import tokenizer_path
 from strata.trace import scope
@@ -335,5 +335,5 @@ class Model:
             return None
         if logits == "last":
             h, pre = h[-1:], pre[-1:]
-        z = rms_norm(collapse(h, pre), self.norm, self.cfg.rms_norm_eps)
+        z = collapse_norm(h, pre, self.norm, self.cfg.rms_norm_eps)
         return self.head(z, nx, torch.float32)

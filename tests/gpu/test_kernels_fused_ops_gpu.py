@@ -36,6 +36,11 @@ def test_collapse_and_update_equal_the_torch_code(cuda, monkeypatch, dtype):
     assert torch.equal(ref.collapse(h, pre), torch_path(monkeypatch, ref.collapse, h, pre))
     assert torch.equal(ref.hc_update(y, h, post, comb),
                        torch_path(monkeypatch, ref.hc_update, y, h, post, comb))
+    # a sublayer's input in one launch: the collapse kernel's and the norm kernel's bits
+    from strata.kernels import norm
+    w = torch.randn(D, generator=g).to(cuda, dtype)
+    assert torch.equal(ref.collapse_norm(h, pre, w, 1e-6),
+                       norm.rms_norm(ref.collapse(h, pre), w, 1e-6))
 
 
 def test_hc_coeffs_near_the_torch_code_and_row_invariant(cuda, monkeypatch):
