@@ -22,9 +22,10 @@ _CASTS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def available(rows: torch.Tensor, src: torch.Tensor) -> bool:
-    """Whether a write of src into ring rows runs here (CUDA, float types _round_out casts)."""
+    """Whether a write of src into ring rows runs here (CUDA, float types _round_out casts,
+    contiguous ring rows)."""
     return (triton is not None and rows.is_cuda and rows.dtype in _CASTS
-            and src.dtype in _CASTS)
+            and src.dtype in _CASTS and rows.is_contiguous())
 
 
 if triton is not None:

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from strata.config import ModelConfig
-from strata.kernels import ring as ring_kernels
 from strata.errors import CapacityError
+from strata.kernels import ring as ring_kernels
 
 
 def entry_bucket(n: int) -> int:
