@@ -35,11 +35,12 @@ if triton is not None:
         copies s_copy apart, as strata.kernels.mhc's collapse rounds it to DT."""
         if H == 0:
             return tl.load(xrow + k, mask=k < K, other=0.0).to(tl.float32)
-        acc = tl.load(pre_row) * tl.load(xrow + k, mask=k < K, other=0.0).to(tl.float32)
-        for i in tl.static_range(1, H):
-            acc = acc + tl.load(pre_row + i) * tl.load(xrow + i * s_copy + k, mask=k < K,
-                                                       other=0.0).to(tl.float32)
-        return _round_out(acc, DT).to(tl.float32)
+        else:
+            acc = tl.load(pre_row) * tl.load(xrow + k, mask=k < K, other=0.0).to(tl.float32)
+            for i in tl.static_range(1, H):
+                acc = acc + tl.load(pre_row + i) * tl.load(xrow + i * s_copy + k, mask=k < K,
+                                                           other=0.0).to(tl.float32)
+            return _round_out(acc, DT).to(tl.float32)
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, pre_ptr, K, sx_row, so_row, s_copy, eps,
