@@ -257,7 +257,7 @@ def test_a_dense_fp32_linear_reads_bf16_rows_as_their_fp32_values(cuda):
 
 
 def test_ring_writes_in_one_launch_equal_the_torch_code(cuda, monkeypatch):
-    """PositionRing.write on CUDA (one launch) against its torch code: a window ring of fp32
+    """PositionRing.write on CUDA (one launch) against its torch code: a window ring of bf16
     rows written from bf16 and fp32 sources, wrapping, then a journaled write undone."""
     from strata.kernels import ring
     from strata.runtime.state import Journal, PositionRing
