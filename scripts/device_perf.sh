@@ -18,7 +18,8 @@ timeout ${T2:-240} python -m strata bench synthetic --device cuda:0 --layers 0-9
     --modes plain+graphs,oracle+graphs,oracle:2.9+graphs --tokens 24 --runs 1 --warmup 1 \
     --breakdown 2 --prefill ${PREFILLS:-32K} --prefill-skip both --prefill-chunk 4096 \
     --json $OUT/synthetic_1gpu.json 2>&1 | grep -v CUDAGraph.cpp | tee $OUT/synthetic_1gpu.log
-[ -z "$KERNELS" ] || timeout ${T3:-90} python -m strata bench kernels --no-peer --rowwise --shapes expert_w13 \
+[ -z "$KERNELS" ] || timeout ${T3:-90} python -m strata bench kernels --no-peer --rowwise \
+    --shapes expert_w13 \
     --ks 2.5 --rows 1 --rep 50 --json $OUT/kernels_rowwise.json 2>&1 | tail -24 \
     | tee $OUT/kernels_rowwise.log
 timeout ${T4:-100} python -m strata bench synthetic --device cuda:0 --layers 0-9,20-29 \
