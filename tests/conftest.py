@@ -11,6 +11,11 @@ import torch
 # is defined, so it must be set before any strata.kernels module is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("STRATA_RECORD_LAUNCHES"):  # scripts/compile_check.py: record each launch
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    from compile_check import record_launches
+    record_launches(os.environ["STRATA_RECORD_LAUNCHES"])
 
 from strata.checkpoint.tiny import make_tiny
 from strata.model.model import Model

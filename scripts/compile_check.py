@@ -1,0 +1,123 @@
+"""Compile every Triton kernel launch the CPU kernel tests make for the GPU, without a GPU.
+
+The CPU suite runs the kernels in Triton's interpreter, which accepts code the GPU compiler
+rejects; a device session that finds such an error has spent minutes on it. This records each
+launch of the kernel tests (kernel, argument types, constexpr values, launch options) and
+compiles every distinct one for a target (default Hopper, sm_90) with this machine's Triton —
+which can differ from the device's version, so a pass here is a strong hint, not a proof.
+
+    python scripts/compile_check.py [--arch 90] [--tests "tests/test_kernels_*.py"]
+
+Exit status 1 when any launch fails to compile (each failure is printed).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+# (the recording side runs inside pytest: tests/conftest.py calls record_launches())
+_TORCH_TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64",
+                "int64": "i64", "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8",
+                "bool": "i1", "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5"}
+_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+
+
+def record_launches(path: str) -> None:
+    """Append a JSON line per interpreted kernel launch to `path` (set up once per process)."""
+    import torch
+    from triton.runtime.interpreter import InterpretedFunction
+
+    original = InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        fn = self.fn
+        constexpr = {n for n, a in getattr(fn, "__annotations__", {}).items()
+                     if "constexpr" in str(a)}
+        values = dict(zip(self.arg_names, args))
+        values.update({k: v for k, v in kwargs.items() if k in self.arg_names})
+        sig, consts = {}, {}
+        for name in self.arg_names:
+            v = values.get(name)
+            if name in constexpr:
+                # (a Triton dtype passed as a constexpr travels by its name)
+                consts[name] = {"tl.dtype": v.name} if type(v).__module__.startswith(
+                    "triton") else v
+                sig[name] = "constexpr"
+            elif isinstance(v, torch.Tensor):
+                sig[name] = "*" + _TORCH_TYPES[str(v.dtype).removeprefix("torch.")]
+            elif isinstance(v, bool):
+                sig[name] = "i1"
+            elif isinstance(v, int):
+                sig[name] = "i32" if -2 ** 31 <= v < 2 ** 31 else "i64"
+            elif isinstance(v, float):
+                sig[name] = "fp32"
+            else:
+                raise TypeError(f"{fn.__name__}: argument {name} of type {type(v)}")
+        opts = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
+        with open(path, "a") as f:
+            f.write(json.dumps({"module": fn.__module__, "name": fn.__name__, "sig": sig,
+                                "constexprs": consts, "options": opts}) + "\n")
+        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = run
+
+
+def compile_all(path: str, arch: int) -> int:
+    """Compile each distinct recorded launch (no interpreter in this process)."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    seen, failures = set(), 0
+    with open(path) as f:
+        launches = [json.loads(line) for line in f]
+    for la in launches:
+        key = json.dumps(la, sort_keys=True)
+        if key in seen:
+            continue
+        seen.add(key)
+        kernel = getattr(importlib.import_module(la["module"]), la["name"])
+        consts = {k: tl.dtype(v["tl.dtype"]) if isinstance(v, dict) else v
+                  for k, v in la["constexprs"].items()}
+        src = ASTSource(fn=kernel, signature=la["sig"], constexprs=consts)
+        try:
+            triton.compile(src, target=GPUTarget("cuda", arch, 32), options=la["options"])
+        except Exception as e:  # (a compile error of any kind is what we look for)
+            failures += 1
+            print(f"FAILED {la['module']}.{la['name']} {la['constexprs']}: {e}", flush=True)
+    print(f"{len(seen)} distinct launches of {len({(la['module'], la['name']) for la in launches})}"
+          f" kernels compiled for sm_{arch}: {failures} failed")
+    return 1 if failures else 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", type=int, default=90)
+    p.add_argument("--tests", default="tests/test_kernels_*.py")
+    p.add_argument("--compile-only", metavar="JSONL", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.compile_only:
+        return compile_all(args.compile_only, args.arch)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "launches.jsonl")
+        env = dict(os.environ, STRATA_RECORD_LAUNCHES=path, TRITON_INTERPRET="1")
+        tests = sorted(glob.glob(args.tests))
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", *tests], env=env)
+        if run.returncode != 0 or not os.path.exists(path):
+            print("the kernel tests failed or launched nothing: nothing to compile")
+            return 1
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+        return subprocess.run([sys.executable, __file__, "--compile-only", path,
+                               "--arch", str(args.arch)], env=env).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
