@@ -127,7 +127,7 @@ def step_breakdown(run: Callable[[], None], steps: int, device: torch.device,
                    # by launches: what a graph's node count (its launch cost) is made of
                    kernel_most_launched=[{"name": k, "calls": c / n, "ms": t / 1e3 / n}
                                          for k, (c, t) in sorted(per_kernel.items(),
-                                                                 key=lambda kv: -kv[1][0])[:20]])
+                                                                 key=lambda kv: -kv[1][0])[:40]])
     out["ms"] = {c: us[c] / 1e3 / n for c in CATEGORIES + ("unattributed",) if us.get(c)}
     return out
 
@@ -162,7 +162,7 @@ def format_breakdown(b: dict) -> str:
         for r in b["kernel_top"]:
             lines.append(f"  {r['name'][:60]:<60}{r['ms']:>9.3f} ms {r['calls']:>8.1f}")
         lines.append("GPU: kernels by launches per step (time per step), most first:")
-        for r in b["kernel_most_launched"][:10]:
+        for r in b["kernel_most_launched"]:
             lines.append(f"  {r['name'][:60]:<60}{r['calls']:>8.1f} {r['ms']:>9.3f} ms")
     lines.append("host: own CPU time per step (calls per step), largest first:")
     for r in b["host_top"]:
