@@ -36,6 +36,29 @@ def test_forward_and_speculative_decode(cfg, fmt):
     assert w.bits_per_weight() > 0
 
 
+def test_step_traffic_reads_each_selected_expert_once(cfg):
+    """The roofline's bytes and weights per forward: everything a decode reads once, the routed
+    experts only as many as the rows select (at most all of them); never the embedding table,
+    the Engram tables or the DSpark stages."""
+    from strata.bench.synthetic import step_traffic
+    _, w = build_synthetic(cfg, "meta")
+    k, n = cfg.num_experts_per_tok, cfg.n_routed_experts
+    routed = lambda name: name.startswith("layers.") and ".ffn.experts." in name
+    skipped = lambda name: (name.startswith("mtp.") or name == "embed.weight"
+                            or ".engram.embed." in name)
+    experts = sum(v for name, v in w.tensor_bytes.items() if routed(name))
+    rest = sum(v for name, v in w.tensor_bytes.items() if not routed(name) and not skipped(name))
+    expert_weights = sum(v for name, v in w.linear_weights.items() if routed(name + "."))
+    assert experts > 0 and rest > 0 and expert_weights > 0
+    one, everything = step_traffic(w, 1), step_traffic(w, n)  # n rows select every expert
+    assert one[0] == round(rest + experts * k / n)
+    assert everything[0] == rest + experts
+    assert everything[1] - one[1] == round(expert_weights * (1 - k / n))
+    assert step_traffic(w, 2 * n) == everything
+    # the head is read and decoded; the router (unquantized) is read, not decoded
+    assert "head" in w.linear_weights and not any(p.endswith(".gate") for p in w.linear_weights)
+
+
 def test_layer_subset(cfg):
     model, _ = build_synthetic(cfg, "cpu", layers=[0, 1, 2], engram_rows=16)
     assert [b.layer for b in model.layers] == [0, 1, 2]
@@ -56,7 +79,7 @@ def test_folded_engram_on_disk_equals_on_device(cfg, tmp_path):
         store.close()
 
 
-def test_bench_synthetic_cli(tiny_dir, tmp_path, capsys):
+def test_bench_synthetic_cli(tiny_dir, cfg, tmp_path, capsys):
     import json
 
     from strata.cli import main
@@ -81,6 +104,15 @@ def test_bench_synthetic_cli(tiny_dir, tmp_path, capsys):
     assert {"draft", "attention", "moe"} <= set(data["breakdown"]["oracle"]["ms"])
     assert data["breakdown"]["plain"]["unprofiled_ms"] > 0
     assert data["breakdown"]["plain"]["python_top"]
+    # the roofline: per mode what a token read and decoded, against rates measured in the run
+    assert "roofline per token" in text
+    roof, rates = data["roofline"], data["rates"]
+    assert rates["copy_gb_per_s"] > 0 and rates["linear_weights_per_s"] > 0
+    assert roof["plain"]["rows"] == 1 and roof["oracle"]["rows"] == cfg.dspark_block_size + 1
+    assert roof["plain"]["gb_per_token"] > 0 and roof["plain"]["gweights_per_token"] > 0
+    r = data["results"]["plain"]
+    assert roof["plain"]["gb_per_s"] == pytest.approx(roof["plain"]["gb_per_token"]
+                                                      * r["median_tok_per_s"])
     assert main(["bench", "synthetic", "--config", str(tiny_dir), "--layers", "5-99",
                  "--device", "cpu"]) == 2
     assert "layers run 0..7" in capsys.readouterr().err

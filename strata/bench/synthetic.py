@@ -60,6 +60,7 @@ class SyntheticWeights:
     engram_dir: Path | None = None         # where engram="disk" writes its table files
     stored_bytes: dict[str, int] = field(default_factory=dict)  # by group, for reports
     weights: dict[str, int] = field(default_factory=dict)       # quantized weights by group
+    linear_weights: dict[str, int] = field(default_factory=dict)  # … by linear (prefix)
     # Bytes by checkpoint-like tensor name (the placement planner's input); on the "meta"
     # device nothing is allocated, so the full model's sizes come for free.
     tensor_bytes: dict[str, int] = field(default_factory=dict)
@@ -136,6 +137,7 @@ class SyntheticWeights:
                                            f"{prefix}.weight"))
         group = exl3_group(prefix)
         self.weights[group] = self.weights.get(group, 0) + out_features * in_features
+        self.linear_weights[prefix] = out_features * in_features
         if self.fmt == "exl3":
             return self._exl3(group, prefix, out_features, in_features)
         if ".ffn.experts." in prefix:
@@ -204,6 +206,84 @@ class SyntheticWeights:
         suh/svh or fp8/fp4 bytes and their scales, padding included)."""
         quant = sum(v for k, v in self.stored_bytes.items() if k != "dense")
         return 8 * quant / max(sum(self.weights.values()), 1)
+
+
+def step_traffic(w: SyntheticWeights, rows: int) -> tuple[int, int]:
+    """(bytes read, quantized weights decoded) by one decode forward of `rows` rows over the
+    tensors `w` made: every tensor once, except that of the routed experts only the at most
+    rows × top-k distinct ones of n are read (an upper bound: rows may share experts), and
+    that the embedding and the Engram tables (a few rows each; Engram lives on the host in the
+    real engine) and the DSpark stages (read when drafting, not verifying) are left out. KV
+    cache reads are left out too: at a decode benchmark's short contexts they are MBs."""
+    cfg = w.cfg
+    share = min(rows * cfg.num_experts_per_tok, cfg.n_routed_experts) / cfg.n_routed_experts
+
+    def part(name: str) -> float:
+        if name.startswith("mtp.") or name == "embed.weight" or ".engram.embed." in name:
+            return 0.0
+        return share if ".ffn.experts." in name else 1.0
+
+    read = sum(n * part(name) for name, n in w.tensor_bytes.items())
+    decoded = sum(n * part(prefix + ".") for prefix, n in w.linear_weights.items())
+    return round(read), round(decoded)
+
+
+def kernel_rates(cfg: ModelConfig, device: torch.device, fmt: str) -> dict[str, float]:
+    """The rates a decode roofline is set against, measured on `device` now: the copy bandwidth
+    (GB/s, bytes read + written) and the quantized linear kernel's decode rate (weights/s) on
+    one large linear — the head's shape at the routed experts' bits, one row, graphed, so
+    neither launches nor a small matrix's tail count against the kernel."""
+    from strata.bench.kernels import Timer, copy_bandwidth
+    from strata.model.numerics import Numerics
+    device = torch.device(device)
+    small = device.type != "cuda"
+    timer = Timer(device, warmup=25, rep=100, smoke=small)
+    copy = copy_bandwidth(device, timer, (1 << 20) if small else (1 << 30))
+    probe = SyntheticWeights(cfg, device, fmt=fmt, bits={"other": DEFAULT_BITS["experts.w1"]})
+    linear = probe.linear("roofline_probe", cfg.vocab_size, cfg.hidden_size)
+    nx = Numerics.for_device(device)
+    x = torch.randn((1, cfg.hidden_size), device=device).to(nx.act_dtype)
+    us = timer(lambda: linear(x, nx))
+    del linear, probe
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    rate = cfg.vocab_size * cfg.hidden_size / (us * 1e-6)
+    return {"copy_gb_per_s": copy, "linear_weights_per_s": rate}
+
+
+def roofline(w: SyntheticWeights, results: dict, rates: dict[str, float]) -> dict[str, dict]:
+    """Per mode: what a token read and decoded (step_traffic over the forward's rows, divided
+    by the tokens it committed), the rates that implies at the measured tok/s, and the tok/s
+    the measured copy bandwidth and kernel rate alone would allow."""
+    out = {}
+    for mode, r in results.items():
+        # a verify window: the last committed token and up to a block of drafts
+        rows = 1 if mode.startswith("plain") else w.cfg.dspark_block_size + 1
+        read, decoded = step_traffic(w, rows)
+        per_tok = max(r.mean_committed, 1e-9)
+        gb, gw = read / per_tok / 1e9, decoded / per_tok / 1e9
+        out[mode] = {"rows": rows, "gb_per_token": gb, "gweights_per_token": gw,
+                     "gb_per_s": gb * r.median, "tweights_per_s": gw * r.median / 1e3,
+                     "of_copy": gb * r.median / rates["copy_gb_per_s"],
+                     "of_kernel": gw * 1e9 * r.median / rates["linear_weights_per_s"],
+                     "bandwidth_floor_tok_per_s": rates["copy_gb_per_s"] / gb,
+                     "kernel_floor_tok_per_s": rates["linear_weights_per_s"] / (gw * 1e9)}
+    return out
+
+
+def roofline_report(roof: dict[str, dict], rates: dict[str, float]) -> str:
+    lines = [f"roofline per token (held layers; routed experts at rows × top-k distinct, an "
+             f"upper bound; measured now: copy {rates['copy_gb_per_s']:.0f} GB/s, linear kernel "
+             f"{rates['linear_weights_per_s'] / 1e12:.2f} Tweights/s):",
+             f"{'mode':<20}{'rows':>5}{'GB/tok':>8}{'Gw/tok':>8}{'GB/s':>8}{'of copy':>9}"
+             f"{'Tw/s':>7}{'of kernel':>10}{'floor tok/s (bw / kernel)':>27}"]
+    for mode, x in roof.items():
+        lines.append(f"{mode:<20}{x['rows']:>5}{x['gb_per_token']:>8.2f}"
+                     f"{x['gweights_per_token']:>8.2f}{x['gb_per_s']:>8.0f}{x['of_copy']:>9.1%}"
+                     f"{x['tweights_per_s']:>7.2f}{x['of_kernel']:>10.1%}"
+                     f"{x['bandwidth_floor_tok_per_s']:>18.0f} / "
+                     f"{x['kernel_floor_tok_per_s']:.0f}")
+    return "\n".join(lines)
 
 
 class _DeviceRows:
@@ -510,6 +590,9 @@ def run(args) -> int:
     from strata.config import v41_flash_config
     cfg = ModelConfig.from_model_dir(Path(args.config)) if args.config else v41_flash_config()
     layers = parse_layers(args.layers, cfg.n_layers)
+    # Measured first, on an empty device (in a layer split or TP, the first device's).
+    rates = kernel_rates(cfg, args.devices.split(",")[0] if args.parallel else args.device,
+                         args.fmt)
     t0 = time.perf_counter()
     if args.parallel:
         model = _launch(args, cfg)
@@ -558,6 +641,8 @@ def run(args) -> int:
              f"synthetic {args.fmt}: {held} of {cfg.n_layers} layers held {where}; stored "
              f"{sum(w.stored_bytes.values()) / 1e9:.2f} GB, {w.bits_per_weight():.2f} bits per "
              f"quantized weight; built in {build_s:.1f} s"]
+    roof = roofline(w, results, rates)
+    lines.append(roofline_report(roof, rates))
     if split is not None:
         from strata.bench.decode import split_report
         lines.append(split_report(split))
@@ -588,7 +673,8 @@ def run(args) -> int:
                 "stored_bytes": w.stored_bytes, "build_s": build_s}
         Path(args.json).write_text(json.dumps(
             {"meta": meta, "results": {m: r.as_dict() for m, r in results.items()},
-             "scaled_tok_per_s": scaled, "split_timing": split, "prefill": prefill,
+             "scaled_tok_per_s": scaled, "rates": rates, "roofline": roof,
+             "split_timing": split, "prefill": prefill,
              "breakdown": breakdown}, indent=2))
     return 0 if exact else 1
 
