@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from strata import trace
-from strata.bench.breakdown import _category, step_breakdown
+from strata.bench.breakdown import _category, gpu_parts, step_breakdown
 
 
 def test_scopes_cost_nothing_when_off():
@@ -49,3 +49,46 @@ def test_nccl_kernels_count_as_communication():
     assert _category(op, "ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "communication"
     assert _category(op, "triton_fused_kernel") == "attention"
     assert _category(Evt("aten::mm")) == "other"
+
+
+def test_gpu_kernels_count_for_the_scope_around_their_launch():
+    """No CUDA event exists on this CPU: stand-in profiler events with the structure torch's
+    profiler gave on an H200 (scripts/probe_profiler_links.py): a GPU kernel's event id is
+    its launch's correlation id, and the launch — `cudaLaunchKernel` under a torch op, or
+    `cuLaunchKernelEx` straight under a scope for a Triton kernel — has the scopes above it;
+    the device timeline's scope spans are not kernels; a graph replay's kernels share one
+    `cudaGraphLaunch` outside the model's scopes."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def evt(name, id, device=DeviceType.CPU, parent=None, us=0.0):
+        return SimpleNamespace(name=name, id=id, device_type=device, cpu_parent=parent,
+                               time_range=SimpleNamespace(elapsed_us=lambda: us))
+    attention, moe, draft = evt("strata.attention", 1), evt("strata.moe", 3), evt("strata.draft", 4)
+    mul = evt("aten::mul", 2, parent=attention)
+    cpu = [attention, mul, evt("cudaLaunchKernel", 10, parent=mul),
+           evt("cuLaunchKernelEx", 17, parent=attention), moe,
+           evt("cuLaunchKernelEx", 21, parent=moe), draft,
+           evt("cuLaunchKernelEx", 25, parent=evt("strata.moe", 5, parent=draft)),
+           evt("cudaLaunchKernelExC", 8, parent=evt("c10d::allreduce_", 7, parent=moe)),
+           evt("cudaLaunchKernel", 30, parent=evt("aten::add", 29)),
+           evt("cudaGraphLaunch", 40)]
+    gpu = [evt("vectorized_elementwise_kernel", 10, DeviceType.CUDA, us=1.0),
+           evt("strata.attention", 1, DeviceType.CUDA, us=200.0),  # a span, not a kernel
+           evt("_add_one", 17, DeviceType.CUDA, us=2.0),
+           evt("_add_one", 21, DeviceType.CUDA, us=4.0),
+           evt("_fused_kernel", 25, DeviceType.CUDA, us=8.0),
+           evt("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 8, DeviceType.CUDA, us=16.0),
+           evt("elementwise_kernel", 30, DeviceType.CUDA, us=32.0),
+           evt("_fused_kernel", 40, DeviceType.CUDA, us=64.0),
+           evt("_rms_norm_kernel", 40, DeviceType.CUDA, us=128.0),
+           evt("orphan_kernel", 99, DeviceType.CUDA, us=256.0)]
+    us, counts = defaultdict(float), defaultdict(int)
+    per_kernel = gpu_parts(cpu + gpu, us, counts)
+    assert dict(us) == {"attention": 3.0, "moe": 4.0, "draft": 8.0, "communication": 16.0,
+                        "other": 32.0, "unattributed": 64.0 + 128.0 + 256.0}
+    assert counts["attention"] == 2 and counts["unattributed"] == 3
+    assert per_kernel["_add_one"] == [2, 6.0] and per_kernel["_fused_kernel"] == [2, 72.0]
+    assert "strata.attention" not in per_kernel

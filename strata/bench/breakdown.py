@@ -4,10 +4,13 @@ time into attention, MoE, mHC/norms, Engram, embed, head, DSpark drafting, sampl
 communication (NCCL kernels) and other — then, on CUDA, the launch gaps: wall time minus the
 GPU's busy time (Python, launches and host waits the GPU sat idle for).
 
-On CUDA each kernel's GPU time counts for the nearest enclosing scope of the op that launched
-it (a DSpark stage's attention counts as drafting) — kernels with no launching op (Triton's,
-a CUDA graph's) are "unattributed", and every kernel is listed by name; on CPU each op's own
-CPU time does."""
+On CUDA each kernel's GPU time counts for the nearest enclosing scope of the host call that
+launched it — the runtime or driver launch (`cudaLaunchKernel` under a torch op,
+`cuLaunchKernelEx` for a Triton kernel) carries the kernel's correlation id as its own event
+id, and its parent chain holds the scopes (a DSpark stage's attention counts as drafting).
+A CUDA graph's kernels are "unattributed" (one `cudaGraphLaunch` for all of them): profile
+an eager step for the parts, a graphed one for the gaps. Every kernel is also listed by name.
+On CPU each op's own CPU time counts."""
 from __future__ import annotations
 
 import time
@@ -35,6 +38,28 @@ def _category(evt, kernel_name: str | None = None) -> str:
             nearest = nearest or name
         e = e.cpu_parent
     return nearest if nearest in trace.SCOPES else "other"
+
+
+def gpu_parts(events, us: dict[str, float], counts: dict[str, int]) -> dict[str, list[float]]:
+    """Add each GPU activity's time (µs) and count to its part in `us` / `counts`, from the
+    host call that launched it (see the module doc); return {kernel name: [launches, µs]}.
+    The device's timeline also shows the scopes as annotation spans: those are not kernels."""
+    launches = {e.id: e for e in events
+                if e.device_type == DeviceType.CPU and e.name.startswith("cu")}
+    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for evt in events:
+        if evt.device_type != DeviceType.CUDA or evt.name.startswith("strata."):
+            continue
+        launch = launches.get(evt.id)
+        part = ("unattributed" if launch is None or launch.name == "cudaGraphLaunch"
+                else _category(launch, evt.name))
+        t = evt.time_range.elapsed_us()
+        us[part] += t
+        counts[part] += 1
+        row = per_kernel[evt.name]
+        row[0] += 1
+        row[1] += t
+    return per_kernel
 
 
 def _timed(run: Callable[[], None], device: torch.device) -> float:
@@ -86,41 +111,23 @@ def step_breakdown(run: Callable[[], None], steps: int, device: torch.device,
     finally:
         trace.enable(was)
     us: dict[str, float] = defaultdict(float)
-    launches: dict[str, int] = defaultdict(int)  # op-linked kernels per part
-    for evt in prof.events():
-        if evt.device_type != DeviceType.CPU:
-            continue
-        if cuda:
-            for k in evt.kernels:
-                part = _category(evt, k.name)
-                us[part] += k.duration
-                launches[part] += 1
-        elif not evt.name.startswith("strata."):
-            us[_category(evt)] += evt.self_cpu_time_total
+    counts: dict[str, int] = defaultdict(int)  # kernels per part (CUDA)
+    events = prof.events()
+    per_kernel: dict[str, list[float]] = {}
+    if cuda:
+        per_kernel = gpu_parts(events, us, counts)
+    else:
+        for evt in events:
+            if evt.device_type == DeviceType.CPU and not evt.name.startswith("strata."):
+                us[_category(evt)] += evt.self_cpu_time_total
     out = {"steps": steps, "device": str(device), "wall_ms": 1e3 * wall / n,
            "host_top": _host_top(prof, n), **extra}
     if cuda:
-        # Every kernel the GPU ran, linked to a launching op or not: Triton's driver-API
-        # launches and the kernels of a CUDA-graph replay reach no op's `kernels`, so the
-        # busy time and the kernel table come from the device's own events; what no scope
-        # claims is "unattributed".
-        per_kernel: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-        for evt in prof.events():
-            # (the scopes also appear on the device's timeline as annotation spans: not kernels)
-            if evt.device_type == DeviceType.CUDA and not evt.name.startswith("strata."):
-                row = per_kernel[evt.name]
-                row[0] += 1
-                row[1] += evt.time_range.elapsed_us()
-        linked = sum(us.values())
-        busy_us = max(linked, sum(t for _, t in per_kernel.values()))
-        if busy_us > linked:
-            us["unattributed"] = busy_us - linked
-        busy = busy_us / 1e3 / n
+        busy = sum(t for _, t in per_kernel.values()) / 1e3 / n
         out.update(busy_ms=busy, launch_gaps_ms=max(0.0, out["wall_ms"] - busy),
                    kernels_per_step=sum(c for c, _ in per_kernel.values()) / n,
-                   # torch-op kernels per part (Triton's are not linked to a part)
-                   op_kernels_per_step={c: launches[c] / n for c in CATEGORIES
-                                        if launches.get(c)},
+                   kernels_per_part={c: counts[c] / n for c in CATEGORIES + ("unattributed",)
+                                     if counts.get(c)},
                    kernel_top=[{"name": k, "calls": c / n, "ms": t / 1e3 / n}
                                for k, (c, t) in sorted(per_kernel.items(),
                                                        key=lambda kv: -kv[1][1])[:20]],
@@ -153,9 +160,9 @@ def format_breakdown(b: dict) -> str:
     parts = sorted(b["ms"].items(), key=lambda kv: -kv[1])
     if "launch_gaps_ms" in b:
         parts.append(("launch gaps", b["launch_gaps_ms"]))
-    counts = b.get("op_kernels_per_step", {})
+    counts = b.get("kernels_per_part", {})
     for name, ms in parts:
-        n = f"  {counts[name]:>7.0f} torch kernels" if name in counts else ""
+        n = f"  {counts[name]:>7.0f} kernels" if name in counts else ""
         lines.append(f"  {name:<14}{ms:>9.3f} ms  {100 * ms / total:5.1f} %{n}")
     if b.get("kernel_top"):
         lines.append("GPU: kernels by time per step (calls per step), largest first:")
