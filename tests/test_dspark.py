@@ -170,3 +170,32 @@ def test_dspark_needs_a_speculative_session(tiny_reference):
         list(Session(tiny_reference, 64).generate(random_tokens(4, seed=1), 3, mode="dspark"))
     with pytest.raises(StrataError, match="decode mode"):
         list(Session(tiny_reference, 64).generate(random_tokens(4, seed=1), 3, mode="fast"))
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_markov_picks_follow_the_definition(tiny_model, params):
+    """The draft's Markov picks, kept on the device (each pick indexes the next row's
+    embedding), equal the definition run on the host one pick at a time: logits_i = base_i +
+    E_m[t_(i-1)]·H_mᵀ, t_i = the request's sampler at position P+1+i, confidence σ(w·[x_i, m])."""
+    from strata.model.context import ForwardContext
+    from strata.model.numerics import row_matmul
+    m = tiny_model
+    s = Session(m, 96, speculative=SpecConfig())
+    s.prefill(random_tokens(30, seed=4))
+    P, anchor = s.state.position, 17
+    d = m.dspark.draft(m.embed, m.head, anchor, s.state, m.numerics,
+                       lambda lg, positions: sample(lg, positions, params))
+    tokens = torch.full((m.cfg.dspark_block_size,), m.cfg.dspark_noise_token_id)
+    tokens[0] = anchor
+    ctx = ForwardContext(m.cfg, m.numerics, P, torch.arange(P, P + tokens.numel()))
+    x, base = m.dspark.draft_rows(m.embed, m.head, tokens, ctx, s.state)
+    dsp, prev = m.dspark, anchor
+    for i in range(base.shape[0]):
+        e = dsp.markov_embed[prev].float()
+        logits = base[i] + row_matmul(e[None], dsp.markov_head.float())[0]
+        assert torch.equal(d.logits[i], logits)
+        assert torch.equal(d.confidence[i],
+                           torch.sigmoid(dsp.confidence_proj[0] @ torch.cat((x[i], e))))
+        prev = int(sample(logits[None], torch.tensor([P + 1 + i]), params)[0])
+        assert int(d.tokens[i]) == prev
+    assert d.tokens.dtype == torch.long and d.tokens.shape == (base.shape[0],)

@@ -136,7 +136,7 @@ def test_draft_experts_behind_a_small_cache_draft_the_same(draft_dir):
         _, ctx = m.forward(prompt, s)
         m.dspark.commit_context(m.dspark.main_hidden(ctx), 0, s, m.numerics)
         drafts.append(m.dspark.draft(m.embed, m.head, 7, s, m.numerics,
-                                     lambda lg, pos: int(lg.argmax())))
+                                     lambda lg, positions: lg.argmax(dim=-1)))
     assert torch.equal(drafts[0].logits, drafts[1].logits)
     assert torch.equal(drafts[0].confidence, drafts[1].confidence)
 

@@ -104,8 +104,9 @@ class DSparkHead:
               pick) -> Draft:
         """Draft γ tokens after `anchor`, which sits at position state.position.
 
-        `pick(logits [1, V], position) -> token` chooses each draft token (the request's own
-        sampler, so a draft coupled to the target's noise is accepted more often).
+        `pick(logits [1, V], positions [1]) -> token ids [1]`, all on the device, chooses each
+        draft token (the request's own sampler, so a draft coupled to the target's noise is
+        accepted more often).
         """
         with scope("draft"), made_current(embed.device):
             return self._draft(embed, head, anchor, state, nx, pick)
@@ -137,18 +138,20 @@ class DSparkHead:
         return x, head(rms_norm(x, self.norm, cfg.rms_norm_eps), nx, torch.float32)
 
     def markov(self, x: torch.Tensor, base: torch.Tensor, anchor: int, P: int, pick) -> Draft:
-        """The semi-autoregressive picks: each bias depends on the previous pick."""
-        embed_m, head_m = self.markov_embed.float(), self.markov_head.float()
+        """The semi-autoregressive picks: each bias depends on the previous pick. The picks
+        stay on the device — each selects the next row's embedding by index — so drafting
+        waits for the GPU nowhere (the caller's `.tolist()` of the tokens is the one wait)."""
+        head_m = self.markov_head.float()
+        dev = x.device
+        positions = torch.arange(P + 1, P + 1 + base.shape[0], device=dev)
+        prev = torch.full((1,), anchor, dtype=torch.long, device=dev)  # (a fill: no upload)
         out_tokens, out_logits, conf = [], [], []
-        prev = anchor
         for i in range(base.shape[0]):
-            m = embed_m[prev]
-            logits = base[i] + row_matmul(m[None], head_m)[0]
-            c = self.confidence_proj[0] @ torch.cat((x[i], m))
-            tok = int(pick(logits[None], P + 1 + i))
-            out_tokens.append(tok)
+            m = self.markov_embed.index_select(0, prev).float()  # [1, R]
+            logits = base[i:i + 1] + row_matmul(m, head_m)
+            c = self.confidence_proj[0] @ torch.cat((x[i], m[0]))
+            prev = pick(logits, positions[i:i + 1]).view(1)
+            out_tokens.append(prev)
             out_logits.append(logits)
             conf.append(torch.sigmoid(c))
-            prev = tok
-        return Draft(torch.tensor(out_tokens, device=x.device), torch.stack(out_logits),
-                     torch.stack(conf))
+        return Draft(torch.cat(out_tokens), torch.cat(out_logits), torch.stack(conf))

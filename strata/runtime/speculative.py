@@ -128,8 +128,8 @@ class DSparkDecoder:
         elif budget > 1:
             t0 = time.perf_counter()
             model.prefetch_engram(torch.tensor([anchor]), state)  # read while drafting
-            def pick(lg, pos):
-                return sample(lg, torch.tensor([pos]), params)[0]
+            def pick(lg, positions):
+                return sample(lg, positions, params)
             g = s.graphed
             draft = (g.draft(anchor, pick) if g is not None and g.can_draft() else
                      model.dspark.draft(model.embed, model.head, anchor, state, nx, pick))
@@ -198,7 +198,7 @@ def measure_costs(model, rows: int, repeats: int = 3, context: int = 64) -> tupl
         for _ in range(repeats):
             t0 = time.perf_counter()
             model.dspark.draft(model.embed, model.head, 5, state, model.numerics,
-                               lambda lg, pos: int(lg.argmax()))
+                               lambda lg, positions: lg.argmax(dim=-1))
             if state.device.type == "cuda":
                 torch.cuda.synchronize(state.device)
             times.append(time.perf_counter() - t0)

@@ -122,8 +122,8 @@ def test_graphed_draft(cuda, request, fixture):
     s.prefill(random_tokens(40, seed=12))
     nx = model.numerics
 
-    def pick(lg, pos):
-        return int(lg.argmax())
+    def pick(lg, positions):
+        return lg.argmax(dim=-1)
     for anchor in (7, 100, 31):
         want = model.dspark.draft(model.embed, model.head, anchor, s.state, nx, pick)
         got = s.graphed.draft(anchor, pick)
