@@ -1,5 +1,5 @@
-"""A position ring's one-launch write (strata.kernels.ring) against PositionRing's torch
-path, under TRITON_INTERPRET=1 on CPU (tests/gpu/test_kernels_fused_ops_gpu.py runs it
+"""A position ring's one-launch write and undo (strata.kernels.ring) against PositionRing's
+torch path, under TRITON_INTERPRET=1 on CPU (tests/gpu/test_kernels_fused_ops_gpu.py runs it
 compiled)."""
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernel is first launched
 
-from strata.kernels.ring import ring_write  # noqa: E402
+from strata.kernels.ring import ring_restore, ring_write  # noqa: E402
+from strata.runtime.state import Journal, PositionRing  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -37,3 +38,36 @@ def test_a_mismatched_write_is_refused():
         ring_write(rows, tags, torch.arange(2), torch.zeros(2, 4))
     with pytest.raises(ValueError, match="ring write"):
         ring_write(rows, tags, torch.arange(5), torch.zeros(5, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_undo_restores_what_the_torch_undo_restores(dtype, monkeypatch):
+    """A journaled window write (wrapping the ring) undone from a position inside it: the
+    kernel's restore leaves the rows and tags the torch undo leaves, bit for bit."""
+    from strata.kernels import ring
+    g = torch.Generator().manual_seed(3)
+    result = []
+    for fused in (True, False):
+        r = PositionRing(8, (2, 300), dtype, "cpu", keep=3)
+        r.write(0, torch.arange(0, 6), torch.randn(6, 2, 300, generator=g), None)
+        j = Journal(start=6)
+        r.write(6, torch.arange(6, 11), torch.randn(5, 2, 300, generator=g), j)  # slots 6..2
+        w = j.writes[0]
+        with monkeypatch.context() as m:
+            m.setattr(ring, "available", lambda rows, src: fused)
+            w.undo_from(8)  # keep 6 and 7, put back what 8, 9, 10 overwrote
+        result.append((r.rows, r.tags))
+        g = torch.Generator().manual_seed(3)  # the same rows for the torch run
+    (rows, tags), (want_rows, want_tags) = result
+    assert torch.equal(rows, want_rows) and torch.equal(tags, want_tags)
+    assert tags.tolist() == list(range(8))  # (slots 0-2 back to positions 0-2)
+
+
+def test_a_mismatched_restore_is_refused():
+    rows, tags = torch.zeros(4, 3), torch.zeros(4, dtype=torch.long)
+    slots = torch.arange(2)
+    with pytest.raises(ValueError, match="ring restore"):
+        ring_restore(rows, tags, slots, slots, torch.zeros(2, 3, dtype=torch.bfloat16),
+                     slots, 1)
+    with pytest.raises(ValueError, match="ring restore"):
+        ring_restore(rows, tags, slots, torch.arange(3), torch.zeros(2, 3), slots, 1)

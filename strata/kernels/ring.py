@@ -1,4 +1,5 @@
-"""A position ring's write in one launch on CUDA (strata.runtime.state.PositionRing.write).
+"""A position ring's write, and the undo of a journaled write, in one launch each on CUDA
+(strata.runtime.state.PositionRing.write, RingWrite.undo_from).
 
 In torch a write is the slots (positions mod size), the rows' cast, and two indexed stores
 (rows, tags): three or four launches, about 22 of them per layer-wise decode step. Here each
@@ -6,6 +7,11 @@ program stores one row's block of values at its slot, the first block also the s
 Values are cast as torch casts (round to nearest even; 16- and 32-bit floats), so the ring
 holds the torch path's bits; the positions of one write are distinct modulo the size (the
 caller keeps only the last `size` rows), so no two programs store to one slot.
+
+An undo puts back the journaled rows and tags of the positions ≥ `to` (a DSpark window's
+rejected rows): in torch a compare, two gathers, two selects and two indexed stores per
+write, ~8 launches for each of a window's ~22 ring writes, run by the host while the GPU
+waits for the next draft. Here one launch copies the old values back, bit for bit.
 """
 from __future__ import annotations
 
@@ -45,6 +51,21 @@ if triton is not None:
         if tl.program_id(1) == 0:
             tl.store(tags_ptr + slot, pos)
 
+    @triton.jit
+    def _ring_restore_kernel(old_ptr, old_tags_ptr, slots_ptr, pos_ptr, rows_ptr, tags_ptr,
+                             to, W, s_old, s_rows, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        pos = tl.load(pos_ptr + i)
+        undo = pos >= to
+        slot = tl.load(slots_ptr + i)
+        live = (cols < W) & (cols * 0 + pos >= to)  # (the row's test, as a block mask)
+        v = tl.load(old_ptr + i * s_old + cols, mask=live)
+        tl.store(rows_ptr + slot * s_rows + cols, v, mask=live)
+        if tl.program_id(1) == 0:
+            if undo:
+                tl.store(tags_ptr + slot, tl.load(old_tags_ptr + i))
+
 
 def ring_write(rows: torch.Tensor, tags: torch.Tensor, positions: torch.Tensor,
                src: torch.Tensor) -> None:
@@ -64,3 +85,26 @@ def ring_write(rows: torch.Tensor, tags: torch.Tensor, positions: torch.Tensor,
     pos = positions if positions.dtype == torch.int64 else positions.long()
     _ring_write_kernel[(n, triton.cdiv(W, BLOCK))](
         s2, pos.contiguous(), rows, tags, W, size, s2.stride(0), W, BLOCK=BLOCK, num_warps=4)
+
+
+def ring_restore(rows: torch.Tensor, tags: torch.Tensor, slots: torch.Tensor,
+                 positions: torch.Tensor, old_rows: torch.Tensor, old_tags: torch.Tensor,
+                 to: int) -> None:
+    """Where positions ≥ to: rows[slots] = old_rows, tags[slots] = old_tags (a journaled
+    write's undo); rows [size, ...] contiguous, old_rows [n, ...] of its dtype and row shape,
+    slots / positions / old_tags [n] int64, slots distinct."""
+    n = old_rows.shape[0]
+    if (old_rows.shape[1:] != rows.shape[1:] or old_rows.dtype != rows.dtype
+            or slots.shape != (n,) or positions.shape != (n,) or old_tags.shape != (n,)):
+        raise ValueError(f"ring restore: {n} rows of {list(old_rows.shape[1:])} "
+                         f"{old_rows.dtype} into {list(rows.shape)} {rows.dtype}")
+    if n == 0:
+        return
+    W = rows[0].numel()
+    old = old_rows.reshape(n, W)
+    if old.stride(1) != 1:
+        old = old.contiguous()
+    _ring_restore_kernel[(n, triton.cdiv(W, BLOCK))](
+        old, old_tags.long().contiguous(), slots.long().contiguous(),
+        positions.long().contiguous(), rows, tags, to, W, old.stride(0), W, BLOCK=BLOCK,
+        num_warps=4)

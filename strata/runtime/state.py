@@ -104,10 +104,14 @@ class RingWrite:
         if self.first < to < kept_from + self.ring.keep and kept_from > self.first:
             raise ValueError(f"cannot roll back to position {to}: this write kept only "
                              f"positions ≥ {kept_from} of the {self.ring.keep} it needs before {to}")
+        rows, tags = self.ring.rows, self.ring.tags
+        if ring_kernels.available(rows, self.old_rows):  # (one launch)
+            ring_kernels.ring_restore(rows, tags, self.slots, self.positions, self.old_rows,
+                                      self.old_tags, to)
+            return
         # Every slot is rewritten, with its old or its current row: no boolean indexing, so
         # no wait for the device (the undo mask lives there).
         undo = self.positions >= to
-        rows, tags = self.ring.rows, self.ring.tags
         mask = undo.view(-1, *([1] * (self.old_rows.dim() - 1)))
         rows[self.slots] = torch.where(mask, self.old_rows, rows[self.slots])
         tags[self.slots] = torch.where(undo, self.old_tags, tags[self.slots])
