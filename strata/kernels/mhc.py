@@ -36,13 +36,14 @@ except ImportError:  # CPU-only installs: strata.model.mhc's torch code is used
 ROWS = 16      # rows per program in hc_coeffs
 BLOCK_D = 512  # hidden columns per program in collapse / hc_update
 # hc_mix (H200, session 9 probe): 32 rows per program halve a 4,096-row prefill's time
-# against 16 (each weight chunk read once per 32 rows); chunks of 512 give a decode row 40
-# programs (36 µs a call with its launch; 49 at 1,024, 34 at 256 — whose 80 partials
-# hc_coeffs would add one after another). The partition is K's alone, so rows never depend
-# on the batch.
+# against 16 (each weight chunk read once per 32 rows). A decode row's call is a chain of K
+# steps per program, so shorter chunks mean more programs and a shorter chain: in graphed
+# decode steps 13 µs a call at chunks of 256 (session 9), 24 µs at 512 (session 10); the
+# coefficients kernel adds the 80 partials four loads at a time. The partition is K's
+# alone, so rows never depend on the batch.
 MIX_ROWS = 32
 MIX_K = 64     # K per tl.dot step
-MIX_CHUNK = 512  # K per program; the chunks' partials are summed in order
+MIX_CHUNK = 256  # K per program; the chunks' partials are summed in order
 
 
 def available(t: torch.Tensor) -> bool:
@@ -94,28 +95,27 @@ if triton is not None:
         mrow = m_ptr + r64[:, None] * sm_row
         msrow = ms_ptr + r64 * s_ms
         lmask = rmask[:, None, None] & cmask
-        # Two chunks' loads issued before their in-order adds: at decode the loop's time is
+        # Four chunks' loads issued before their in-order adds: at decode the loop's time is
         # the loads' latency, chunk after chunk.
-        for _ in range(0, chunks // 2):
+        for _ in range(0, chunks // 4):
             a0, p0, q0, l0 = _mix_chunk(mrow, msrow, i, off, vmask, lmask, H)
             a1, p1, q1, l1 = _mix_chunk(mrow + s_chunk, msrow + s_chunk, i, off, vmask, lmask,
                                         H)
-            ms += a0
-            m_pre += p0
-            m_post += q0
-            lg += l0
-            ms += a1
-            m_pre += p1
-            m_post += q1
-            lg += l1
-            mrow += 2 * s_chunk
-            msrow += 2 * s_chunk
-        if chunks % 2:
+            a2, p2, q2, l2 = _mix_chunk(mrow + 2 * s_chunk, msrow + 2 * s_chunk, i, off, vmask,
+                                        lmask, H)
+            a3, p3, q3, l3 = _mix_chunk(mrow + 3 * s_chunk, msrow + 3 * s_chunk, i, off, vmask,
+                                        lmask, H)
+            ms, m_pre, m_post, lg = ms + a0, m_pre + p0, m_post + q0, lg + l0
+            ms, m_pre, m_post, lg = ms + a1, m_pre + p1, m_post + q1, lg + l1
+            ms, m_pre, m_post, lg = ms + a2, m_pre + p2, m_post + q2, lg + l2
+            ms, m_pre, m_post, lg = ms + a3, m_pre + p3, m_post + q3, lg + l3
+            mrow += 4 * s_chunk
+            msrow += 4 * s_chunk
+        for _ in range(0, chunks % 4):
             a0, p0, q0, l0 = _mix_chunk(mrow, msrow, i, off, vmask, lmask, H)
-            ms += a0
-            m_pre += p0
-            m_post += q0
-            lg += l0
+            ms, m_pre, m_post, lg = ms + a0, m_pre + p0, m_post + q0, lg + l0
+            mrow += s_chunk
+            msrow += s_chunk
         ms = tl.math.div_rn(ms, ms_count)                                    # (÷1: exact)
         inv = tl.rsqrt(ms + norm_eps)[:, None]                               # [BT, 1]
         s0 = tl.load(s_ptr)
