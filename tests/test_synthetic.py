@@ -59,6 +59,19 @@ def test_step_traffic_reads_each_selected_expert_once(cfg):
     assert "head" in w.linear_weights and not any(p.endswith(".gate") for p in w.linear_weights)
 
 
+def test_prefill_chunk_breakdown_runs_the_chunk_it_names(cfg):
+    """A prefill chunk profiled after a context, rolled back after each run: encoder-only (the
+    decoder skip's chunks: no head) or full (the head on the last row)."""
+    from strata.bench.synthetic import prefill_breakdown
+    model, _ = build_synthetic(cfg, "cpu", engram_rows=32)
+    assert model.decoder_start is not None
+    enc = prefill_breakdown(model, 40, 24, decoder=False, seed=1, chunks=2)
+    full = prefill_breakdown(model, 40, 24, decoder=True, seed=1)
+    assert enc["unit"] == full["unit"] == "prefill chunks" and enc["steps"] == 2
+    assert {"attention", "moe", "mhc"} <= set(enc["ms"]) and "head" not in enc["ms"]
+    assert {"attention", "moe", "mhc", "head"} <= set(full["ms"])
+
+
 def test_layer_subset(cfg):
     model, _ = build_synthetic(cfg, "cpu", layers=[0, 1, 2], engram_rows=16)
     assert [b.layer for b in model.layers] == [0, 1, 2]
@@ -87,7 +100,8 @@ def test_bench_synthetic_cli(tiny_dir, cfg, tmp_path, capsys):
     assert main(["bench", "synthetic", "--config", str(tiny_dir), "--layers", "0-3",
                  "--device", "cpu", "--prompt-tokens", "12", "--tokens", "4", "--runs", "1",
                  "--warmup", "0", "--engram-rows", "32", "--breakdown", "2",
-                 "--modes", "plain,plain+graphs,oracle", "--json", str(out)]) == 0
+                 "--modes", "plain,plain+graphs,oracle", "--prefill", "96",
+                 "--prefill-chunk", "32", "--prefill-skip", "on", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "4 of 8 layers held" in text and "scaled to all layers" in text
     assert "[plain] decode step breakdown (2 steps on cpu)" in text
@@ -99,9 +113,15 @@ def test_bench_synthetic_cli(tiny_dir, cfg, tmp_path, capsys):
     assert set(data["results"]) == {"plain", "plain+graphs", "oracle"}
     assert data["results"]["plain+graphs"]["capture_s"] == 0.0  # (CPU: eager, no capture)
     assert data["meta"]["layers"] == [0, 1, 2, 3]
-    assert set(data["breakdown"]) == {"plain", "plain+graphs", "oracle"}
+    assert set(data["breakdown"]) == {"plain", "plain+graphs", "oracle",
+                                      "prefill chunk at 64, encoder only",
+                                      "prefill chunk at 64, full"}
     assert {"attention", "moe", "mhc", "head"} <= set(data["breakdown"]["plain"]["ms"])
     assert {"draft", "attention", "moe"} <= set(data["breakdown"]["oracle"]["ms"])
+    # with --prefill: a prefill chunk at the prompt's end, encoder-only and full, per chunk
+    assert "[prefill chunk at 64, full] decode step breakdown (1 prefill chunks on cpu)" in text
+    assert {"attention", "moe", "mhc", "head"} <= set(
+        data["breakdown"]["prefill chunk at 64, full"]["ms"])
     assert data["breakdown"]["plain"]["unprofiled_ms"] > 0
     assert data["breakdown"]["plain"]["python_top"]
     # the roofline: per mode what a token read and decoded, against rates measured in the run

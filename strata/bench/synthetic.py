@@ -417,7 +417,8 @@ def add_arguments(p) -> None:
                    help="also profile this many plain decode steps and split their time by "
                         "part (attention, MoE, mHC, …, launch gaps); with --parallel, rank 0's "
                         "process and device (its waits on the others show as collective "
-                        "kernels or gaps)")
+                        "kernels or gaps); with --prefill on one device, also a prefill chunk "
+                        "at the longest prompt's end, encoder-only and full")
     p.add_argument("--json", help="write the results as JSON here")
     from strata.cli import _add_parallel_args
     _add_parallel_args(p)  # every rank builds its part of the same synthetic model
@@ -560,6 +561,35 @@ def decode_breakdown(model, prompt: list[int], steps: int, mode: str = "plain") 
     return out
 
 
+def prefill_breakdown(model, context: int, chunk: int, decoder: bool, seed: int,
+                      chunks: int = 1) -> dict:
+    """strata.bench.breakdown over `chunks` prefill chunks of `chunk` rows after `context`
+    tokens of history (fed first with the decoder skip, untimed): each chunk runs the encoder
+    half in full and, with `decoder`, the decoder half too (else only what the decoder skip
+    keeps) and is then rolled back, so every profiled run sees the same context. Eager —
+    prefill runs no graphs — so every kernel counts for its part."""
+    from strata.bench.breakdown import step_breakdown
+    from strata.runtime.session import Session
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(3, min(model.cfg.vocab_size, 100_000), (context + chunk,),
+                           generator=g)
+    s = Session(model, context + chunk + 8, prefill_chunk=chunk, decoder_skip=True)
+    if context:
+        s.prefill(tokens[:context], rows_after=chunk)
+    piece = tokens[context:]
+
+    def run():
+        for _ in range(chunks):
+            s.state.begin()
+            model.forward(piece, s.state, logits="last" if decoder else "none",
+                          decoder=decoder)
+            s.state.rollback()
+    run()  # (the chunk's shapes compiled before the profile)
+    out = step_breakdown(run, chunks, s.state.device, plain_run=run, python_run=run)
+    out["unit"] = "prefill chunks"
+    return out
+
+
 def _launch(args, cfg: ModelConfig):
     """--parallel: the synthetic model over --devices, one process per device (each rank makes
     the tensors it holds; the same names give the same values as one device would)."""
@@ -631,6 +661,15 @@ def run(args) -> int:
                               if m in kinds]
         breakdown = {m: decode_breakdown(model, prompt, args.breakdown, m)
                      for m in wanted} if args.breakdown else None
+        if breakdown and prefill and not args.parallel:
+            # a chunk at the longest prompt's end: the decoder skip's encoder-only chunks
+            # are most of a long prefill, its last chunks run in full
+            at = max(r["tokens"] for r in prefill) - args.prefill_chunk
+            skips = getattr(model, "decoder_start", None) is not None
+            for decoder in ((False, True) if skips else (True,)):
+                breakdown[f"prefill chunk at {at}, {'full' if decoder else 'encoder only'}"] \
+                    = prefill_breakdown(model, max(at, 0), args.prefill_chunk, decoder,
+                                        args.seed)
     finally:
         if args.parallel:
             model.close()  # the other ranks exit
