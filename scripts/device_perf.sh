@@ -4,7 +4,7 @@
 # V4.1 with half the layers (an encoder and a decoder half): graphed decode modes with the
 # step breakdown, and prefills of PREFILLS (default 32K; each after an untimed warm-up) with
 # and without the decoder skip (logits compared), the step breakdowns (plain steps and DSpark
-# windows); (3) with KERNELS=1, the row kernel, the indexer's scores and hc_mix against cuBLAS
+# windows, and a 4,096-row prefill chunk at the prompt's end, encoder-only and full); (3) with KERNELS=1, the row kernel, the indexer's scores and hc_mix against cuBLAS
 # at the model's shapes; (4) a 128K prefill. Defaults fit one 600 s call without (3).
 # Figures to compare with: performance.md, the latest session's section.
 # On the device: source scripts/device_env.sh && bash scripts/device_perf.sh
