@@ -67,6 +67,12 @@ if triton is not None:
                 tl.store(tags_ptr + slot, tl.load(old_tags_ptr + i))
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """[n, ...] as [n, W] with unit stride along W (a copy only where needed)."""
+    t = t.reshape(t.shape[0], -1)
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
 def ring_write(rows: torch.Tensor, tags: torch.Tensor, positions: torch.Tensor,
                src: torch.Tensor) -> None:
     """rows[positions % size] = src (cast to rows' dtype), tags[...] = positions; rows
@@ -79,12 +85,10 @@ def ring_write(rows: torch.Tensor, tags: torch.Tensor, positions: torch.Tensor,
     if n == 0:
         return
     W = rows[0].numel()
-    s2 = src.reshape(n, W)
-    if s2.stride(1) != 1:
-        s2 = s2.contiguous()
-    pos = positions if positions.dtype == torch.int64 else positions.long()
+    s2 = _flat(src)
     _ring_write_kernel[(n, triton.cdiv(W, BLOCK))](
-        s2, pos.contiguous(), rows, tags, W, size, s2.stride(0), W, BLOCK=BLOCK, num_warps=4)
+        s2, positions.long().contiguous(), rows, tags, W, size, s2.stride(0), W, BLOCK=BLOCK,
+        num_warps=4)
 
 
 def ring_restore(rows: torch.Tensor, tags: torch.Tensor, slots: torch.Tensor,
@@ -101,9 +105,7 @@ def ring_restore(rows: torch.Tensor, tags: torch.Tensor, slots: torch.Tensor,
     if n == 0:
         return
     W = rows[0].numel()
-    old = old_rows.reshape(n, W)
-    if old.stride(1) != 1:
-        old = old.contiguous()
+    old = _flat(old_rows)
     _ring_restore_kernel[(n, triton.cdiv(W, BLOCK))](
         old, old_tags.long().contiguous(), slots.long().contiguous(),
         positions.long().contiguous(), rows, tags, to, W, old.stride(0), W, BLOCK=BLOCK,
