@@ -357,6 +357,9 @@ def test_bench_smoke(tmp_path):
     assert "row kernel case" in (tmp_path / "k.md").read_text()
     assert data["checks"]["reconstruct_bit_exact"] is True
     assert (tmp_path / "k.md").read_text().startswith("|")
+    from strata.errors import StrataError
+    with pytest.raises(StrataError, match="--shapes expert_w13: not a shape of this run"):
+        bench_main(["--smoke", "--shapes", "expert_w13"])  # (smoke has its own shapes)
 
 
 def test_bench_merges_an_earlier_peer_run(tmp_path):

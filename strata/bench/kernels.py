@@ -218,7 +218,13 @@ def _cases(args, smoke: bool):
     """(name, k, n, K, codebook, seed) for every weight of the run, in order."""
     shapes = SMOKE_SHAPES if smoke else SHAPES
     if args.shapes:
-        shapes = {s: shapes[s] for s in args.shapes.split(",") if s.strip()}
+        names = [s.strip() for s in args.shapes.split(",") if s.strip()]
+        unknown = [s for s in names if s not in shapes]
+        if unknown:
+            from strata.errors import StrataError
+            raise StrataError(f"--shapes {','.join(unknown)}: not a shape of this run "
+                              f"({', '.join(shapes)}{'; --smoke has its own' if smoke else ''})")
+        shapes = {s: shapes[s] for s in names}
     out, seed = [], 0
     for name, (k, n) in shapes.items():
         for K in _csv(args.ks, float, (2.5,) if smoke else KS):
