@@ -85,12 +85,16 @@ def compile_all(path: str, arch: int) -> int:
         kernel = getattr(importlib.import_module(la["module"]), la["name"])
         consts = {k: tl.dtype(v["tl.dtype"]) if isinstance(v, dict) else v
                   for k, v in la["constexprs"].items()}
-        src = ASTSource(fn=kernel, signature=la["sig"], constexprs=consts)
-        try:
-            triton.compile(src, target=GPUTarget("cuda", arch, 32), options=la["options"])
-        except Exception as e:  # (a compile error of any kind is what we look for)
-            failures += 1
-            print(f"FAILED {la['module']}.{la['name']} {la['constexprs']}: {e}", flush=True)
+        forms = [(consts, la["options"])]
+        if consts.get("PDL") is False:  # (interpreted without it; the GPU launches it so)
+            forms.append(({**consts, "PDL": True}, {**la["options"], "launch_pdl": True}))
+        for c, options in forms:
+            src = ASTSource(fn=kernel, signature=la["sig"], constexprs=c)
+            try:
+                triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+            except Exception as e:  # (a compile error of any kind is what we look for)
+                failures += 1
+                print(f"FAILED {la['module']}.{la['name']} {c}: {e}", flush=True)
     print(f"{len(seen)} distinct launches of {len({(la['module'], la['name']) for la in launches})}"
           f" kernels compiled for sm_{arch}: {failures} failed")
     return 1 if failures else 0

@@ -87,6 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-programs", type=int, default=None,
                    help="override strata.kernels.exl3.TARGET_PROGRAMS (split-K schedule) to "
                         "tune it; the engine must keep one fixed value (it sets the order)")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="launch the fused kernel in plain stream order after its rotate_in "
+                        "(strata.kernels.exl3.PDL off), for an A/B of the early launch")
     p.add_argument("--fused-max-rows", type=int, default=None,
                    help="override FUSED_MAX_ROWS (auto path switch; exactness unaffected)")
     p.add_argument("--device", default="cuda")
@@ -255,6 +258,8 @@ def run(args) -> dict:
         X.TARGET_PROGRAMS = args.target_programs
     if args.fused_max_rows is not None:
         X.FUSED_MAX_ROWS = args.fused_max_rows
+    if args.no_pdl:
+        X.PDL = False
     rows_list = _csv(args.rows, int, (1,) if smoke else ROWS)
     paths = None if args.paths == "auto" else _csv(args.paths, str, ())
     timer = Timer(dev, args.warmup, args.rep, smoke, graph=not args.eager)
@@ -322,6 +327,8 @@ def _peer_argv(args) -> list[str]:
         argv.append("--eager")
     if args.fused_max_rows is not None:
         argv += ["--fused-max-rows", str(args.fused_max_rows)]
+    if args.no_pdl:
+        argv += ["--no-pdl"]
     return argv
 
 
@@ -404,6 +411,8 @@ def run_peer_child(args) -> None:
     from strata.kernels import exl3 as X
     if args.fused_max_rows is not None:
         X.FUSED_MAX_ROWS = args.fused_max_rows
+    if args.no_pdl:
+        X.PDL = False
     with open(args.json, "w") as f:
         def emit(**item):
             f.write(json.dumps(item) + "\n")

@@ -58,6 +58,12 @@ so the rotated values may differ from `strata.quant.exl3._rotate` in the last fp
 fp16 ulp after the cast, in ~1 % of elements); every CUDA forward (decode, verify, prefill,
 MoE) uses these kernels, so CUDA stays exact against itself.
 
+Early launch (`PDL`, Hopper): rotate_in lets the kernel after it start at once, and a fused
+kernel launched right after its rotate_in (`exl3_linear`, `exl3_moe_linear`) decodes each
+k-step's tile before it waits (griddepcontrol) for the rotation's end, so the rotation and the
+launch overlap the decode; before its wait it reads only what was written before that
+rotate_in began (the trellis, the expert groups), and it stores only after. Same bits.
+
 Arrival counters (`_counters`) are one zeroed buffer per device, zero again after every launch;
 an eager first call (the usual CUDA-graph warm-up) allocates them before a capture, and
 launches on one device must not overlap in time (one stream, as the engine runs).
@@ -66,6 +72,7 @@ Everything runs on CPU under TRITON_INTERPRET=1 (tests/test_kernels_exl3.py).
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -81,6 +88,26 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs: the torch reference path is used
     triton = None
+
+if triton is not None:
+    try:  # programmatic dependent launch (Hopper+; Triton ≥ 3.3)
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+        _HAS_GDC = True
+    except ImportError:
+        _HAS_GDC = False
+
+        @triton.jit
+        def gdc_wait():
+            pass
+
+        @triton.jit
+        def gdc_launch_dependents():
+            pass
+
+# The fused kernel after its rotate_in is launched early (programmatic dependent launch): its
+# programs start, and decode their first weight tile, while the rotation and the launch are
+# still in flight, then wait for x'. False: plain stream order (for A/B measurements).
+PDL = True
 
 CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
 
@@ -270,15 +297,18 @@ if triton is not None:
     @triton.jit
     def _split_acc(xrow, rmask, tr, row_words, nb, k_lo, k_hi, K2: tl.constexpr,
                    CB: tl.constexpr, ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr):
+                   BK: tl.constexpr, PDL: tl.constexpr):
         """Σ over k-steps [k_lo, k_hi) of tl.dot(x'[rows, step], Ŵ-decoded[step, cols]) from
-        zero, in ascending k (one split's partial)."""
+        zero, in ascending k (one split's partial). PDL: each step's tile is decoded before
+        waiting for the rotation that writes x' (the first wait blocks; later ones return)."""
         offs_k = tl.arange(0, BK)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for ks in range(k_lo, k_hi):
+            b = _decode_block(tr, row_words, ks, nb, K2, CB, ASM, BK, BN)
+            if PDL:
+                gdc_wait()
             a = tl.load(xrow[:, None] + (ks * BK + offs_k)[None, :], mask=rmask[:, None],
                         other=0.0)
-            b = _decode_block(tr, row_words, ks, nb, K2, CB, ASM, BK, BN)
             acc = tl.dot(a, b, acc)
         return acc
 
@@ -307,7 +337,7 @@ if triton is not None:
                       GROUPED: tl.constexpr, FUSE_OUT: tl.constexpr, HAS_BIAS: tl.constexpr,
                       SPLIT_LOOP: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      FR: tl.constexpr):
+                      FR: tl.constexpr, PDL: tl.constexpr):
         """Partial y' of split s for one BN column block and BM rows: Σ over the split's
         k-steps of tl.dot(x'[rows, k-step], Ŵ-decoded[k-step, cols]) from zero.
         GROUPED: program axis 2 = set · n_tiles + tile; the tile's rows are pair ids
@@ -319,7 +349,10 @@ if triton is not None:
         each row's arithmetic is the same whatever rows share its sub-block.
         SPLIT_LOOP (grid axis 1 = 1): one program runs the S splits itself, each from zero,
         adding them in ascending order from zero — the arithmetic of the GEMM kernel, so the
-        same bits — and writes only the combined y' (no [S, ...] buffer; for many rows)."""
+        same bits — and writes only the combined y' (no [S, ...] buffer; for many rows).
+        PDL (launched right after its rotate_in, which lets it start early): before waiting
+        it reads only what was written before that rotate_in began (the trellis, the expert
+        groups); x' after the wait, and every store after it."""
         nb = tl.program_id(0)
         s = tl.program_id(1)
         g = tl.program_id(2)
@@ -352,10 +385,12 @@ if triton is not None:
             for k0 in range(0, k_end, per_split):
                 acc = acc + _split_acc(xrow, rmask, tr, row_words, nb, k0,
                                        tl.minimum(k0 + per_split, k_steps),
-                                       K2, CB, ASM, BM, BN, BK)
+                                       K2, CB, ASM, BM, BN, BK, PDL)
         else:
             acc = _split_acc(xrow, rmask, tr, row_words, nb, s * per_split, k_hi,
-                             K2, CB, ASM, BM, BN, BK)
+                             K2, CB, ASM, BM, BN, BK, PDL)
+        if PDL:
+            gdc_wait()  # (a program with no k-step of its own has not waited yet)
         tl.store(prow[:, None] + s.to(tl.int64) * sp_split + offs_n[None, :], acc,
                  mask=rmask[:, None])
         if FUSE_OUT:
@@ -447,9 +482,13 @@ if triton is not None:
     @triton.jit
     def _rotate_in_kernel(x_ptr, suh_ptr, out_ptr, eidx_ptr,
                           R, x_per, k_in, sx_row, ssuh_e, ssuh_set, so_set, so_row, inv,
-                          HAS_EIDX: tl.constexpr, BR: tl.constexpr):
+                          HAS_EIDX: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr):
         """out[set, r, blk] = fp16(H128(fp16(x[r // x_per]·suh[set, e(r)])) · 1/√128)
-        (x_per: rows of out per row of x — a token's k expert pairs read its one x row)."""
+        (x_per: rows of out per row of x — a token's k expert pairs read its one x row).
+        PDL: the kernel launched after it may start at once (it waits for this one's end
+        before reading out)."""
+        if PDL:
+            gdc_launch_dependents()
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         cols = tl.program_id(1) * 128 + tl.arange(0, 128)
         wset = tl.program_id(2).to(tl.int64)
@@ -563,6 +602,22 @@ def _words(trellis: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)
 
 
+def _pdl(device: torch.device) -> dict:
+    """The launch option of a fused kernel that directly follows its rotate_in: early launch
+    where it exists (compiled Triton with GDC and its launch option, CUDA, Hopper or later)."""
+    if PDL and device.type == "cuda" and not _interpreting() and _pdl_capable(device.index):
+        return {"launch_pdl": True}
+    return {}
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(index: int | None) -> bool:
+    if not _HAS_GDC or torch.cuda.get_device_capability(index) < (9, 0):
+        return False
+    from triton.backends.nvidia.compiler import CUDAOptions
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__
+
+
 def _contig_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -578,7 +633,8 @@ def rotate_in(x: torch.Tensor, suh: torch.Tensor) -> torch.Tensor:
         return out
     grid = (triton.cdiv(M, ROT_ROWS), kp // 128, 1)
     _rotate_in_kernel[grid](x, suh, out, x, M, 1, k_in, x.stride(0), 0, 0, 0, kp, INV_SQRT128,
-                            HAS_EIDX=False, BR=ROT_ROWS, num_warps=4, enable_fp_fusion=False)
+                            HAS_EIDX=False, BR=ROT_ROWS, PDL=bool(_pdl(x.device)), num_warps=4,
+                            enable_fp_fusion=False)
     return out
 
 
@@ -642,9 +698,11 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def _fused(xr: torch.Tensor, trellis: torch.Tensor, codebook: str, svh=None, bias=None,
-           out: torch.Tensor | None = None, sched_cols: int | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, sched_cols: int | None = None,
+           after_rotate: bool = False) -> torch.Tensor:
     """The fused kernel for x' [M, k_p]: split partials [S, M, n_p] (out None), or the finished
-    linear written into out [M, n_out] (svh, bias) by the last program of each column block."""
+    linear written into out [M, n_out] (svh, bias) by the last program of each column block.
+    `after_rotate`: xr's rotate_in is the last kernel launched before this one (early launch)."""
     kt, nt, K2 = _check_shapes(trellis, codebook)
     M = xr.shape[0]
     kp, n_p = 16 * kt, 16 * nt
@@ -656,6 +714,7 @@ def _fused(xr: torch.Tensor, trellis: torch.Tensor, codebook: str, svh=None, bia
     words = _words(trellis)
     fuse = out is not None
     cnt = _counters(xr.device, grid[2] * (grid[0] // 2)) if fuse else part
+    pdl = _pdl(xr.device) if after_rotate else {}
     c = _fused_kernel[grid](
         xr, words, part, xr, xr, M, 1, kp // BLOCK_K, per, nt * 4 * K2,
         xr.stride(0), 0, 0, 0, 0, part.stride(0), part.stride(1),
@@ -663,7 +722,8 @@ def _fused(xr: torch.Tensor, trellis: torch.Tensor, codebook: str, svh=None, bia
         out.shape[1] if fuse else 0, 0, 0, 0, out.stride(0) if fuse else 0, INV_SQRT128,
         K2=K2, CB=CODEBOOK_IDS[codebook], ASM=_asm(xr), GROUPED=False, FUSE_OUT=fuse,
         HAS_BIAS=bias is not None, SPLIT_LOOP=False, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
-        FR=FINISH_ROWS, num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False)
+        FR=FINISH_ROWS, PDL=bool(pdl), num_warps=NUM_WARPS, num_stages=1,
+        enable_fp_fusion=False, **pdl)
     _check_dot_order(c, "exl3 fused kernel", xr.device)
     return out if fuse else part
 
@@ -746,13 +806,14 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
     n_out = svh.numel() if out_features is None else out_features
     if path == "auto":
         path = "fused" if M <= FUSED_MAX_ROWS else "gemm"
-    xr = rotate_in(x2, suh)
     if path == "fused":
         _check_shapes(trellis, codebook)
         y = torch.empty((M, n_out), dtype=out_dtype, device=x.device)
-        _fused(xr, trellis, codebook, _contig_rows(svh), bias, y, sched_cols)
+        svh = _contig_rows(svh)
+        xr = rotate_in(x2, suh)
+        _fused(xr, trellis, codebook, svh, bias, y, sched_cols, after_rotate=True)
     else:
-        part = exl3_partials(xr, trellis, codebook, path, sched_cols)
+        part = exl3_partials(rotate_in(x2, suh), trellis, codebook, path, sched_cols)
         y = rotate_out(part, svh, bias, n_out, out_dtype)
     return y.reshape(*lead, n_out)
 
@@ -881,15 +942,7 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     k_in = xin.shape[1]
     # 1. x' per (set, pair) with the pair's expert's suh
     xr = torch.empty((W, P, kp), dtype=torch.float16, device=dev)
-    _rotate_in_kernel[(triton.cdiv(P, ROT_ROWS), kp // 128, W)](
-        xin, sets.suh, xr, eidx, P, x_per, k_in, xin.stride(0),
-        sets.suh.stride(0), sets.ssuh_set, xr.stride(0), xr.stride(1), INV_SQRT128,
-        HAS_EIDX=True, BR=ROT_ROWS, num_warps=4, enable_fp_fusion=False)
-    # 2. the grouped kernel over tiles of ≤ BLOCK_M pairs sharing an expert. Few pairs
-    #    (decode): one program per split, the last of each (tile, 128 columns) finishing
-    #    the block (Σ_s, output Hadamard, the pair's expert's svh) into out. Many pairs: each
-    #    program runs its splits in order and writes y', then the grouped output step. Same
-    #    bits.
+    # 2.'s buffers first: the grouped kernel directly follows this one (early launch)
     per, S = split_schedule(kp, n_p)
     split_loop = P > MOE_SPLIT_LOOP_PAIRS
     part = torch.empty((W, 1 if split_loop else S, P, n_p), dtype=torch.float32, device=dev)
@@ -897,6 +950,16 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     n_tiles = groups.tile_expert.numel()
     grid = (n_p // BLOCK_N, 1 if split_loop else S, W * n_tiles)
     cnt = part if split_loop else _counters(dev, grid[2] * (grid[0] // 2))
+    pdl = _pdl(dev)
+    _rotate_in_kernel[(triton.cdiv(P, ROT_ROWS), kp // 128, W)](
+        xin, sets.suh, xr, eidx, P, x_per, k_in, xin.stride(0),
+        sets.suh.stride(0), sets.ssuh_set, xr.stride(0), xr.stride(1), INV_SQRT128,
+        HAS_EIDX=True, BR=ROT_ROWS, PDL=bool(pdl), num_warps=4, enable_fp_fusion=False)
+    # 2. the grouped kernel over tiles of ≤ BLOCK_M pairs sharing an expert. Few pairs
+    #    (decode): one program per split, the last of each (tile, 128 columns) finishing
+    #    the block (Σ_s, output Hadamard, the pair's expert's svh) into out. Many pairs: each
+    #    program runs its splits in order and writes y', then the grouped output step. Same
+    #    bits.
     c = _fused_kernel[grid](
         xr, sets.trellis, part, groups.tile_rows, groups.tile_expert,
         P, n_tiles, kp // BLOCK_K, per, nt * 4 * K2,
@@ -906,8 +969,8 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
         out.stride(0), out.stride(1), INV_SQRT128,
         K2=K2, CB=CODEBOOK_IDS[codebook], ASM=_asm(xr), GROUPED=True,
         FUSE_OUT=not split_loop, HAS_BIAS=False, SPLIT_LOOP=split_loop,
-        BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, FR=FINISH_ROWS, num_warps=NUM_WARPS,
-        num_stages=1, enable_fp_fusion=False)
+        BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, FR=FINISH_ROWS, PDL=bool(pdl), num_warps=NUM_WARPS,
+        num_stages=1, enable_fp_fusion=False, **pdl)
     _check_dot_order(c, "exl3 grouped kernel", x.device)
     if split_loop:
         _rotate_out_kernel[(triton.cdiv(P, ROT_ROWS), triton.cdiv(n_out, 128), W)](

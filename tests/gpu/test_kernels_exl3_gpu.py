@@ -240,3 +240,42 @@ def test_wo_a_groups_as_one_launch_equal_each_groups_linear(cuda):
     for T in (1, 6):
         assert torch.equal(i16(groups(x[:T], nx)), i16(want[:T]))
     assert groups._stack
+
+
+def test_the_early_launch_gives_plain_orders_bits_eager_and_graphed(cuda, monkeypatch):
+    """The fused kernel launched early after its rotate_in (programmatic dependent launch,
+    X.PDL) against plain stream order: a dense linear at 1 and 6 rows and the grouped MoE
+    gate + up, eager and replayed from a CUDA graph (the decode step's form), bit for bit."""
+    active = X._pdl(torch.device(cuda))
+    print(f"early launch active: {bool(active)} (GDC in this Triton: {X._HAS_GDC})")
+    E, T, k = 8, 6, 6
+    tr = trellis_of(5120, 2304, 2.5, seed=60, device=cuda)
+    suh, svh = scales(5120, 61, cuda, scale=5120 ** -0.5), scales(2304, 62, cuda, scale=0.05)
+    sets = [(trellis_of(5120, 2304, 2.5, seed=63 + w, device=cuda, E=E),
+             scales(5120, 65 + w, cuda, E, 5120 ** -0.5), scales(2304, 67 + w, cuda, E, 0.05))
+            for w in range(2)]
+    g = torch.Generator().manual_seed(13)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(cuda)
+    x = torch.randn(T, 5120, generator=g).to(cuda, torch.bfloat16)
+
+    def run():
+        return [X.exl3_linear(x[:1], tr, suh, svh, "mul1"),
+                X.exl3_linear(x, tr, suh, svh, "mul1"), *X.exl3_moe_linear(x, idx, sets, "mul1")]
+    results = {}
+    for pdl in (True, False):
+        monkeypatch.setattr(X, "PDL", pdl)
+        eager = run()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            run()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static = run()
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(a, b) for a, b in zip(static, eager)), pdl
+        results[pdl] = eager
+    assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
