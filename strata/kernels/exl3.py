@@ -809,7 +809,10 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
     if path == "fused":
         _check_shapes(trellis, codebook)
         y = torch.empty((M, n_out), dtype=out_dtype, device=x.device)
+        # (any copy before the rotation: the early-launched kernel reads the trellis before it
+        # waits, so nothing between the two launches may write what it reads)
         svh = _contig_rows(svh)
+        trellis = trellis if trellis.is_contiguous() else trellis.contiguous()
         xr = rotate_in(x2, suh)
         _fused(xr, trellis, codebook, svh, bias, y, sched_cols, after_rotate=True)
     else:
