@@ -28,10 +28,10 @@ with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
 t0 = min(e.start_ns() for e in prof.profiler.kineto_results.events())
 for e in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns()):
     print(f"{e.name()[:40]:<40} {str(e.device_type()):<16} corr={e.correlation_id():<6} "
-          f"linked={e.linked_correlation_id():<6} ext={getattr(e, 'external_id', lambda: '-')()!s:<6} "
-          f"thr={e.start_thread_id()} "
+          f"linked={e.linked_correlation_id():<6} thr={e.start_thread_id()} "
           f"t={(e.start_ns() - t0) / 1e3:9.1f}us dur={e.duration_ns() / 1e3:8.1f}us")
 print("FunctionEvents:")
 for e in prof.events():
-    print(f"  {e.name[:40]:<40} {e.device_type!s:<16} id={e.id} corr={getattr(e, 'correlation_id', '-')} "
-          f"parent={e.cpu_parent.name if e.cpu_parent else None} kernels={[k.name[:20] for k in e.kernels]}")
+    parent = e.cpu_parent.name if e.cpu_parent else None
+    print(f"  {e.name[:40]:<40} {e.device_type!s:<16} id={e.id} parent={parent} "
+          f"kernels={[k.name[:20] for k in e.kernels]}")

@@ -176,7 +176,8 @@ def test_dspark_needs_a_speculative_session(tiny_reference):
 def test_markov_picks_follow_the_definition(tiny_model, params):
     """The draft's Markov picks, kept on the device (each pick indexes the next row's
     embedding), equal the definition run on the host one pick at a time: logits_i = base_i +
-    E_m[t_(i-1)]·H_mᵀ, t_i = the request's sampler at position P+1+i, confidence σ(w·[x_i, m])."""
+    E_m[t_(i-1)]·H_mᵀ, t_i = the request's sampler at position P+1+i, and the confidence
+    σ(w·[x_i, m])."""
     from strata.model.context import ForwardContext
     from strata.model.numerics import row_matmul
     m = tiny_model
