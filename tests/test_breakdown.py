@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from strata import trace
-from strata.bench.breakdown import _category, gpu_parts, step_breakdown
+from strata.bench.breakdown import (_category, format_by_part, gpu_parts, graphed_by_part,
+                                    step_breakdown)
 
 
 def test_scopes_cost_nothing_when_off():
@@ -92,3 +93,20 @@ def test_gpu_kernels_count_for_the_scope_around_their_launch():
     assert counts["attention"] == 2 and counts["unattributed"] == 3
     assert per_kernel["_add_one"] == [2, 6.0] and per_kernel["_fused_kernel"] == [2, 72.0]
     assert "strata.attention" not in per_kernel
+
+
+def test_a_graphed_step_takes_its_parts_from_the_eager_profile():
+    """The graphed step's kernels carry no part; the eager step's profile of the same kernels
+    does: parts from it, launch gaps = the graphed step's unprofiled wall time minus them."""
+    eager = {"steps": 2, "device": "cuda:0", "wall_ms": 100.0, "unprofiled_ms": 70.0,
+             "busy_ms": 11.8, "ms": {"moe": 6.0, "attention": 4.0, "mhc": 1.5, "other": 0.3}}
+    graphed = {"steps": 2, "device": "cuda:0", "wall_ms": 14.8, "unprofiled_ms": 13.9,
+               "busy_ms": 11.7, "ms": {"unattributed": 11.6, "other": 0.1}}
+    b = graphed_by_part(eager, graphed)
+    assert b["ms"] == eager["ms"] and b["wall_ms"] == 13.9
+    assert abs(b["launch_gaps_ms"] - (13.9 - 11.8)) < 1e-9
+    text = format_by_part(b)
+    assert text.startswith("13.90 ms per graphed step (unprofiled) by part")
+    assert "11.80 ms eager, 11.70 graphed" in text
+    rows = [line.split()[0] for line in text.splitlines()[1:]]
+    assert rows == ["moe", "attention", "mhc", "other", "launch"]  # (largest first, gaps last)

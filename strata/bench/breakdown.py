@@ -139,6 +139,32 @@ def step_breakdown(run: Callable[[], None], steps: int, device: torch.device,
     return out
 
 
+def graphed_by_part(eager: dict, graphed: dict) -> dict:
+    """A graphed step's time by part: its kernels are the eager step's (a graph replays the
+    same launches), whose profile names each kernel's part, so the parts take the eager
+    profile's GPU times; what the graphed step's unprofiled wall time leaves over is launch
+    gaps and host waits. Both breakdowns from CUDA (step_breakdown with plain_run)."""
+    wall = graphed.get("unprofiled_ms", graphed["wall_ms"])
+    parts = dict(eager["ms"])
+    return {"steps": graphed["steps"], "device": graphed["device"],
+            "unit": graphed.get("unit", "steps"), "wall_ms": wall, "ms": parts,
+            "launch_gaps_ms": max(0.0, wall - sum(parts.values())),
+            "busy_ms": {"eager": eager["busy_ms"], "graphed": graphed["busy_ms"]}}
+
+
+def format_by_part(b: dict) -> str:
+    unit = b["unit"].split()[-1].removesuffix("s")
+    lines = [f"{b['wall_ms']:.2f} ms per graphed {unit} (unprofiled) by part: each part's GPU "
+             f"time from the eager {unit}'s profile (the same kernels: GPU busy "
+             f"{b['busy_ms']['eager']:.2f} ms eager, {b['busy_ms']['graphed']:.2f} graphed), "
+             f"the rest launch gaps and host waits"]
+    parts = sorted(b["ms"].items(), key=lambda kv: -kv[1]) + [("launch gaps",
+                                                                b["launch_gaps_ms"])]
+    for name, ms in parts:
+        lines.append(f"  {name:<14}{ms:>9.3f} ms  {100 * ms / b['wall_ms']:5.1f} %")
+    return "\n".join(lines)
+
+
 def _host_top(prof, n: int, top: int = 15) -> list[dict]:
     """Where the host's time goes: the events with the most own CPU time per step (torch ops,
     CUDA runtime/driver calls such as launches and synchronisations, Python-side scopes)."""

@@ -657,10 +657,17 @@ def run(args) -> int:
         from strata.bench.decode import GRAPHS
         kinds = {m.removesuffix(GRAPHS).split(":")[0] + (GRAPHS if m.endswith(GRAPHS) else "")
                  for m in modes}  # (oracle:2.9+graphs → oracle+graphs)
+        # (a graphed mode's eager twin too: its profile names each kernel's part)
         wanted = ["plain"] + [m for m in ("plain+graphs", "oracle", "oracle+graphs")
-                              if m in kinds]
+                              if m in kinds or m + GRAPHS in kinds]
         breakdown = {m: decode_breakdown(model, prompt, args.breakdown, m)
                      for m in wanted} if args.breakdown else None
+        if breakdown:
+            from strata.bench.breakdown import graphed_by_part
+            for m in ("plain", "oracle"):
+                eager, graphed = breakdown.get(m), breakdown.get(m + GRAPHS)
+                if graphed is not None and "busy_ms" in graphed and "busy_ms" in eager:
+                    breakdown[m + GRAPHS + " by part"] = graphed_by_part(eager, graphed)
         if breakdown and prefill and not args.parallel:
             # a chunk at the longest prompt's end: the decoder skip's encoder-only chunks
             # are most of a long prefill, its last chunks run in full
@@ -688,9 +695,10 @@ def run(args) -> int:
     if prefill:
         lines.append(prefill_report(prefill, held / cfg.n_layers))
     if breakdown:
-        from strata.bench.breakdown import format_breakdown
+        from strata.bench.breakdown import format_breakdown, format_by_part
         for mode, b in breakdown.items():
-            lines.append(f"[{mode}] " + format_breakdown(b))
+            lines.append(f"[{mode}] " + (format_by_part(b) if mode.endswith(" by part")
+                                         else format_breakdown(b)))
     scaled = {}
     if held < cfg.n_layers:
         # Time per token scales with the layers held (embed/head/draft counted once: the
