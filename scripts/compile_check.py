@@ -6,7 +6,7 @@ launch of the kernel tests (kernel, argument types, constexpr values, launch opt
 compiles every distinct one for a target (default Hopper, sm_90) with this machine's Triton —
 which can differ from the device's version, so a pass here is a strong hint, not a proof.
 
-    python scripts/compile_check.py [--arch 90] [--tests "tests/test_kernels_*.py …"]
+    python scripts/compile_check.py [--arch 90] [--tests "tests/test_kernels_*.py …"] [--regs]
 
 Exit status 1 when any launch fails to compile (each failure is printed).
 """
@@ -68,8 +68,29 @@ def record_launches(path: str) -> None:
     InterpretedFunction.run = run
 
 
-def compile_all(path: str, arch: int) -> int:
-    """Compile each distinct recorded launch (no interpreter in this process)."""
+def _resources(compiled) -> str:
+    """Registers, spills and shared memory per thread block of a compiled kernel, read from its
+    cubin with the cuobjdump Triton ships (what sets how many blocks an SM holds)."""
+    import re
+    import shutil
+    from triton.backends.nvidia import __file__ as nv
+    tool = os.path.join(os.path.dirname(nv), "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        tool = shutil.which("cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                             text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", out)
+    dyn = compiled.metadata.shared
+    return (f"{m.group(1)} registers, stack {m.group(2)}, shared {int(m.group(3)) + dyn} B"
+            if m else out.strip()[-200:])
+
+
+def compile_all(path: str, arch: int, regs: bool = False) -> int:
+    """Compile each distinct recorded launch (no interpreter in this process); `regs`: print
+    each one's registers and shared memory."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -91,7 +112,11 @@ def compile_all(path: str, arch: int) -> int:
         for c, options in forms:
             src = ASTSource(fn=kernel, signature=la["sig"], constexprs=c)
             try:
-                triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+                compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                          options=options)
+                if regs:
+                    shown = {k: v for k, v in c.items() if not isinstance(v, tl.dtype)}
+                    print(f"{la['name']} {shown} {options}: {_resources(compiled)}", flush=True)
             except Exception as e:  # (a compile error of any kind is what we look for)
                 failures += 1
                 print(f"FAILED {la['module']}.{la['name']} {c}: {e}", flush=True)
@@ -104,10 +129,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--tests", default="tests/test_kernels_*.py")
+    p.add_argument("--regs", action="store_true",
+                   help="print each kernel's registers and shared memory per block")
     p.add_argument("--compile-only", metavar="JSONL", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.compile_only:
-        return compile_all(args.compile_only, args.arch)
+        return compile_all(args.compile_only, args.arch, args.regs)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "launches.jsonl")
         env = dict(os.environ, STRATA_RECORD_LAUNCHES=path, TRITON_INTERPRET="1")
@@ -124,7 +151,8 @@ def main() -> int:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         return subprocess.run([sys.executable, __file__, "--compile-only", path,
-                               "--arch", str(args.arch)], env=env).returncode
+                               "--arch", str(args.arch)] + (["--regs"] if args.regs else []),
+                              env=env).returncode
 
 
 if __name__ == "__main__":

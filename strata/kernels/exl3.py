@@ -127,6 +127,11 @@ FINISH_ROWS = 16       # fused output step: rows per sub-block (decode fills 1�
 TARGET_PROGRAMS = 512  # split schedule: aim for this many programs in a single-row launch
 FUSED_MAX_ROWS = 64    # auto path: fused decode up to this many rows, reconstruct + GEMM above
 GEMM_SLICE_BYTES = 64 << 20  # reconstructed Ŵ slice size bound (columns chunked to fit)
+# Fused / grouped kernel: registers per thread. At ≤ 128 an SM holds 4 programs of 4 warps
+# (as its shared memory allows), one wave of a ~512-program decode launch; left to itself the
+# compiler took 134 (fused) and 161–234 (grouped) on the H200 — 3 or 2 programs per SM, a
+# second partial wave (bench/results/kernels.md, session 11). None: the compiler's choice.
+FUSED_MAX_REGISTERS = 128
 MOE_SPLIT_LOOP_PAIRS = 64    # MoE: above this many pairs, programs loop over the K splits
 # MoE: larger steps run in token chunks (bounded buffers). A 4,096-token prefill chunk's
 # 24,576 pairs (top-6) in one grouped call decode each expert's tiles once per chunk, not
@@ -272,9 +277,9 @@ if triton is not None:
         return tl.join(_dec32(W, 0, K2, CB, ASM), _dec32(W, 32, K2, CB, ASM))
 
     @triton.jit
-    def _decode_block(tr_ptr, row_words, ks, nb, K2: tl.constexpr, CB: tl.constexpr,
-                      ASM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
-        """Ŵ[ks·BK : +BK, nb·BN : +BN] as fp16 [BK, BN] in natural order, decoded in registers.
+    def _block_words(tr_ptr, row_words, ks, nb, K2: tl.constexpr, BK: tl.constexpr,
+                     BN: tl.constexpr):
+        """The trellis words of block (ks, nb): one unit per thread, 2K + 1 words each.
         tr_ptr: int32 words of tile (0, 0); row_words: words between tile rows (nt·8K)."""
         TK: tl.constexpr = BK // 16
         TN: tl.constexpr = BN // 16
@@ -286,7 +291,21 @@ if triton is not None:
         base = ((ks * TK + tk).to(tl.int64) * row_words + (nb * TN + tn).to(tl.int64) * WT
                 + u * K2 - 1)
         P = tr_ptr + base
-        W = _unit_words(P, P + tl.where(u == 0, WT, 0), K2 + 1)
+        return _unit_words(P, P + tl.where(u == 0, WT, 0), K2 + 1)
+
+    @triton.jit
+    def _decode_block(tr_ptr, row_words, ks, nb, K2: tl.constexpr, CB: tl.constexpr,
+                      ASM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+        """Ŵ[ks·BK : +BK, nb·BN : +BN] as fp16 [BK, BN] in natural order, decoded in registers."""
+        return _decode_words(_block_words(tr_ptr, row_words, ks, nb, K2, BK, BN), K2, CB, ASM,
+                             BK, BN)
+
+    @triton.jit
+    def _decode_words(W, K2: tl.constexpr, CB: tl.constexpr, ASM: tl.constexpr,
+                      BK: tl.constexpr, BN: tl.constexpr):
+        """The block of _block_words' W as fp16 [BK, BN] in natural order."""
+        TK: tl.constexpr = BK // 16
+        TN: tl.constexpr = BN // 16
         v = _dec64(W, K2, CB, ASM)                       # [units, 2, 2, 2, 2, 2, 2]
         v = tl.reshape(v, [TK, TN, 4, 16, 2, 2])         # (tk, tn, c2c1, r, c3, c0)
         v = tl.permute(v, (0, 3, 1, 4, 2, 5))            # (tk, r, tn, c3, c2c1, c0)
@@ -303,8 +322,12 @@ if triton is not None:
         waiting for the rotation that writes x' (the first wait blocks; later ones return)."""
         offs_k = tl.arange(0, BK)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
+        W = _block_words(tr, row_words, k_lo, nb, K2, BK, BN)
         for ks in range(k_lo, k_hi):
-            b = _decode_block(tr, row_words, ks, nb, K2, CB, ASM, BK, BN)
+            # the next step's words load while this step decodes (the last step reloads its own)
+            Wn = _block_words(tr, row_words, tl.minimum(ks + 1, k_hi - 1), nb, K2, BK, BN)
+            b = _decode_words(W, K2, CB, ASM, BK, BN)
+            W = Wn
             if PDL:
                 gdc_wait()
             a = tl.load(xrow[:, None] + (ks * BK + offs_k)[None, :], mask=rmask[:, None],
@@ -610,6 +633,11 @@ def _pdl(device: torch.device) -> dict:
     return {}
 
 
+def _regs(t: torch.Tensor) -> dict:
+    """The fused kernel's register cap as a launch option (compiled launches only)."""
+    return {"maxnreg": FUSED_MAX_REGISTERS} if FUSED_MAX_REGISTERS and _asm(t) else {}
+
+
 @functools.lru_cache(maxsize=None)
 def _pdl_capable(index: int | None) -> bool:
     if not _HAS_GDC or torch.cuda.get_device_capability(index) < (9, 0):
@@ -723,7 +751,7 @@ def _fused(xr: torch.Tensor, trellis: torch.Tensor, codebook: str, svh=None, bia
         K2=K2, CB=CODEBOOK_IDS[codebook], ASM=_asm(xr), GROUPED=False, FUSE_OUT=fuse,
         HAS_BIAS=bias is not None, SPLIT_LOOP=False, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
         FR=FINISH_ROWS, PDL=bool(pdl), num_warps=NUM_WARPS, num_stages=1,
-        enable_fp_fusion=False, **pdl)
+        enable_fp_fusion=False, **pdl, **_regs(xr))
     _check_dot_order(c, "exl3 fused kernel", xr.device)
     return out if fuse else part
 
@@ -973,7 +1001,7 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
         K2=K2, CB=CODEBOOK_IDS[codebook], ASM=_asm(xr), GROUPED=True,
         FUSE_OUT=not split_loop, HAS_BIAS=False, SPLIT_LOOP=split_loop,
         BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, FR=FINISH_ROWS, PDL=bool(pdl), num_warps=NUM_WARPS,
-        num_stages=1, enable_fp_fusion=False, **pdl)
+        num_stages=1, enable_fp_fusion=False, **pdl, **_regs(xr))
     _check_dot_order(c, "exl3 grouped kernel", x.device)
     if split_loop:
         _rotate_out_kernel[(triton.cdiv(P, ROT_ROWS), triton.cdiv(n_out, 128), W)](
