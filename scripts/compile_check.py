@@ -7,6 +7,7 @@ compiles every distinct one for a target (default Hopper, sm_90) with this machi
 which can differ from the device's version, so a pass here is a strong hint, not a proof.
 
     python scripts/compile_check.py [--arch 90] [--tests "tests/test_kernels_*.py …"] [--regs]
+    python scripts/compile_check.py --nvrtc …/nvidia/cuda_nvrtc/lib/libnvrtc.so.12  (CUDA C)
 
 Exit status 1 when any launch fails to compile (each failure is printed).
 """
@@ -125,14 +126,71 @@ def compile_all(path: str, arch: int, regs: bool = False) -> int:
     return 1 if failures else 0
 
 
+def compile_cuda(nvrtc: str, arch: int) -> int:
+    """Compile strata/kernels/exl3_mma.cu with the NVRTC library at `nvrtc` (e.g. from the
+    nvidia-cuda-nvrtc wheel) for every set of its compile-time constants, then assemble each
+    for sm_<arch> with Triton's ptxas and print registers and spills."""
+    import ctypes
+    import itertools
+    import re
+    from triton.backends.nvidia import __file__ as nv
+    from strata.kernels import exl3_mma
+    lib = ctypes.CDLL(nvrtc)
+    src = exl3_mma._SOURCE.read_bytes()
+    ptxas = os.path.join(os.path.dirname(nv), "bin", "ptxas")
+    failures = 0
+    for K2, CB, OT, BT, R16 in itertools.product((4, 5, 6, 7, 8), (0, 1, 2), (0, 1, 2),
+                                                  (-1, 0, 1, 2), (0, 1)):
+        if K2 % 2 and CB != 2:
+            continue  # half-integer K exists with MUL1 only
+        opts = exl3_mma._options(K2, CB, OT, BT, R16) + [f"--gpu-architecture=compute_{arch}"]
+        prog = ctypes.c_void_p()
+        lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"exl3_mma.cu", 0, None, None)
+        rc = lib.nvrtcCompileProgram(prog, len(opts),
+                                     (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts]))
+        n = ctypes.c_size_t()
+        if rc != 0:
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
+            log = ctypes.create_string_buffer(n.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            failures += 1
+            print(f"FAILED exl3_mma.cu {opts}: {log.value.decode()[:2000]}", flush=True)
+            continue
+        lib.nvrtcGetPTXSize(prog, ctypes.byref(n))
+        ptx = ctypes.create_string_buffer(n.value)
+        lib.nvrtcGetPTX(prog, ptx)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "k.ptx")
+            with open(path, "wb") as f:
+                f.write(ptx.value)
+            out = subprocess.run([ptxas, f"-arch=sm_{arch}", "-v", path, "-o",
+                                  os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
+        info = re.findall(r"Used (\d+) registers|(\d+) bytes spill stores", out.stderr)
+        if out.returncode != 0:
+            failures += 1
+            print(f"FAILED ptxas {opts}: {out.stderr[-2000:]}", flush=True)
+        elif OT == 0 and BT == -1:  # (one line per K, codebook and row class)
+            regs = [a for a, _ in info if a]
+            spills = [b for _, b in info if b]
+            print(f"exl3_mma K2={K2} CB={CB} OT={OT} BT={BT} R16={R16}: {regs[0]} registers, "
+                  f"{spills[0] if spills else 0} bytes spilled", flush=True)
+    print(f"exl3_mma.cu compiled for sm_{arch}: {failures} failed")
+    return 1 if failures else 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--tests", default="tests/test_kernels_*.py")
     p.add_argument("--regs", action="store_true",
                    help="print each kernel's registers and shared memory per block")
+    p.add_argument("--nvrtc", metavar="LIBNVRTC",
+                   help="instead: compile the CUDA kernel source (exl3_mma.cu) with this NVRTC "
+                        "library, every constant set, and report registers")
     p.add_argument("--compile-only", metavar="JSONL", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.nvrtc:
+        return compile_cuda(args.nvrtc, args.arch)
     if args.compile_only:
         return compile_all(args.compile_only, args.arch, args.regs)
     with tempfile.TemporaryDirectory() as tmp:

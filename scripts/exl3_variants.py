@@ -1,7 +1,7 @@
 """Where an EXL3 decode linear's time goes, and A/B of the fused kernel's switches (GPU).
 
 For each variant (a set of strata.kernels.exl3 module switches: FUSED_MAX_REGISTERS (0: none),
-PDL, TARGET_PROGRAMS) and each V4.1 shape at 1 and 6 rows, times under CUDA-graph replay
+PDL, TARGET_PROGRAMS; MMA = strata.kernels.exl3_mma.ENABLED) and each V4.1 shape at 1 and 6 rows, times under CUDA-graph replay
 (strata.bench.kernels.Timer: L2 flushed, median): rotate_in alone, the split partials alone
 (the fused kernel without its output step), rotate_out of those partials alone, and the whole
 linear (rotate_in + fused kernel finishing its blocks), plus the grouped MoE gate+up for 1 and
@@ -22,9 +22,10 @@ import json
 import torch
 
 import strata.kernels.exl3 as X
+from strata.kernels import exl3_mma
 from strata.bench.kernels import SHAPES, Timer, random_linear
 
-DEFAULT_VARIANTS = "default:;uncapped:FUSED_MAX_REGISTERS=0;plain_order:PDL=0"
+DEFAULT_VARIANTS = "default:;triton:MMA=0;uncapped:MMA=0,FUSED_MAX_REGISTERS=0"
 CHAIN = 16
 
 
@@ -76,13 +77,16 @@ def main() -> None:
     p.add_argument("--K", type=float, default=2.5)
     p.add_argument("--rows", default="1,6")
     p.add_argument("--rep", type=int, default=50)
+    p.add_argument("--linear-only", action="store_true",
+                   help="time the whole linear only (not rotate_in / partials / rotate_out)")
     p.add_argument("--json", required=True)
     a = p.parse_args()
     dev = torch.device("cuda")
     timer = Timer(dev, 25, a.rep, smoke=False)
     rows = [int(r) for r in a.rows.split(",")]
     variants = _variants(a.variants)
-    defaults = {k: getattr(X, k) for _, kv in variants for k in kv}
+    defaults = {k: exl3_mma.ENABLED if k == "MMA" else getattr(X, k)
+                for _, kv in variants for k in kv}
     results, ref = [], {}
     cases, chains = [], {}
     for i, name in enumerate(a.shapes.split(",")):
@@ -109,33 +113,39 @@ def main() -> None:
         moe_cases.append((T, idx, torch.randn(T, k, generator=g).to(dev, torch.bfloat16)))
     for vname, kv in variants:
         for key, val in defaults.items():
-            setattr(X, key, kv.get(key, val))
+            setattr(exl3_mma if key == "MMA" else X, "ENABLED" if key == "MMA" else key,
+                    kv.get(key, val))
         for name, M, tr, suh, svh, x in cases:
             xr = X.rotate_in(x, suh)
             part = X.exl3_partials(xr, tr, "mul1", path="fused")
             y = X.exl3_linear(x, tr, suh, svh, "mul1", path="fused")
+            nan = float("nan")
+            steps = not a.linear_only
             r = {"variant": vname, "switches": kv, "shape": name, "rows": M,
                  "splits": part.shape[0],
-                 "rotate_in_us": timer(lambda: X.rotate_in(x, suh)),
-                 "partials_us": timer(lambda: X.exl3_partials(xr, tr, "mul1", path="fused")),
-                 "rotate_out_us": timer(lambda: X.rotate_out(part, svh)),
+                 "rotate_in_us": timer(lambda: X.rotate_in(x, suh)) if steps else nan,
+                 "partials_us": timer(lambda: X.exl3_partials(xr, tr, "mul1", path="fused"))
+                 if steps else nan,
+                 "rotate_out_us": timer(lambda: X.rotate_out(part, svh)) if steps else nan,
                  "linear_us": timer(lambda: X.exl3_linear(x, tr, suh, svh, "mul1",
                                                           path="fused")),
                  "chain_partials_us": chain_us(timer, [
                      (lambda t=t: X.exl3_partials(xr, t, "mul1", path="fused"))
-                     for t in chains[name]]),
+                     for t in chains[name]]) if steps else nan,
                  "chain_linear_us": chain_us(timer, [
                      (lambda t=t: X.exl3_linear(x, t, suh, svh, "mul1", path="fused"))
                      for t in chains[name]])}
             key = (name, M)
             ref.setdefault(key, y)
             r["bits_equal_first"] = bool(torch.equal(ref[key], y))
+            r["max_rel_diff_first"] = float((ref[key] - y).abs().max() / ref[key].abs().max())
             results.append(r)
             print(f"{vname:10s} {name:11s} rows {M}: rotate_in {r['rotate_in_us']:6.1f}  "
                   f"partials {r['partials_us']:6.1f}  rotate_out {r['rotate_out_us']:6.1f}  "
                   f"linear {r['linear_us']:6.1f} µs; in a chain of {CHAIN}: partials "
                   f"{r['chain_partials_us']:5.1f}, linear {r['chain_linear_us']:5.1f} µs "
-                  f"(S {r['splits']}, bits = first: {r['bits_equal_first']})", flush=True)
+                  f"(S {r['splits']}, bits = first: {r['bits_equal_first']}, max rel diff "
+                  f"{r['max_rel_diff_first']:.1e})", flush=True)
         for T, idx, x in moe_cases:
             ys = X.exl3_moe_linear(x, idx, stacks, "mul1")
             us = timer(lambda: X.exl3_moe_linear(x, idx, stacks, "mul1"))

@@ -90,6 +90,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-pdl", action="store_true",
                    help="launch the fused kernel in plain stream order after its rotate_in "
                         "(strata.kernels.exl3.PDL off), for an A/B of the early launch")
+    p.add_argument("--no-mma", action="store_true",
+                   help="keep decode-sized linears on the Triton kernels (rotate_in + fused) "
+                        "instead of the one-launch CUDA kernel (strata.kernels.exl3_mma), "
+                        "for an A/B")
     p.add_argument("--fused-max-rows", type=int, default=None,
                    help="override FUSED_MAX_ROWS (auto path switch; exactness unaffected)")
     p.add_argument("--device", default="cuda")
@@ -260,6 +264,9 @@ def run(args) -> dict:
         X.FUSED_MAX_ROWS = args.fused_max_rows
     if args.no_pdl:
         X.PDL = False
+    if args.no_mma:
+        from strata.kernels import exl3_mma
+        exl3_mma.ENABLED = False
     rows_list = _csv(args.rows, int, (1,) if smoke else ROWS)
     paths = None if args.paths == "auto" else _csv(args.paths, str, ())
     timer = Timer(dev, args.warmup, args.rep, smoke, graph=not args.eager)
@@ -272,7 +279,8 @@ def run(args) -> dict:
         "command": " ".join(sys.argv), "fused_max_rows": X.FUSED_MAX_ROWS,
         "config": {"BLOCK_M": X.BLOCK_M, "BLOCK_N": X.BLOCK_N, "BLOCK_K": X.BLOCK_K,
                    "GEMM_BLOCK_M": X.GEMM_BLOCK_M, "GEMM_BLOCK_N": X.GEMM_BLOCK_N,
-                   "TARGET_PROGRAMS": X.TARGET_PROGRAMS},
+                   "TARGET_PROGRAMS": X.TARGET_PROGRAMS,
+                   "exl3_mma": not args.no_mma},
         "peer": "skipped",
         "targets": "speed-up over exllamav3 (its time / ours): ≥ 1.0 at 1 row, ≥ 1.5 at 6 rows"}
     try:

@@ -81,6 +81,7 @@ from typing import Sequence
 
 import torch
 
+from strata.kernels import exl3_mma
 from strata.kernels.moe_grouping import ExpertGroups, group_by_expert
 
 try:
@@ -825,7 +826,8 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
                 path: str = "auto", sched_cols: int | None = None) -> torch.Tensor:
     """The EXL3 linear y = x·W (+ bias) on the kernels: x [..., k_in] → [..., out_features]
     (`sched_cols`: see exl3_partials).
-    Fused path: rotate_in + the fused kernel finishing each column block (2 launches);
+    Fused path: rotate_in + the fused kernel finishing each column block (2 launches; the
+    second the CUDA kernel of exl3_mma where it applies, with the same bits);
     GEMM path: rotate_in + reconstruct + GEMM + rotate_out. Same bits either way."""
     _require_triton()
     lead = x.shape[:-1]
@@ -835,14 +837,23 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
     if path == "auto":
         path = "fused" if M <= FUSED_MAX_ROWS else "gemm"
     if path == "fused":
-        _check_shapes(trellis, codebook)
+        kt, nt, K2 = _check_shapes(trellis, codebook)
         y = torch.empty((M, n_out), dtype=out_dtype, device=x.device)
         # (any copy before the rotation: the early-launched kernel reads the trellis before it
         # waits, so nothing between the two launches may write what it reads)
         svh = _contig_rows(svh)
         trellis = trellis if trellis.is_contiguous() else trellis.contiguous()
-        xr = rotate_in(x2, suh)
-        _fused(xr, trellis, codebook, svh, bias, y, sched_cols, after_rotate=True)
+        cb = CODEBOOK_IDS[codebook]
+        if exl3_mma.why_not(x2, K2, cb, 16 * nt, out_dtype, bias) is None:  # the same bits
+            per, S = split_schedule(16 * kt, sched_cols or 16 * nt)
+            part = torch.empty((S, M, 16 * nt), dtype=torch.float32, device=x.device)
+            words, cnt = _words(trellis), _counters(x.device, 16 * nt // 128)
+            xr = rotate_in(x2, suh)
+            exl3_mma.linear(xr, words, svh, cb, K2, y, part, cnt, per, bias, INV_SQRT128,
+                            early=bool(_pdl(x.device)))
+        else:
+            xr = rotate_in(x2, suh)
+            _fused(xr, trellis, codebook, svh, bias, y, sched_cols, after_rotate=True)
     else:
         part = exl3_partials(rotate_in(x2, suh), trellis, codebook, path, sched_cols)
         y = rotate_out(part, svh, bias, n_out, out_dtype)

@@ -1,0 +1,272 @@
+// EXL3 linear for decode-sized inputs (M ≤ 16 rows) after its rotate_in (x' = H128(fp16(x·suh))):
+// x'·Ŵ with Ŵ decoded straight into m16n8k16 MMA fragments → split partials → the last program
+// of each 128-column block sums them, Hadamard, ·svh (+ bias). Launched early (programmatic
+// dependent launch) after rotate_in: each program loads its first trellis words, then waits
+// for x'.
+// Compiled at run time with NVRTC (strata/kernels/exl3_mma.py); no header is included, so
+// half-precision work is done on bit patterns with PTX.
+//
+// Compile-time constants (-D): K2 = 2K (bits per weight × 2), CB (0 3INST, 1 MCG, 2 MUL1),
+// OT (out: 0 fp32, 1 bf16, 2 fp16), BT (bias: -1 none, else as OT),
+// R16 (1: up to 16 rows; 0: up to 8, the A fragments' rows 8–15 are zero registers).
+//
+// Why the fragments need no exchange between lanes: a 16×16 trellis tile's ring position p has
+// bits (r0, r3, c3, r1, r2, c0, c1, c2) of its row r and column c. In an m16n8k16 MMA the B
+// fragments of lane l = 4g + t for the tile's two n8 halves hold rows 2t + {0, 1} + {0, 8} and
+// columns g + {0, 8}: exactly positions 8l … 8l + 7, a contiguous window of the tile's
+// bitstream (position p's 16-bit state ends at bit ⌊(p + 1)·K2 / 2⌋, tail-biting).
+//
+// Bits: the same as the Triton kernels of strata/kernels/exl3.py on Hopper (wgmma there; an
+// MMA chain over ascending k16 steps rounds as wgmma does, measured in session 3): each split
+// sums its k16 steps in ascending order from zero, the splits (strata's split_schedule) are
+// added in ascending order from zero, and the Hadamard steps use the same butterfly order.
+
+#define WT (4 * K2)        // 32-bit words per tile (16·K int16)
+// A lane's window (16 bits before its 8 positions, then 8·K bits) starts anywhere in a word:
+// three words hold it and, shifted to start at bit 0, two words (8K + 16 ≤ 64) for K ≤ 4. Larger
+// K (EXL3 allows up to 8; V4.1 quants use 6 for the head) stays on the Triton kernel.
+#if K2 > 8
+#error "exl3_mma: K > 4"
+#endif
+
+typedef unsigned int u32;
+
+__device__ __forceinline__ float h2f(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ unsigned short f2h(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+#if BT >= 0
+__device__ __forceinline__ float load_bias(const void* p, long long i) {
+#if BT == 0
+    return ((const float*)p)[i];
+#elif BT == 1
+    return __uint_as_float(((u32)((const unsigned short*)p)[i]) << 16);
+#else
+    return h2f(((const unsigned short*)p)[i]);
+#endif
+}
+#endif
+
+__device__ __forceinline__ void store_out(void* p, long long i, float v) {
+#if OT == 0
+    ((float*)p)[i] = v;
+#elif OT == 1
+    unsigned short b;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(v));
+    ((unsigned short*)p)[i] = b;
+#else
+    ((unsigned short*)p)[i] = f2h(v);
+#endif
+}
+
+// Unnormalised natural-order Sylvester H128 over a warp's 128 values (lane holds 4 consecutive:
+// index 4·lane + j): one butterfly (a + b, a − b) per index bit, bit 0 first — the order of
+// exl3.py's _fwht128, so the same fp32 operations on every element.
+__device__ __forceinline__ void fwht128(float (&v)[4], int lane) {
+    float a0 = v[0], a1 = v[1], a2 = v[2], a3 = v[3];
+    v[0] = a0 + a1; v[1] = a0 - a1; v[2] = a2 + a3; v[3] = a2 - a3;
+    a0 = v[0]; a1 = v[1]; a2 = v[2]; a3 = v[3];
+    v[0] = a0 + a2; v[2] = a0 - a2; v[1] = a1 + a3; v[3] = a1 - a3;
+#pragma unroll
+    for (int m = 1; m < 32; m <<= 1) {
+        const bool hi = lane & m;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float p = __shfl_xor_sync(0xffffffffu, v[j], m);
+            v[j] = hi ? p - v[j] : v[j] + p;
+        }
+    }
+}
+
+// fp16 pair (lo = position j, hi = position j + 1) of two 16-bit trellis states
+__device__ __forceinline__ u32 codebook2(u32 s0, u32 s1) {
+#if CB == 2
+    u32 b0, b1, r;
+    // byte sum + 0x6400 = the fp16 bits of 1024 + Σ bytes, then (1024 + b)·k1 + k0 in one fma
+    asm("dp4a.u32.u32 %0, %1, %2, %3;" : "=r"(b0) : "r"(s0 * 0x83DCD12Du), "r"(0x01010101u), "r"(0x6400u));
+    asm("dp4a.u32.u32 %0, %1, %2, %3;" : "=r"(b1) : "r"(s1 * 0x83DCD12Du), "r"(0x01010101u), "r"(0x6400u));
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(__byte_perm(b0, b1, 0x5410)),
+        "r"(0x1EEE1EEEu), "r"(0xC931C931u));
+    return r;
+#else
+#if CB == 0
+    u32 x0 = s0 * 89226354u + 64248484u, x1 = s1 * 89226354u + 64248484u;
+#else
+    u32 x0 = s0 * 0xCBAC1FEDu, x1 = s1 * 0xCBAC1FEDu;
+#endif
+    x0 = (x0 & 0x8FFF8FFFu) ^ 0x3B603B60u;
+    x1 = (x1 & 0x8FFF8FFFu) ^ 0x3B603B60u;
+    u32 r;
+    asm("add.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(__byte_perm(x0, x1, 0x5410)),
+        "r"(__byte_perm(x0, x1, 0x7632)));
+    return r;
+#endif
+}
+
+// upper 32 bits of the 64-bit hi:lo shifted left by n (0 ≤ n ≤ 32)
+__device__ __forceinline__ u32 funnel(u32 lo, u32 hi, u32 n) {
+    u32 d;
+    asm("shf.l.clamp.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(lo), "r"(hi), "r"(n));
+    return d;
+}
+
+// B fragments of one 16×16 tile for this lane from the three words holding its window (the
+// window starts o bits into w[0]): b[0..1] the n8 half of columns g, b[2..3] columns g + 8
+__device__ __forceinline__ void decode_tile(const u32 (&w)[3], u32 o, u32 (&b)[4]) {
+    const u32 A = funnel(w[1], w[0], o), B = funnel(w[2], w[1], o);  // window bits 0..63
+    u32 s[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)  // position 8·lane + j: the 16 bits from ⌊(j + 1)·K2 / 2⌋
+        s[j] = funnel(B, A, ((j + 1) * K2) / 2) >> 16;
+    b[0] = codebook2(s[0], s[1]);   // rows 2t, 2t+1 (r0), column g
+    b[1] = codebook2(s[2], s[3]);   // rows + 8 (r3)
+    b[2] = codebook2(s[4], s[5]);   // column g + 8 (c3)
+    b[3] = codebook2(s[6], s[7]);
+}
+
+__device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// this lane's A fragments of the 8 k16 steps of k-step ks (x' rows g and g + 8; zero rows ≥ M)
+__device__ __forceinline__ void load_a(const unsigned short* __restrict__ xr, int sxr, int M,
+                                       int ks, int g, int t, u32 (&a)[8][4]) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int k = ks * 128 + 16 * i + 2 * t;
+        a[i][0] = g < M ? *(const u32*)(xr + (long long)g * sxr + k) : 0u;
+        a[i][2] = g < M ? *(const u32*)(xr + (long long)g * sxr + k + 8) : 0u;
+#if R16
+        a[i][1] = g + 8 < M ? *(const u32*)(xr + (long long)(g + 8) * sxr + k) : 0u;
+        a[i][3] = g + 8 < M ? *(const u32*)(xr + (long long)(g + 8) * sxr + k + 8) : 0u;
+#else
+        a[i][1] = 0u;
+        a[i][3] = 0u;
+#endif
+    }
+}
+
+// this lane's three words of each of the 8 tiles of k-step ks in its tile column
+__device__ __forceinline__ void load_w(const u32* __restrict__ col, int row_words, int ks,
+                                       int wa, int wb, int wc, u32 (&w)[8][3]) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const u32* tp = col + (long long)(ks * 8 + i) * row_words;
+        w[i][0] = tp[wa]; w[i][1] = tp[wb]; w[i][2] = tp[wc];
+    }
+}
+
+// Grid (n_p / 64, S); 4 warps, warp w owns the tile column 4·blockIdx.x + w; block y = split.
+extern "C" __global__ void __launch_bounds__(128, 4)
+exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ trellis,
+                float* __restrict__ part, int* __restrict__ cnt,
+                const unsigned short* __restrict__ svh, const void* __restrict__ bias,
+                void* __restrict__ out, int M, int sxr, int n_p, int n_out, int so,
+                int k_steps, int per_split, int row_words, double inv_d) {
+    __shared__ int last;
+    const float inv = (float)inv_d;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int nb = blockIdx.x, s = blockIdx.y, S = gridDim.y;
+    const int k_lo = s * per_split;
+    const int k_hi = min(k_lo + per_split, k_steps);
+    const u32* col = trellis + (long long)(nb * 4 + warp) * WT;  // this warp's tile column
+
+    // this lane's window of every tile: bits [4·lane·K2 − 16, …), wrapping for lane 0
+    const int b0 = 4 * lane * K2 - 16;
+    const int w0 = b0 >> 5;
+    const u32 o = b0 & 31;
+    const int wa = (w0 + WT) % WT, wb = (w0 + 1 + WT) % WT, wc = (w0 + 2 + WT) % WT;
+
+    float acc[2][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[h][j] = 0.f;
+
+    u32 w[8][3], a[8][4];
+    load_w(col, row_words, k_lo, wa, wb, wc, w);
+    // x' comes from the rotate_in launched just before (a no-op without an early launch)
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    load_a(xr, sxr, M, k_lo, g, t, a);
+    for (int ks = k_lo; ks < k_hi; ++ks) {
+        u32 wn[8][3], an[8][4];
+        if (ks + 1 < k_hi) {  // the next k-step's words and x' load while this one decodes
+            load_w(col, row_words, ks + 1, wa, wb, wc, wn);
+            load_a(xr, sxr, M, ks + 1, g, t, an);
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            u32 b[4];
+            decode_tile(w[i], o, b);
+            mma(acc[0], a[i], b[0], b[1]);
+            mma(acc[1], a[i], b[2], b[3]);
+        }
+        if (ks + 1 < k_hi) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+#pragma unroll
+                for (int j = 0; j < 3; ++j) w[i][j] = wn[i][j];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) a[i][j] = an[i][j];
+            }
+        }
+    }
+
+    // this split's partial: C rows g / g + 8, columns 2t, 2t + 1 of each n8 half
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int c = (nb * 4 + warp) * 16 + h * 8 + 2 * t;
+        if (g < M) {
+            float* p = part + ((long long)s * M + g) * n_p + c;
+            p[0] = acc[h][0]; p[1] = acc[h][1];
+        }
+        if (g + 8 < M) {
+            float* p = part + ((long long)s * M + g + 8) * n_p + c;
+            p[0] = acc[h][2]; p[1] = acc[h][3];
+        }
+    }
+
+    // the last of the 2·S programs writing this 128-column block finishes it
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int prev = atomicAdd(&cnt[nb >> 1], 1);
+        last = prev == 2 * S - 1;
+        if (last) cnt[nb >> 1] = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int c0 = (nb >> 1) * 128 + 4 * lane;
+    for (int r = warp; r < M; r += 4) {
+        float v[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int s2 = 0; s2 < S; ++s2) {
+            const float4 p = __ldcg((const float4*)(part + ((long long)s2 * M + r) * n_p + c0));
+            v[0] = v[0] + p.x; v[1] = v[1] + p.y; v[2] = v[2] + p.z; v[3] = v[3] + p.w;
+        }
+        fwht128(v, lane);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int c = c0 + j;
+            float y = v[j] * inv;
+            y = y * h2f(svh[c]);
+#if BT >= 0
+            if (c < n_out) y = y + load_bias(bias, c);
+#endif
+            if (c < n_out) store_out(out, (long long)r * so + c, y);
+        }
+    }
+}

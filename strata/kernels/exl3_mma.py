@@ -1,0 +1,143 @@
+"""The EXL3 decode matmul as a CUDA kernel compiled at run time with NVRTC (exl3_mma.cu).
+
+Triton cannot place decoded weights in the tensor cores' operand registers itself: its fused
+kernel decodes a tile per thread and moves it to the MMA layout through shared memory, which
+caps it at 1.1–1.3× exllamav3 for 6 rows (bench/results/kernels.md, session 11). The trellis
+layout is made for MMA fragments — lane l of an m16n8k16 MMA needs exactly ring positions
+8l … 8l + 7 of a tile — so this kernel decodes each lane's window straight into its B
+fragments, and finishes each 128-column block in the last program to arrive, like the Triton
+kernel. It follows exl3.rotate_in and is launched early after it (programmatic dependent
+launch, through the driver's cuLaunchKernelEx), as the Triton fused kernel is.
+
+Bits: identical to strata.kernels.exl3's kernels on Hopper (same split schedule, ascending
+k16 MMA chain per split — what wgmma computes — same Hadamard butterflies, no fused
+multiply-add: `--fmad=false`); a GPU test compares them. Used only where that holds and the
+kernel applies (`why_not` is None): compute capability 9.0, M ≤ 16 rows, K ≤ 4, a 128-aligned
+output; everything else stays on the Triton kernels. Compiled by torch's NVRTC wrapper
+(`torch.cuda._compile_kernel`, torch ≥ 2.8): no build step and no extra dependency.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+# False: every EXL3 linear on the Triton kernels (for A/B measurements).
+ENABLED = True
+MAX_ROWS = 16  # one m16 MMA tile of rows
+_SOURCE = Path(__file__).with_name("exl3_mma.cu")
+_OT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _compiler():
+    return getattr(torch.cuda, "_compile_kernel", None)
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: torch.dtype,
+            bias: torch.Tensor | None) -> str | None:
+    """None where exl3_linear's fused path may run here with the Triton kernels' bits, else
+    the reason it may not (a failed NVRTC compile included: the Triton kernels then run)."""
+    checks = (
+        (ENABLED, "switched off (exl3_mma.ENABLED)"),
+        (x.is_cuda, "not on CUDA"),
+        (os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "TRITON_INTERPRET is set"),
+        (_compiler() is not None, "this torch has no torch.cuda._compile_kernel (NVRTC)"),
+        (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS, f"rows not in 1…{MAX_ROWS}"),
+        (K2 <= 8, "K > 4"),
+        (n_p % 128 == 0, "output not 128-aligned"),
+        (out_dtype in _OT, f"output dtype {out_dtype}"),
+        (bias is None or bias.dtype in _OT, "bias dtype"),
+    )
+    for ok, reason in checks:
+        if not ok:
+            return reason
+    if not _hopper(x.device.index):
+        return "not compute capability 9.0 (elsewhere the Triton kernels use mma.sync kWidth 4)"
+    key = _key(K2, codebook_id, out_dtype, bias, x.shape[0], x.device.index)
+    if key not in _KERNELS:
+        try:
+            with torch.cuda.device(x.device.index):
+                _KERNELS[key] = _compiler()(_SOURCE.read_text(), "exl3_mma_linear",
+                                            nvcc_options=_options(*key[:5]))
+        except Exception as e:  # NVRTC missing or refusing: remembered, Triton runs instead
+            _KERNELS[key] = f"NVRTC: {type(e).__name__}: {e}".splitlines()[0][:300]
+            warnings.warn(f"strata: EXL3 CUDA kernel unavailable ({_KERNELS[key]}); "
+                          "the Triton kernels run instead")
+    k = _KERNELS[key]
+    return k if isinstance(k, str) else None
+
+
+_KERNELS: dict = {}  # (K2, CB, OT, BT, R16, device index) → compiled kernel or why not
+
+
+def _key(K2: int, codebook_id: int, out_dtype: torch.dtype, bias: torch.Tensor | None,
+         M: int, index: int | None) -> tuple:
+    return (K2, codebook_id, _OT[out_dtype], -1 if bias is None else _OT[bias.dtype],
+            int(M > 8), index)
+
+
+def _options(K2: int, CB: int, OT: int, BT: int, R16: int) -> list[str]:
+    return [f"-DK2={K2}", f"-DCB={CB}", f"-DOT={OT}", f"-DBT={BT}", f"-DR16={R16}",
+            "--fmad=false"]
+
+
+class _Attr(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _Config(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_Attr)), ("n_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def _launch(kernel, grid, block, args, early: bool) -> None:
+    """cuLaunchKernelEx on the current stream (captured by CUDA graphs like any launch);
+    early: the kernel may start before the previous one ends (it waits in griddepcontrol)."""
+    from torch.cuda._utils import _get_gpu_runtime_library
+    keep, params = [], []
+    for a in args:
+        v = (ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
+             else ctypes.c_double(a) if isinstance(a, float) else ctypes.c_int(a))
+        keep.append(v)
+        params.append(ctypes.cast(ctypes.byref(v), ctypes.c_void_p))
+    attr = _Attr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1
+    cfg = _Config(grid=(ctypes.c_uint * 3)(*grid), block=(ctypes.c_uint * 3)(*block), shared=0,
+                  stream=ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
+                  attrs=ctypes.pointer(attr) if early else None, n_attrs=1 if early else 0)
+    rc = _get_gpu_runtime_library().cuLaunchKernelEx(
+        ctypes.byref(cfg), kernel.func, (ctypes.c_void_p * len(params))(*params), None)
+    if rc != 0:
+        raise RuntimeError(f"exl3_mma: cuLaunchKernelEx failed with CUDA error {rc}")
+
+
+def linear(xr: torch.Tensor, trellis: torch.Tensor, svh: torch.Tensor, codebook_id: int,
+           K2: int, out: torch.Tensor, part: torch.Tensor, counters: torch.Tensor,
+           per_split: int, bias: torch.Tensor | None, inv: float, early: bool) -> torch.Tensor:
+    """out [M, n_out] = H128(x'·Ŵ)·svh (+ bias) for x' [M, k_p] fp16 (rotate_in's output, rows
+    contiguous), given the int32 word view of the contiguous trellis [kt, nt, 16·K], the split
+    schedule's per_split, a partials buffer part [S, M, n_p] fp32 (S = its first dim) and
+    zeroed arrival counters (left zero). early: launched right after xr's rotate_in. The
+    caller checked why_not (which compiled the kernel) for the same arguments."""
+    M = xr.shape[0]
+    kt, nt = trellis.shape[-3], trellis.shape[-2]
+    n_p, S = 16 * nt, part.shape[0]
+    k = _KERNELS[_key(K2, codebook_id, out.dtype, bias, M, xr.device.index)]  # why_not made it
+    _launch(k, (n_p // 64, S, 1), (128, 1, 1),
+            [xr, trellis, part, counters, svh, bias if bias is not None else svh, out,
+             M, xr.stride(0), n_p, out.shape[1], out.stride(0), kt * 16 // 128, per_split,
+             nt * 4 * K2, float(inv)], early)
+    return out

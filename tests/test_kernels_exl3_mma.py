@@ -1,0 +1,75 @@
+"""The CUDA EXL3 kernel's CPU-checkable parts (strata/kernels/exl3_mma.{cu,py}).
+
+The kernel itself needs an H200 (tests/gpu/test_kernels_exl3_gpu.py compares it bit for bit
+with the Triton kernels). Here: the lane arithmetic it rests on — each MMA lane decodes ring
+positions 8·lane … 8·lane + 7 of a tile from a window of three words — transcribed from
+decode_tile / the kernel's prologue into Python and checked against the torch decoder; when it
+declines to run and why; and the driver structures its launcher hands to cuLaunchKernelEx.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from strata.kernels import exl3_mma
+from strata.quant.exl3 import codebook_lut, decode_trellis
+
+M32 = 0xFFFFFFFF
+
+
+def funnel(lo: int, hi: int, n: int) -> int:
+    """shf.l.clamp.b32: the upper 32 bits of hi:lo << min(n, 32)."""
+    return ((((hi << 32) | lo) << min(n, 32)) >> 32) & M32
+
+
+def lane_values(words: list[int], lane: int, K2: int) -> list[int]:
+    """The 8 states lane `lane` decodes, as exl3_mma.cu computes them."""
+    WT = 4 * K2
+    b0 = 4 * lane * K2 - 16
+    w0, o = b0 >> 5, b0 & 31  # (Python's >> and & on negatives match two's complement)
+    w = [words[(w0 + i + WT) % WT] for i in range(3)]
+    A, B = funnel(w[1], w[0], o), funnel(w[2], w[1], o)
+    return [funnel(B, A, ((j + 1) * K2) // 2) >> 16 for j in range(8)]
+
+
+@pytest.mark.parametrize("K2,codebook", [(4, "mul1"), (5, "mul1"), (6, "mcg"), (7, "mul1"),
+                                         (8, "3inst")])
+def test_lane_windows_are_the_mma_fragments(K2, codebook):
+    """Lane l = 4g + t, value j: B-fragment element (k = 2t + j0 + 8·j1, n = g + 8·j2) of the
+    tile's two n8 halves — exactly decode_trellis's Ŵ[k, n] — for random tiles."""
+    L = 8 * K2  # int16 per tile: 16·K
+    g = torch.Generator().manual_seed(K2)
+    trellis = torch.randint(-2**15, 2**15, (3, 2, L), generator=g, dtype=torch.int32).to(
+        torch.int16)
+    w_ref = decode_trellis(trellis, codebook)
+    lut = codebook_lut(codebook)
+    for tk in range(3):
+        for tn in range(2):
+            words = [v & M32 for v in trellis[tk, tn].contiguous().view(torch.int32).tolist()]
+            for lane in range(32):
+                gg, t = lane >> 2, lane & 3
+                for j, state in enumerate(lane_values(words, lane, K2)):
+                    k = 2 * t + (j & 1) + 8 * ((j >> 1) & 1)
+                    n = gg + 8 * ((j >> 2) & 1)
+                    got = lut[state]
+                    want = w_ref[16 * tk + k, 16 * tn + n]
+                    assert got.view(torch.int16) == want.view(torch.int16), (tk, tn, lane, j)
+
+
+def test_it_declines_off_hopper_and_says_why(monkeypatch):
+    x = torch.zeros(6, 256)
+    assert exl3_mma.why_not(x, 5, 2, 256, torch.float32, None) == "not on CUDA"
+    monkeypatch.setattr(exl3_mma, "ENABLED", False)
+    assert "switched off" in exl3_mma.why_not(x, 5, 2, 256, torch.float32, None)
+
+
+def test_launch_structures_match_the_driver_abi():
+    """CUlaunchAttribute (id, 4 bytes padding, a 64-byte value union) and CUlaunchConfig as the
+    CUDA 12/13 headers lay them out on 64-bit Linux."""
+    assert ctypes.sizeof(exl3_mma._Attr) == 72
+    assert exl3_mma._Attr.value.offset == 8
+    C = exl3_mma._Config
+    assert (C.grid.offset, C.block.offset, C.shared.offset, C.stream.offset, C.attrs.offset,
+            C.n_attrs.offset, ctypes.sizeof(C)) == (0, 12, 24, 32, 40, 48, 56)
