@@ -250,18 +250,37 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
     __syncthreads();
     if (!last) return;
     __threadfence();
+    // warp w finishes rows w, w + 4, … together: every row's split loads are in flight at
+    // once (each row still sums its splits in ascending order from zero)
+    constexpr int RPW = R16 ? 4 : 2;  // rows per warp
     const int c0 = (nb >> 1) * 128 + 4 * lane;
-    for (int r = warp; r < M; r += 4) {
-        float v[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int s2 = 0; s2 < S; ++s2) {
-            const float4 p = __ldcg((const float4*)(part + ((long long)s2 * M + r) * n_p + c0));
-            v[0] = v[0] + p.x; v[1] = v[1] + p.y; v[2] = v[2] + p.z; v[3] = v[3] + p.w;
+    float v[RPW][4];
+#pragma unroll
+    for (int q = 0; q < RPW; ++q)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[q][j] = 0.f;
+#pragma unroll 2
+    for (int s2 = 0; s2 < S; ++s2) {
+#pragma unroll
+        for (int q = 0; q < RPW; ++q) {
+            const int r = warp + 4 * q;
+            if (r < M) {
+                const float4 p =
+                    __ldcg((const float4*)(part + ((long long)s2 * M + r) * n_p + c0));
+                v[q][0] = v[q][0] + p.x; v[q][1] = v[q][1] + p.y;
+                v[q][2] = v[q][2] + p.z; v[q][3] = v[q][3] + p.w;
+            }
         }
-        fwht128(v, lane);
+    }
+#pragma unroll
+    for (int q = 0; q < RPW; ++q) {
+        const int r = warp + 4 * q;
+        if (r >= M) continue;  // (uniform across the warp: the shuffles stay converged)
+        fwht128(v[q], lane);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int c = c0 + j;
-            float y = v[j] * inv;
+            float y = v[q][j] * inv;
             y = y * h2f(svh[c]);
 #if BT >= 0
             if (c < n_out) y = y + load_bias(bias, c);
