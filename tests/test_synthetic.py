@@ -1,6 +1,8 @@
 """The synthetic model (strata.bench.synthetic): real config and stored formats, random weights."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -92,16 +94,22 @@ def test_folded_engram_on_disk_equals_on_device(cfg, tmp_path):
         store.close()
 
 
-def test_bench_synthetic_cli(tiny_dir, cfg, tmp_path, capsys):
+def test_bench_synthetic_cli(tiny_dir, cfg, tmp_path, capsys, monkeypatch):
     import json
 
     from strata.cli import main
+    from strata.kernels import exl3_mma
+    monkeypatch.setattr(exl3_mma, "ENABLED", True)  # (both restored after the test)
+    monkeypatch.delenv("STRATA_EXL3_MMA", raising=False)
     out = tmp_path / "syn.json"
     assert main(["bench", "synthetic", "--config", str(tiny_dir), "--layers", "0-3",
                  "--device", "cpu", "--prompt-tokens", "12", "--tokens", "4", "--runs", "1",
                  "--warmup", "0", "--engram-rows", "32", "--breakdown", "2",
                  "--modes", "plain,plain+graphs,oracle", "--prefill", "96",
-                 "--prefill-chunk", "32", "--prefill-skip", "on", "--json", str(out)]) == 0
+                 "--prefill-chunk", "32", "--prefill-skip", "on", "--no-mma",
+                 "--json", str(out)]) == 0
+    # --no-mma: the Triton EXL3 kernels only, in this process and (environment) in any rank
+    assert not exl3_mma.ENABLED and os.environ["STRATA_EXL3_MMA"] == "0"
     text = capsys.readouterr().out
     assert "4 of 8 layers held" in text and "scaled to all layers" in text
     assert "[plain] decode step breakdown (2 steps on cpu)" in text
@@ -110,6 +118,7 @@ def test_bench_synthetic_cli(tiny_dir, cfg, tmp_path, capsys):
     assert "[oracle] decode step breakdown (2 verify windows on cpu)" in text
     assert "ms per window" in text
     data = json.loads(out.read_text())
+    assert data["meta"]["exl3_mma"] is False
     assert set(data["results"]) == {"plain", "plain+graphs", "oracle"}
     assert data["results"]["plain+graphs"]["capture_s"] == 0.0  # (CPU: eager, no capture)
     assert data["meta"]["layers"] == [0, 1, 2, 3]

@@ -91,9 +91,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="launch the fused kernel in plain stream order after its rotate_in "
                         "(strata.kernels.exl3.PDL off), for an A/B of the early launch")
     p.add_argument("--no-mma", action="store_true",
-                   help="keep decode-sized linears on the Triton kernels (rotate_in + fused) "
-                        "instead of the one-launch CUDA kernel (strata.kernels.exl3_mma), "
-                        "for an A/B")
+                   help="keep decode-sized linears' matmul on the Triton fused kernel instead "
+                        "of the CUDA kernel of strata.kernels.exl3_mma, for an A/B (the 'mm' "
+                        "column is the Triton kernel's either way)")
     p.add_argument("--fused-max-rows", type=int, default=None,
                    help="override FUSED_MAX_ROWS (auto path switch; exactness unaffected)")
     p.add_argument("--device", default="cuda")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import zlib
 from dataclasses import dataclass, field
@@ -419,6 +420,9 @@ def add_arguments(p) -> None:
                         "process and device (its waits on the others show as collective "
                         "kernels or gaps); with --prefill on one device, also a prefill chunk "
                         "at the longest prompt's end, encoder-only and full")
+    p.add_argument("--no-mma", action="store_true",
+                   help="EXL3 decode linears on the Triton kernels only, not the CUDA kernel of "
+                        "strata.kernels.exl3_mma (STRATA_EXL3_MMA=0), for an A/B")
     p.add_argument("--json", help="write the results as JSON here")
     from strata.cli import _add_parallel_args
     _add_parallel_args(p)  # every rank builds its part of the same synthetic model
@@ -620,6 +624,10 @@ def run(args) -> int:
     from strata.config import v41_flash_config
     cfg = ModelConfig.from_model_dir(Path(args.config)) if args.config else v41_flash_config()
     layers = parse_layers(args.layers, cfg.n_layers)
+    from strata.kernels import exl3_mma
+    if args.no_mma:  # (the environment reaches the ranks of a parallel run)
+        os.environ["STRATA_EXL3_MMA"] = "0"
+        exl3_mma.ENABLED = False
     # Measured first, on an empty device (in a layer split or TP, the first device's).
     rates = kernel_rates(cfg, args.devices.split(",")[0] if args.parallel else args.device,
                          args.fmt)
@@ -717,7 +725,8 @@ def run(args) -> int:
                 "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                 "parallel": args.parallel, "devices": args.devices,
                 "layers": layers, "format": args.fmt, "bits_per_weight": w.bits_per_weight(),
-                "stored_bytes": w.stored_bytes, "build_s": build_s}
+                "stored_bytes": w.stored_bytes, "build_s": build_s,
+                "exl3_mma": exl3_mma.ENABLED}
         Path(args.json).write_text(json.dumps(
             {"meta": meta, "results": {m: r.as_dict() for m, r in results.items()},
              "scaled_tok_per_s": scaled, "rates": rates, "roofline": roof,

@@ -64,6 +64,12 @@ k-step's tile before it waits (griddepcontrol) for the rotation's end, so the ro
 launch overlap the decode; before its wait it reads only what was written before that
 rotate_in began (the trellis, the expert groups), and it stores only after. Same bits.
 
+Occupancy: each k-step's trellis words are loaded while the previous step decodes, and the
+fused / grouped kernel is capped at FUSED_MAX_REGISTERS (4 programs of 4 warps per SM: a
+~512-program decode launch in one wave). On Hopper a decode-sized dense linear's matmul runs
+in CUDA C instead (strata.kernels.exl3_mma: each MMA lane decodes its own fragment window;
+the same bits, checked on the GPU).
+
 Arrival counters (`_counters`) are one zeroed buffer per device, zero again after every launch;
 an eager first call (the usual CUDA-graph warm-up) allocates them before a capture, and
 launches on one device must not overlap in time (one stream, as the engine runs).

@@ -1,13 +1,14 @@
 """The EXL3 decode matmul as a CUDA kernel compiled at run time with NVRTC (exl3_mma.cu).
 
-Triton cannot place decoded weights in the tensor cores' operand registers itself: its fused
-kernel decodes a tile per thread and moves it to the MMA layout through shared memory, which
-caps it at 1.1–1.3× exllamav3 for 6 rows (bench/results/kernels.md, session 11). The trellis
-layout is made for MMA fragments — lane l of an m16n8k16 MMA needs exactly ring positions
-8l … 8l + 7 of a tile — so this kernel decodes each lane's window straight into its B
-fragments, and finishes each 128-column block in the last program to arrive, like the Triton
-kernel. It follows exl3.rotate_in and is launched early after it (programmatic dependent
-launch, through the driver's cuLaunchKernelEx), as the Triton fused kernel is.
+Triton gives no control of the tensor cores' operand registers: its fused kernel decodes a
+tile per thread and moves it to the MMA layout through shared memory. The trellis layout is
+made for MMA fragments — lane l of an m16n8k16 MMA needs exactly ring positions 8l … 8l + 7 of
+a tile — so this kernel decodes each lane's window straight into its B fragments, and
+finishes each 128-column block in the last program to arrive, like the Triton kernel. It
+follows exl3.rotate_in and is launched early after it (programmatic dependent launch, through
+the driver's cuLaunchKernelEx), as the Triton fused kernel is. Measured on the H200 (session
+11, bench/results/kernels.md): a little faster than the Triton kernel at 1 row, equal at 6 —
+the layout change was not what bounds a 6-row linear.
 
 Bits: identical to strata.kernels.exl3's kernels on Hopper (same split schedule, ascending
 k16 MMA chain per split — what wgmma computes — same Hadamard butterflies, no fused
@@ -26,8 +27,9 @@ from pathlib import Path
 
 import torch
 
-# False: every EXL3 linear on the Triton kernels (for A/B measurements).
-ENABLED = True
+# False: every EXL3 linear on the Triton kernels (A/B measurements; STRATA_EXL3_MMA=0 in the
+# environment does it in every process, ranks of a parallel run included).
+ENABLED = os.environ.get("STRATA_EXL3_MMA", "1") != "0"
 MAX_ROWS = 16  # one m16 MMA tile of rows
 _SOURCE = Path(__file__).with_name("exl3_mma.cu")
 _OT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -107,7 +109,7 @@ def _launch(kernel, grid, block, args, early: bool) -> None:
     """cuLaunchKernelEx on the current stream (captured by CUDA graphs like any launch);
     early: the kernel may start before the previous one ends (it waits in griddepcontrol)."""
     from torch.cuda._utils import _get_gpu_runtime_library
-    keep, params = [], []
+    keep, params = [], []  # (keep: the ctypes values stay alive through the call)
     for a in args:
         v = (ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
              else ctypes.c_double(a) if isinstance(a, float) else ctypes.c_int(a))

@@ -285,43 +285,45 @@ def test_the_early_launch_gives_plain_orders_bits_eager_and_graphed(cuda, monkey
                                         (4, "3inst"), (4, "mul1")])
 def test_the_mma_kernel_gives_the_triton_kernels_bits(cuda, monkeypatch, K, codebook):
     """strata.kernels.exl3_mma (the CUDA kernel, fragments decoded in registers, after
-    rotate_in) against the Triton fused kernel, bit for bit: 1, 6, 9 and 16 rows; bf16 and fp32 inputs;
-    fp32, bf16 and fp16 outputs; a bias; a trimmed output; a column slice with the whole
-    weight's split schedule (tensor parallelism); eager and replayed from a CUDA graph."""
+    rotate_in) against the Triton fused kernel, bit for bit: three shapes at 1, 6, 9 and 16
+    rows; on the first, bf16 and fp32 inputs, fp32 / bf16 / fp16 outputs, a bias, a trimmed
+    output and a column slice with the whole weight's split schedule (tensor parallelism);
+    eager and replayed from a CUDA graph."""
     from strata.kernels import exl3_mma
     from strata.quant.exl3 import bits_per_weight
     cases = [((5120, 2304), 70), ((2304, 5120), 71), ((1280, 4096), 72)]
     g = torch.Generator().manual_seed(73)
-    for (k, n), seed in cases:
+
+    def both(*args, **kw):
+        outs = []
+        for on in (True, False):
+            monkeypatch.setattr(exl3_mma, "ENABLED", on)
+            outs.append(X.exl3_linear(*args, **kw))
+        return outs
+
+    for c, ((k, n), seed) in enumerate(cases):
         tr = trellis_of(k, n, K, seed=seed, device=cuda)
         suh, svh = scales(k, seed + 1, cuda, scale=k ** -0.5), scales(n, seed + 2, cuda, scale=0.05)
-        bias = scales(n, seed + 3, cuda, scale=0.1).to(torch.bfloat16)
+        K2 = int(round(2 * bits_per_weight(tr.shape[-1])))
         for M in (1, 6, 9, 16):
             x = torch.randn(M, k, generator=g).to(cuda)
-            K2 = int(round(2 * bits_per_weight(tr.shape[-1])))
             monkeypatch.setattr(exl3_mma, "ENABLED", True)
             why = exl3_mma.why_not(x.bfloat16(), K2, X.CODEBOOK_IDS[codebook], n,
                                    torch.float32, None)
             assert why is None, why
-            variants = [dict(x=x.bfloat16()),
-                        dict(x=x, out_dtype=torch.bfloat16, bias=bias, out_features=n - 100),
-                        dict(x=x.bfloat16(), out_dtype=torch.float16)]
-            for v in variants:
-                kw = {kk: vv for kk, vv in v.items() if kk != "x"}
-                monkeypatch.setattr(exl3_mma, "ENABLED", True)
-                got = X.exl3_linear(v["x"], tr, suh, svh, codebook, **kw)
-                monkeypatch.setattr(exl3_mma, "ENABLED", False)
-                ref = X.exl3_linear(v["x"], tr, suh, svh, codebook, **kw)
+            got, ref = both(x.bfloat16(), tr, suh, svh, codebook)
+            assert torch.equal(got, ref), ((k, n), M)
+            if c or M != 6:
+                continue
+            bias = scales(n, seed + 3, cuda, scale=0.1).to(torch.bfloat16)
+            for kw in (dict(out_dtype=torch.bfloat16, bias=bias, out_features=n - 100),
+                       dict(out_dtype=torch.float16)):
+                got, ref = both(x, tr, suh, svh, codebook, **kw)
                 assert torch.equal(got, ref), ((k, n), M, kw.keys())
-            # a column slice computed with the whole weight's split schedule
-            cols = slice(n // 2, n // 2 + 1024)
-            tr_s, svh_s = tr[:, cols.start // 16:cols.stop // 16].contiguous(), svh[cols]
-            outs = []
-            for on in (True, False):
-                monkeypatch.setattr(exl3_mma, "ENABLED", on)
-                outs.append(X.exl3_linear(x.bfloat16(), tr_s, suh, svh_s, codebook,
-                                          sched_cols=n))
-            assert torch.equal(*outs), ((k, n), M, "slice")
+            cols = slice(n // 2, n // 2 + 1024)  # a column slice, the whole weight's schedule
+            tr_s = tr[:, cols.start // 16:cols.stop // 16].contiguous()
+            got, ref = both(x.bfloat16(), tr_s, suh, svh[cols], codebook, sched_cols=n)
+            assert torch.equal(got, ref), ((k, n), M, "slice")
     # captured in a CUDA graph (the decode step's form) and replayed
     monkeypatch.setattr(exl3_mma, "ENABLED", True)
     x = torch.randn(6, 5120, generator=g).to(cuda, torch.bfloat16)
