@@ -106,6 +106,15 @@ class SyntheticWeights:
     def _bytes(self, shape, lo: int = 0, hi: int = 256) -> torch.Tensor:
         return self._ints(shape, lo, hi, torch.uint8)
 
+    def _signs(self, n: int, scale: float | None = None) -> torch.Tensor:
+        """n random ±1 (times scale) in fp16. (On the meta device no arithmetic: there each
+        op runs torch's Python meta functions, ~0.2 ms, and a full-size plan makes ~10⁵.)"""
+        s = self._ints((n,), 0, 2, torch.float16)
+        if self.meta:
+            return s
+        s = s * 2 - 1
+        return s if scale is None else s * scale
+
     # ---- the WeightReader interface --------------------------------------------------------
     def has(self, name: str) -> bool:
         return False  # optional tensors (bias_vl, biases) are absent, as in V4.1 text weights
@@ -174,9 +183,8 @@ class SyntheticWeights:
         kp, np_ = -(-in_features // 128) * 128, -(-out_features // 128) * 128
         L = int(16 * K) if K == int(K) else int(16 * (K - 0.5)) + 8
         trellis = self._ints((kp // 16, np_ // 16, L), -32768, 32768, torch.int16)
-        sign = lambda n: (self._ints((n,), 0, 2, torch.float16) * 2 - 1)
-        suh = sign(kp)
-        svh = sign(np_) * (1.0 / math.sqrt(in_features))  # keeps |y| ≈ |x|
+        suh = self._signs(kp)
+        svh = self._signs(np_, 1.0 / math.sqrt(in_features))  # keeps |y| ≈ |x|
         codebook = "mul1" if K != int(K) else "3inst"
         for part, t in (("trellis", trellis), ("suh", suh), ("svh", svh)):
             self._count(group, t, f"{prefix}.{part}")
