@@ -6,9 +6,10 @@ torch ops mixing a GPU tensor with a wrapped Python scalar (`torch.ldexp(x, e)` 
 cuda:0 current faulted with an illegal memory access). A model on cuda:1 in a process whose
 current device is cuda:0 (a server started with --device cuda:1, a test holding a reference
 model on the second GPU) would run such work on the wrong GPU. So the model's entry points
-(Model.forward, Model.prefetch_engram, the DSpark head's draft/commit, sampling) run with their
-device current — once per call, not per op or kernel launch (the hot path pays nothing more);
-code that calls strata.kernels directly on a non-current GPU must do the same.
+(Model.forward, Model.prefetch_engram, the DSpark head's draft/commit, sampling) and
+State.rollback run with their device current — once per call, not per op or kernel launch (the
+hot path pays nothing more); code that calls strata.kernels directly on a non-current GPU
+must do the same.
 """
 from __future__ import annotations
 

@@ -40,15 +40,12 @@ def test_time_lands_in_the_enclosing_scope_and_drafting_takes_all_inside_it():
     assert not trace.enabled()  # restored
 
 
-def test_nccl_kernels_count_as_communication():
-    # No CUDA kernel (NCCL or other) runs on this CPU: stand-in profiler events with the two
-    # fields the attribution reads (name, cpu_parent).
+def test_the_nearest_scope_names_a_host_events_part():
+    # Stand-in profiler events with the two fields the attribution reads (name, cpu_parent).
     class Evt:
         def __init__(self, name, parent=None):
             self.name, self.cpu_parent = name, parent
-    op = Evt("c10d::allreduce_", Evt("strata.attention"))
-    assert _category(op, "ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "communication"
-    assert _category(op, "triton_fused_kernel") == "attention"
+    assert _category(Evt("aten::mul", Evt("strata.mhc", Evt("strata.attention")))) == "mhc"
     assert _category(Evt("aten::mm")) == "other"
 
 
@@ -58,14 +55,16 @@ def test_gpu_kernels_count_for_the_scope_around_their_launch():
     its launch's correlation id, and the launch — `cudaLaunchKernel` under a torch op, or
     `cuLaunchKernelEx` straight under a scope for a Triton kernel — has the scopes above it;
     the device timeline's scope spans are not kernels; a graph replay's kernels share one
-    `cudaGraphLaunch` outside the model's scopes."""
+    `cudaGraphLaunch` outside the model's scopes; NCCL's kernels are communication wherever
+    they run (in a graph too), its `nccl:recv …` device spans are annotations."""
     from collections import defaultdict
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
 
-    def evt(name, id, device=DeviceType.CPU, parent=None, us=0.0):
+    def evt(name, id, device=DeviceType.CPU, parent=None, us=0.0, note=False):
         return SimpleNamespace(name=name, id=id, device_type=device, cpu_parent=parent,
+                               is_user_annotation=note,
                                time_range=SimpleNamespace(elapsed_us=lambda: us))
     attention, moe, draft = evt("strata.attention", 1), evt("strata.moe", 3), evt("strata.draft", 4)
     mul = evt("aten::mul", 2, parent=attention)
@@ -82,17 +81,19 @@ def test_gpu_kernels_count_for_the_scope_around_their_launch():
            evt("_add_one", 21, DeviceType.CUDA, us=4.0),
            evt("_fused_kernel", 25, DeviceType.CUDA, us=8.0),
            evt("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 8, DeviceType.CUDA, us=16.0),
+           evt("nccl:all_reduce", 8, DeviceType.CUDA, us=16.0, note=True),
+           evt("ncclDevKernel_SendRecv", 40, DeviceType.CUDA, us=512.0),  # in the graph
            evt("elementwise_kernel", 30, DeviceType.CUDA, us=32.0),
            evt("_fused_kernel", 40, DeviceType.CUDA, us=64.0),
            evt("_rms_norm_kernel", 40, DeviceType.CUDA, us=128.0),
            evt("orphan_kernel", 99, DeviceType.CUDA, us=256.0)]
     us, counts = defaultdict(float), defaultdict(int)
     per_kernel = gpu_parts(cpu + gpu, us, counts)
-    assert dict(us) == {"attention": 3.0, "moe": 4.0, "draft": 8.0, "communication": 16.0,
+    assert dict(us) == {"attention": 3.0, "moe": 4.0, "draft": 8.0, "communication": 528.0,
                         "other": 32.0, "unattributed": 64.0 + 128.0 + 256.0}
     assert counts["attention"] == 2 and counts["unattributed"] == 3
     assert per_kernel["_add_one"] == [2, 6.0] and per_kernel["_fused_kernel"] == [2, 72.0]
-    assert "strata.attention" not in per_kernel
+    assert "strata.attention" not in per_kernel and "nccl:all_reduce" not in per_kernel
 
 
 def test_a_graphed_step_takes_its_parts_from_the_eager_profile():
@@ -110,3 +111,15 @@ def test_a_graphed_step_takes_its_parts_from_the_eager_profile():
     assert "11.80 ms eager, 11.70 graphed" in text
     rows = [line.split()[0] for line in text.splitlines()[1:]]
     assert rows == ["moe", "attention", "mhc", "other", "launch"]  # (largest first, gaps last)
+
+
+def test_a_graphed_steps_communication_is_its_own():
+    """Eager, a collective waits out the other rank's host launches too: the graphed step's
+    own NCCL time stands for communication, the other parts still come from the eager one."""
+    eager = {"steps": 2, "device": "cuda:0", "wall_ms": 300.0, "busy_ms": 80.0,
+             "ms": {"moe": 7.4, "attention": 7.6, "communication": 30.8}}
+    graphed = {"steps": 2, "device": "cuda:0", "wall_ms": 24.9, "unprofiled_ms": 24.4,
+               "busy_ms": 20.6, "ms": {"unattributed": 19.0, "communication": 1.6}}
+    b = graphed_by_part(eager, graphed)
+    assert b["ms"] == {"moe": 7.4, "attention": 7.6, "communication": 1.6}
+    assert abs(b["launch_gaps_ms"] - (24.4 - 16.6)) < 1e-9

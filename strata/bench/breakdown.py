@@ -8,9 +8,11 @@ On CUDA each kernel's GPU time counts for the nearest enclosing scope of the hos
 launched it — the runtime or driver launch (`cudaLaunchKernel` under a torch op,
 `cuLaunchKernelEx` for a Triton kernel) carries the kernel's correlation id as its own event
 id, and its parent chain holds the scopes (a DSpark stage's attention counts as drafting).
-A CUDA graph's kernels are "unattributed" (one `cudaGraphLaunch` for all of them): profile
-an eager step for the parts, a graphed one for the gaps. Every kernel is also listed by name.
-On CPU each op's own CPU time counts."""
+A CUDA graph's kernels are "unattributed" (one `cudaGraphLaunch` for all of them) but for
+NCCL's, which are communication by name wherever they run: profile an eager step for the parts,
+a graphed one for the gaps and its communication (an NCCL kernel's time includes its wait for
+the other rank; eager, that wait takes in the other rank's host launches too). Every kernel is
+also listed by name. On CPU each op's own CPU time counts."""
 from __future__ import annotations
 
 import time
@@ -25,9 +27,7 @@ from strata import trace
 CATEGORIES = trace.SCOPES + ("communication", "other")
 
 
-def _category(evt, kernel_name: str | None = None) -> str:
-    if kernel_name is not None and "nccl" in kernel_name.lower():
-        return "communication"
+def _category(evt) -> str:
     nearest = None
     e = evt
     while e is not None:
@@ -43,16 +43,22 @@ def _category(evt, kernel_name: str | None = None) -> str:
 def gpu_parts(events, us: dict[str, float], counts: dict[str, int]) -> dict[str, list[float]]:
     """Add each GPU activity's time (µs) and count to its part in `us` / `counts`, from the
     host call that launched it (see the module doc); return {kernel name: [launches, µs]}.
-    The device's timeline also shows the scopes as annotation spans: those are not kernels."""
+    The device's timeline also shows annotation spans (our scopes, NCCL's `nccl:recv …`):
+    those are not kernels."""
     launches = {e.id: e for e in events
                 if e.device_type == DeviceType.CPU and e.name.startswith("cu")}
     per_kernel: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for evt in events:
-        if evt.device_type != DeviceType.CUDA or evt.name.startswith("strata."):
+        if evt.device_type != DeviceType.CUDA or evt.is_user_annotation \
+                or evt.name.startswith("strata."):
             continue
         launch = launches.get(evt.id)
-        part = ("unattributed" if launch is None or launch.name == "cudaGraphLaunch"
-                else _category(launch, evt.name))
+        if "nccl" in evt.name.lower():
+            part = "communication"
+        elif launch is None or launch.name == "cudaGraphLaunch":
+            part = "unattributed"
+        else:
+            part = _category(launch)
         t = evt.time_range.elapsed_us()
         us[part] += t
         counts[part] += 1
@@ -142,10 +148,14 @@ def step_breakdown(run: Callable[[], None], steps: int, device: torch.device,
 def graphed_by_part(eager: dict, graphed: dict) -> dict:
     """A graphed step's time by part: its kernels are the eager step's (a graph replays the
     same launches), whose profile names each kernel's part, so the parts take the eager
-    profile's GPU times; what the graphed step's unprofiled wall time leaves over is launch
-    gaps and host waits. Both breakdowns from CUDA (step_breakdown with plain_run)."""
+    profile's GPU times — but communication, the graphed profile's own NCCL time (eager, a
+    collective also waits out the other rank's host launches); what the graphed step's
+    unprofiled wall time leaves over is launch gaps and host waits. Both breakdowns from CUDA
+    (step_breakdown with plain_run)."""
     wall = graphed.get("unprofiled_ms", graphed["wall_ms"])
-    parts = dict(eager["ms"])
+    parts = {k: v for k, v in eager["ms"].items() if k != "communication"}
+    if graphed["ms"].get("communication"):
+        parts["communication"] = graphed["ms"]["communication"]
     return {"steps": graphed["steps"], "device": graphed["device"],
             "unit": graphed.get("unit", "steps"), "wall_ms": wall, "ms": parts,
             "launch_gaps_ms": max(0.0, wall - sum(parts.values())),

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from strata.config import ModelConfig
+from strata.current_device import made_current
 from strata.errors import CapacityError
 from strata.kernels import ring as ring_kernels
 
@@ -247,8 +248,11 @@ class State:
         if not j.start <= to <= end:
             raise ValueError(f"rollback target {to} outside the journaled range "
                              f"[{j.start}, {end}]")
-        for w in reversed(j.writes):
-            w.undo_from(to)
+        # The undo is a Triton launch (kernels/ring.py), which goes to the current device: a
+        # state on another GPU than the current one must make its own current (current_device.py).
+        with made_current(self.device):
+            for w in reversed(j.writes):
+                w.undo_from(to)
         if to == j.start:
             self.stale_index_source = j.stale_index_source
         self.position = to
