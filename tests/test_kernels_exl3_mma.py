@@ -31,14 +31,20 @@ def lane_values(words: list[int], lane: int, K2: int) -> list[int]:
     w0, o = b0 >> 5, b0 & 31  # (Python's >> and & on negatives match two's complement)
     w = [words[(w0 + i + WT) % WT] for i in range(3)]
     A, B = funnel(w[1], w[0], o), funnel(w[2], w[1], o)
-    return [funnel(B, A, ((j + 1) * K2) // 2) >> 16 for j in range(8)]
+    AB = (A << 32) | B
+    return [(AB >> (48 - ((j + 1) * K2) // 2)) & 0xFFFF for j in range(8)]
+
+
+# decode_tile: fragment register a[r] = codebook2(s[i], s[j]) (low half s[i], high s[j])
+FRAGMENT = {0: (0, 1), 1: (4, 5), 2: (2, 3), 3: (6, 7)}
 
 
 @pytest.mark.parametrize("K2,codebook", [(4, "mul1"), (5, "mul1"), (6, "mcg"), (7, "mul1"),
                                          (8, "3inst")])
 def test_lane_windows_are_the_mma_fragments(K2, codebook):
-    """Lane l = 4g + t, value j: B-fragment element (k = 2t + j0 + 8·j1, n = g + 8·j2) of the
-    tile's two n8 halves — exactly decode_trellis's Ŵ[k, n] — for random tiles."""
+    """Lane l = 4g + t: register a[r], half h holds, by the m16n8k16 A-operand layout (PTX
+    ISA: row g + 8·(r & 1), column 2t + h + 8·(r >> 1)), element [n, k] of Ŵᵀ — exactly
+    decode_trellis's Ŵ[k, n] — for random tiles."""
     L = 8 * K2  # int16 per tile: 16·K
     g = torch.Generator().manual_seed(K2)
     trellis = torch.randint(-2**15, 2**15, (3, 2, L), generator=g, dtype=torch.int32).to(
@@ -50,17 +56,26 @@ def test_lane_windows_are_the_mma_fragments(K2, codebook):
             words = [v & M32 for v in trellis[tk, tn].contiguous().view(torch.int32).tolist()]
             for lane in range(32):
                 gg, t = lane >> 2, lane & 3
-                for j, state in enumerate(lane_values(words, lane, K2)):
-                    k = 2 * t + (j & 1) + 8 * ((j >> 1) & 1)
-                    n = gg + 8 * ((j >> 2) & 1)
-                    got = lut[state]
-                    want = w_ref[16 * tk + k, 16 * tn + n]
-                    assert got.view(torch.int16) == want.view(torch.int16), (tk, tn, lane, j)
+                states = lane_values(words, lane, K2)
+                for r, pair in FRAGMENT.items():
+                    for h, j in enumerate(pair):
+                        n = gg + 8 * (r & 1)
+                        k = 2 * t + h + 8 * (r >> 1)
+                        got = lut[states[j]]
+                        want = w_ref[16 * tk + k, 16 * tn + n]
+                        assert got.view(torch.int16) == want.view(torch.int16), (tk, tn, lane, r, h)
 
 
 def test_it_declines_off_hopper_and_says_why(monkeypatch):
     x = torch.zeros(6, 256)
     assert exl3_mma.why_not(x, 5, 2, 256, torch.float32, None) == "not on CUDA"
+    assert exl3_mma.why_not(x, 5, 2, 256, torch.float32, None, pairs=36) == "not on CUDA"
+    # (shape reasons first: they hold on any device)
+    assert exl3_mma.why_not(torch.zeros(17, 256), 5, 2, 256, torch.float32, None) \
+        == "rows not in 1…16"
+    assert exl3_mma.why_not(x, 5, 2, 256, torch.float32, None, pairs=65) == "pairs not in 1…64"
+    assert exl3_mma.why_not(x, 12, 2, 256, torch.float32, None) == "K > 4"
+    assert exl3_mma.why_not(x, 5, 2, 192, torch.float32, None) == "output not 128-aligned"
     monkeypatch.setattr(exl3_mma, "ENABLED", False)
     assert "switched off" in exl3_mma.why_not(x, 5, 2, 256, torch.float32, None)
 

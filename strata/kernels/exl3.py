@@ -913,6 +913,18 @@ def _stack_sets(weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor
                  strides[2])
 
 
+def moe_block_m(x: torch.Tensor, idx: torch.Tensor,
+                weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                codebook: str, out_dtype: torch.dtype = torch.float32) -> int:
+    """The row-tile size exl3_moe_linear groups these pairs by (group_by_expert's block_m)."""
+    tr = weights[0][0]
+    pairs = idx.numel()
+    if exl3_mma.why_not(x, k2_of(tr), CODEBOOK_IDS[codebook], 16 * tr.shape[-2], out_dtype,
+                        None, pairs=pairs) is None:
+        return exl3_mma.MOE_TILE_M
+    return BLOCK_M
+
+
 def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
                     weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                     codebook: str, out_features: int | None = None,
@@ -934,8 +946,8 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     codebook: '3inst' | 'mcg' | 'mul1' (shared by all sets; half-integer K needs mul1).
     out_features: trim the outputs to this width (default n_p).
     out_dtype: of the outputs (default fp32).
-    groups: a precomputed strata.kernels.moe_grouping.group_by_expert(idx, E, BLOCK_M)
-       (block_m must be BLOCK_M); computed here when None.
+    groups: a precomputed strata.kernels.moe_grouping.group_by_expert(idx, E, m) with
+       m = moe_block_m(x, idx, weights, codebook, out_dtype); computed here when None.
     Returns W tensors [T, k, out_features]: y[w][t, s] = x_t·W_{w, idx[t,s]} — no routing
     weight, activation or slot sum is applied here.
 
@@ -944,7 +956,9 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     whatever other pairs share its tile: batch-invariant, so decode, verify and prefill agree.
     Cost: two launches (the grouped Hadamard-in for all sets and pairs, then the grouped decode
     kernel, which also finishes the output Hadamard·svh); each selected expert's tiles are
-    decoded once per BLOCK_M (64) pairs routed to it, for every set. Everything stays on the
+    decoded once per tile of pairs routed to it, for every set: tiles of BLOCK_M (64) on the
+    Triton kernel, of exl3_mma.MOE_TILE_M (8) on the CUDA one (up to exl3_mma.MAX_PAIRS pairs
+    on Hopper, where it applies: the same bits). Everything stays on the
     device with static shapes (group_by_expert included), so the call can be captured in a
     CUDA graph.
     """
@@ -975,10 +989,14 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     dev = x.device
     if P == 0:
         return [torch.empty((T, k, n_out), dtype=out_dtype, device=dev) for _ in range(W)]
+    cb = CODEBOOK_IDS[codebook]
+    mma = exl3_mma.why_not(x, K2, cb, n_p, out_dtype, None, pairs=P) is None
+    block_m = exl3_mma.MOE_TILE_M if mma else BLOCK_M
     if groups is None:
-        groups = group_by_expert(idx, E, BLOCK_M)
-    if groups.block_m != BLOCK_M:
-        raise ValueError(f"exl3_moe_linear: groups.block_m must be {BLOCK_M}")
+        groups = group_by_expert(idx, E, block_m)
+    if groups.block_m != block_m:
+        raise ValueError(f"exl3_moe_linear: groups.block_m must be {block_m} here "
+                         "(moe_block_m)")
     sets = _stack_sets(weights)
     eidx = idx.reshape(-1)  # (int64 or int32 ids, read as they are: no cast launch)
     if eidx.dtype not in (torch.int32, torch.int64):
@@ -992,7 +1010,7 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     xr = torch.empty((W, P, kp), dtype=torch.float16, device=dev)
     # 2.'s buffers first: the grouped kernel directly follows this one (early launch)
     per, S = split_schedule(kp, n_p)
-    split_loop = P > MOE_SPLIT_LOOP_PAIRS
+    split_loop = P > MOE_SPLIT_LOOP_PAIRS and not mma
     part = torch.empty((W, 1 if split_loop else S, P, n_p), dtype=torch.float32, device=dev)
     out = torch.empty((W, P, n_out), dtype=out_dtype, device=dev)
     n_tiles = groups.tile_expert.numel()
@@ -1003,6 +1021,10 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
         xin, sets.suh, xr, eidx, P, x_per, k_in, xin.stride(0),
         sets.suh.stride(0), sets.ssuh_set, xr.stride(0), xr.stride(1), INV_SQRT128,
         HAS_EIDX=True, BR=ROT_ROWS, PDL=bool(pdl), num_warps=4, enable_fp_fusion=False)
+    if mma:  # 2. the CUDA kernel over tiles of ≤ MOE_TILE_M pairs: decode's few pairs
+        exl3_mma.moe(xr, sets.trellis, sets.str_set, sets.svh, sets.ssvh_set, cb, K2, out, part,
+                     cnt, per, groups.tile_rows, groups.tile_expert, INV_SQRT128, bool(pdl))
+        return [out[w].view(T, k, n_out) for w in range(W)]
     # 2. the grouped kernel over tiles of ≤ BLOCK_M pairs sharing an expert. Few pairs
     #    (decode): one program per split, the last of each (tile, 128 columns) finishing
     #    the block (Σ_s, output Hadamard, the pair's expert's svh) into out. Many pairs: each
@@ -1015,7 +1037,7 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
         part.stride(0), part.stride(1), part.stride(2),
         cnt, sets.svh, part, out, n_out, sets.svh.stride(0), sets.ssvh_set,
         out.stride(0), out.stride(1), INV_SQRT128,
-        K2=K2, CB=CODEBOOK_IDS[codebook], ASM=_asm(xr), GROUPED=True,
+        K2=K2, CB=cb, ASM=_asm(xr), GROUPED=True,
         FUSE_OUT=not split_loop, HAS_BIAS=False, SPLIT_LOOP=split_loop,
         BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, FR=FINISH_ROWS, PDL=bool(pdl), num_warps=NUM_WARPS,
         num_stages=1, enable_fp_fusion=False, **pdl, **_regs(xr))

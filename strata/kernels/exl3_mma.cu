@@ -8,13 +8,17 @@
 //
 // Compile-time constants (-D): K2 = 2K (bits per weight × 2), CB (0 3INST, 1 MCG, 2 MUL1),
 // OT (out: 0 fp32, 1 bf16, 2 fp16), BT (bias: -1 none, else as OT),
-// R16 (1: up to 16 rows; 0: up to 8, the A fragments' rows 8–15 are zero registers).
+// R16 (1: up to 16 rows; 0: up to 8, the A fragments' rows 8–15 are zero registers),
+// G (1: grouped — the rows of a program are a tile of (token, slot) pairs sharing one expert,
+// from strata.kernels.moe_grouping, for W weight sets at once: exl3.exl3_moe_linear).
 //
 // Why the fragments need no exchange between lanes: a 16×16 trellis tile's ring position p has
-// bits (r0, r3, c3, r1, r2, c0, c1, c2) of its row r and column c. In an m16n8k16 MMA the B
-// fragments of lane l = 4g + t for the tile's two n8 halves hold rows 2t + {0, 1} + {0, 8} and
-// columns g + {0, 8}: exactly positions 8l … 8l + 7, a contiguous window of the tile's
-// bitstream (position p's 16-bit state ends at bit ⌊(p + 1)·K2 / 2⌋, tail-biting).
+// bits (r0, r3, c3, r1, r2, c0, c1, c2) of its row r and column c. The kernel computes the
+// transposed product y'ᵀ = Ŵᵀ·x'ᵀ with Ŵᵀ's 16×16 tile as an m16n8k16 MMA's A operand and 8
+// rows of x' as its n8: lane l = 4g + t holds A elements at Ŵ rows (k) 2t + {0, 1} + {0, 8} and
+// columns g + {0, 8} — exactly positions 8l … 8l + 7, a contiguous window of the tile's
+// bitstream (position p's 16-bit state ends at bit ⌊(p + 1)·K2 / 2⌋, tail-biting). One MMA per
+// tile and 8 rows: no zero rows padding a decode's few rows to the MMA's 16.
 //
 // Bits: the same as the Triton kernels of strata/kernels/exl3.py on Hopper (wgmma there; an
 // MMA chain over ascending k16 steps rounds as wgmma does, measured in session 3): each split
@@ -22,6 +26,7 @@
 // added in ascending order from zero, and the Hadamard steps use the same butterfly order.
 
 #define WT (4 * K2)        // 32-bit words per tile (16·K int16)
+#define RG (R16 ? 2 : 1)   // groups of 8 rows (an MMA's n8)
 // A lane's window (16 bits before its 8 positions, then 8·K bits) starts anywhere in a word:
 // three words hold it and, shifted to start at bit 0, two words (8K + 16 ≤ 64) for K ≤ 4. Larger
 // K (EXL3 allows up to 8; V4.1 quants use 6 for the head) stays on the Triton kernel.
@@ -86,8 +91,10 @@ __device__ __forceinline__ void fwht128(float (&v)[4], int lane) {
     }
 }
 
-// fp16 pair (lo = position j, hi = position j + 1) of two 16-bit trellis states
-__device__ __forceinline__ u32 codebook2(u32 s0, u32 s1) {
+// fp16 pair (lo = position j, hi = position j + 1) of two 16-bit trellis states; xc holds
+// 0x3B603B60 in a register, so each (x & mask) ^ xc is one LOP3 (with two immediates the
+// compiler emits two)
+__device__ __forceinline__ u32 codebook2(u32 s0, u32 s1, u32 xc) {
 #if CB == 2
     u32 b0, b1, r;
     // byte sum + 0x6400 = the fp16 bits of 1024 + Σ bytes, then (1024 + b)·k1 + k0 in one fma
@@ -102,8 +109,8 @@ __device__ __forceinline__ u32 codebook2(u32 s0, u32 s1) {
 #else
     u32 x0 = s0 * 0xCBAC1FEDu, x1 = s1 * 0xCBAC1FEDu;
 #endif
-    x0 = (x0 & 0x8FFF8FFFu) ^ 0x3B603B60u;
-    x1 = (x1 & 0x8FFF8FFFu) ^ 0x3B603B60u;
+    asm("lop3.b32 %0, %1, 0x8FFF8FFF, %2, 0x6A;" : "=r"(x0) : "r"(x0), "r"(xc));  // (a & b) ^ c
+    asm("lop3.b32 %0, %1, 0x8FFF8FFF, %2, 0x6A;" : "=r"(x1) : "r"(x1), "r"(xc));
     u32 r;
     asm("add.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(__byte_perm(x0, x1, 0x5410)),
         "r"(__byte_perm(x0, x1, 0x7632)));
@@ -118,18 +125,24 @@ __device__ __forceinline__ u32 funnel(u32 lo, u32 hi, u32 n) {
     return d;
 }
 
-// B fragments of one 16×16 tile for this lane from the three words holding its window (the
-// window starts o bits into w[0]): b[0..1] the n8 half of columns g, b[2..3] columns g + 8
-__device__ __forceinline__ void decode_tile(const u32 (&w)[3], u32 o, u32 (&b)[4]) {
+// This lane's A fragment of one 16×16 tile of Ŵᵀ (rows = Ŵ's columns g, g + 8; columns = Ŵ's
+// rows) from the three words holding its window (the window starts o bits into w[0])
+__device__ __forceinline__ void decode_tile(const u32 (&w)[3], u32 o, u32 xc, u32 (&a)[4]) {
     const u32 A = funnel(w[1], w[0], o), B = funnel(w[2], w[1], o);  // window bits 0..63
+    const unsigned long long AB = ((unsigned long long)A << 32) | B;
     u32 s[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j)  // position 8·lane + j: the 16 bits from ⌊(j + 1)·K2 / 2⌋
-        s[j] = funnel(B, A, ((j + 1) * K2) / 2) >> 16;
-    b[0] = codebook2(s[0], s[1]);   // rows 2t, 2t+1 (r0), column g
-    b[1] = codebook2(s[2], s[3]);   // rows + 8 (r3)
-    b[2] = codebook2(s[4], s[5]);   // column g + 8 (c3)
-    b[3] = codebook2(s[6], s[7]);
+        // (a constant shift of the 64-bit window, not a funnel then a shift: where it is
+        // byte-aligned the compiler takes the 16 bits with one PRMT)
+        s[j] = (u32)(AB >> (48 - ((j + 1) * K2) / 2)) & 0xFFFFu;
+    // positions in pairs: Ŵ rows (k) 2t, 2t + 1 (bit r0) at column g; the rows + 8 (r3); both
+    // at column g + 8 (c3). Fragment: a[0] (k 2t…, column g), a[1] (k 2t…, g + 8),
+    // a[2] (k 2t + 8…, g), a[3] (k 2t + 8…, g + 8).
+    a[0] = codebook2(s[0], s[1], xc);
+    a[2] = codebook2(s[2], s[3], xc);
+    a[1] = codebook2(s[4], s[5], xc);
+    a[3] = codebook2(s[6], s[7], xc);
 }
 
 __device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
@@ -140,22 +153,20 @@ __device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u3
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// this lane's A fragments of the 8 k16 steps of k-step ks (x' rows g and g + 8; zero rows ≥ M)
-__device__ __forceinline__ void load_a(const unsigned short* __restrict__ xr, int sxr, int M,
-                                       int ks, int g, int t, u32 (&a)[8][4]) {
+// this lane's B fragments (x'ᵀ: k × 8 rows) of the 8 k16 steps of k-step ks for each group of
+// 8 tile rows: x' row xq[q] (row 8q + g of the tile), k 2t, 2t + 1 and 2t + 8, 2t + 9.
+// (A row the tile lacks reads some valid row: an MMA's output column depends on its own B
+// column only, and such rows are never stored.)
+__device__ __forceinline__ void load_x(const unsigned short* const (&xq)[RG], int ks, int t,
+                                       u32 (&x)[RG][8][2]) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const int k = ks * 128 + 16 * i + 2 * t;
-        a[i][0] = g < M ? *(const u32*)(xr + (long long)g * sxr + k) : 0u;
-        a[i][2] = g < M ? *(const u32*)(xr + (long long)g * sxr + k + 8) : 0u;
-#if R16
-        a[i][1] = g + 8 < M ? *(const u32*)(xr + (long long)(g + 8) * sxr + k) : 0u;
-        a[i][3] = g + 8 < M ? *(const u32*)(xr + (long long)(g + 8) * sxr + k + 8) : 0u;
-#else
-        a[i][1] = 0u;
-        a[i][3] = 0u;
-#endif
-    }
+    for (int q = 0; q < RG; ++q)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int k = ks * 128 + 16 * i + 2 * t;
+            x[q][i][0] = *(const u32*)(xq[q] + k);
+            x[q][i][1] = *(const u32*)(xq[q] + k + 8);
+        }
 }
 
 // this lane's three words of each of the 8 tiles of k-step ks in its tile column
@@ -168,21 +179,57 @@ __device__ __forceinline__ void load_w(const u32* __restrict__ col, int row_word
     }
 }
 
-// Grid (n_p / 64, S); 4 warps, warp w owns the tile column 4·blockIdx.x + w; block y = split.
+// Row r (0 ≤ r < 16) of this program's row tile: its row of x', the partials and the output
+// (a pair id when grouped, r itself otherwise), or −1 where the tile has no row r. A grouped
+// tile's pairs come before its −1 padding (moe_grouping), so valid rows are a prefix.
+__device__ __forceinline__ int tile_row(const int* __restrict__ rows, int tile, int tile_m,
+                                        int M, int r) {
+#if G
+    return r < tile_m ? rows[tile * tile_m + r] : -1;
+#else
+    return r < M ? r : -1;
+#endif
+}
+
+// Grid (n_p / 64, S, W · n_tiles); 4 warps, warp w owns the tile column 4·blockIdx.x + w;
+// block y = split; block z = weight set · n_tiles + row tile (ungrouped: one set, one tile of
+// M rows). Strides count elements of what they step through (32-bit words for the trellis).
 extern "C" __global__ void __launch_bounds__(128, 4)
 exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ trellis,
                 float* __restrict__ part, int* __restrict__ cnt,
                 const unsigned short* __restrict__ svh, const void* __restrict__ bias,
-                void* __restrict__ out, int M, int sxr, int n_p, int n_out, int so,
-                int k_steps, int per_split, int row_words, double inv_d) {
+                void* __restrict__ out, const int* __restrict__ rows,
+                const int* __restrict__ texp, int M, int tile_m, int n_tiles,
+                int sxr, long long sx_set, long long str_exp, long long str_set,
+                int sp_row, long long sp_split, long long sp_set,
+                long long ssvh_e, long long ssvh_set, int so, long long so_set,
+                int n_p, int n_out, int k_steps, int per_split, int row_words, double inv_d) {
     __shared__ int last;
     const float inv = (float)inv_d;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int nb = blockIdx.x, s = blockIdx.y, S = gridDim.y;
+    const int tile = blockIdx.z % n_tiles;
+    const long long set = blockIdx.z / n_tiles;
+#if G
+    // (the groups were written before the rotate_in this launch may overlap: readable now)
+    const int e = texp[tile];
+    if (e < 0) return;  // an unused tile: none of its programs writes or counts
+#else
+    const int e = 0;
+#endif
     const int k_lo = s * per_split;
     const int k_hi = min(k_lo + per_split, k_steps);
-    const u32* col = trellis + (long long)(nb * 4 + warp) * WT;  // this warp's tile column
+    // this warp's tile column of this set's (expert's) trellis
+    const u32* col = trellis + set * str_set + e * str_exp + (long long)(nb * 4 + warp) * WT;
+    float* const ps = part + set * sp_set;
+    const unsigned short* const x0 = xr + set * sx_set;  // (row 0: every tile's sets have it)
+    const unsigned short* xq[RG];
+#pragma unroll
+    for (int q = 0; q < RG; ++q) {
+        const int r = tile_row(rows, tile, tile_m, M, 8 * q + g);
+        xq[q] = r >= 0 ? x0 + (long long)r * sxr : x0;
+    }
 
     // this lane's window of every tile: bits [4·lane·K2 − 16, …), wrapping for lane 0
     const int b0 = 4 * lane * K2 - 16;
@@ -190,62 +237,68 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
     const u32 o = b0 & 31;
     const int wa = (w0 + WT) % WT, wb = (w0 + 1 + WT) % WT, wc = (w0 + 2 + WT) % WT;
 
-    float acc[2][4];
+    // y'ᵀ of this warp's 16 columns × each row group: columns g, g + 8 × rows 8q + 2t, + 1
+    float acc[RG][4];
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+    for (int q = 0; q < RG; ++q)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) acc[h][j] = 0.f;
+        for (int j = 0; j < 4; ++j) acc[q][j] = 0.f;
 
-    u32 w[8][3], a[8][4];
+    u32 xc;  // (codebook2's constant, kept in a register)
+    asm volatile("mov.b32 %0, 0x3B603B60;" : "=r"(xc));
+    u32 w[8][3], x[RG][8][2];
     load_w(col, row_words, k_lo, wa, wb, wc, w);
     // x' comes from the rotate_in launched just before (a no-op without an early launch)
     asm volatile("griddepcontrol.wait;" ::: "memory");
-    load_a(xr, sxr, M, k_lo, g, t, a);
+    load_x(xq, k_lo, t, x);
+#pragma unroll 2
     for (int ks = k_lo; ks < k_hi; ++ks) {
-        u32 wn[8][3], an[8][4];
-        if (ks + 1 < k_hi) {  // the next k-step's words and x' load while this one decodes
-            load_w(col, row_words, ks + 1, wa, wb, wc, wn);
-            load_a(xr, sxr, M, ks + 1, g, t, an);
+        // the next k-step's words and x' load while this one decodes; the last step reloads
+        // its own, so there is no branch and, unrolled twice, the copies below are renames
+        const int kn = min(ks + 1, k_hi - 1);
+        u32 wn[8][3], xn[RG][8][2];
+        load_w(col, row_words, kn, wa, wb, wc, wn);
+        load_x(xq, kn, t, xn);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            u32 a[4];
+            decode_tile(w[i], o, xc, a);
+#pragma unroll
+            for (int q = 0; q < RG; ++q) mma(acc[q], a, x[q][i][0], x[q][i][1]);
         }
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            u32 b[4];
-            decode_tile(w[i], o, b);
-            mma(acc[0], a[i], b[0], b[1]);
-            mma(acc[1], a[i], b[2], b[3]);
-        }
-        if (ks + 1 < k_hi) {
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
+            for (int j = 0; j < 3; ++j) w[i][j] = wn[i][j];
 #pragma unroll
-                for (int j = 0; j < 3; ++j) w[i][j] = wn[i][j];
-#pragma unroll
-                for (int j = 0; j < 4; ++j) a[i][j] = an[i][j];
+            for (int q = 0; q < RG; ++q) {
+                x[q][i][0] = xn[q][i][0];
+                x[q][i][1] = xn[q][i][1];
             }
         }
     }
 
-    // this split's partial: C rows g / g + 8, columns 2t, 2t + 1 of each n8 half
+    // this split's partial: y' rows 8q + 2t, + 1 at columns g, g + 8 of the warp's 16
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int c = (nb * 4 + warp) * 16 + h * 8 + 2 * t;
-        if (g < M) {
-            float* p = part + ((long long)s * M + g) * n_p + c;
-            p[0] = acc[h][0]; p[1] = acc[h][1];
+    for (int q = 0; q < RG; ++q)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int r = tile_row(rows, tile, tile_m, M, 8 * q + 2 * t + j);
+            if (r >= 0) {
+                float* p = ps + s * sp_split + (long long)r * sp_row + (nb * 4 + warp) * 16 + g;
+                p[0] = acc[q][j];
+                p[8] = acc[q][2 + j];
+            }
         }
-        if (g + 8 < M) {
-            float* p = part + ((long long)s * M + g + 8) * n_p + c;
-            p[0] = acc[h][2]; p[1] = acc[h][3];
-        }
-    }
 
-    // the last of the 2·S programs writing this 128-column block finishes it
+    // the last of the 2·S programs writing this tile's 128-column block finishes it
+    int* const arrivals = cnt + (long long)blockIdx.z * (gridDim.x >> 1) + (nb >> 1);
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
-        const int prev = atomicAdd(&cnt[nb >> 1], 1);
+        const int prev = atomicAdd(arrivals, 1);
         last = prev == 2 * S - 1;
-        if (last) cnt[nb >> 1] = 0;
+        if (last) *arrivals = 0;
     }
     __syncthreads();
     if (!last) return;
@@ -254,19 +307,22 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
     // once (each row still sums its splits in ascending order from zero)
     constexpr int RPW = R16 ? 4 : 2;  // rows per warp
     const int c0 = (nb >> 1) * 128 + 4 * lane;
+    const unsigned short* const sv = svh + set * ssvh_set + (long long)e * ssvh_e;
+    int rq[RPW];
     float v[RPW][4];
 #pragma unroll
-    for (int q = 0; q < RPW; ++q)
+    for (int q = 0; q < RPW; ++q) {
+        rq[q] = tile_row(rows, tile, tile_m, M, warp + 4 * q);
 #pragma unroll
         for (int j = 0; j < 4; ++j) v[q][j] = 0.f;
+    }
 #pragma unroll 2
     for (int s2 = 0; s2 < S; ++s2) {
 #pragma unroll
         for (int q = 0; q < RPW; ++q) {
-            const int r = warp + 4 * q;
-            if (r < M) {
-                const float4 p =
-                    __ldcg((const float4*)(part + ((long long)s2 * M + r) * n_p + c0));
+            if (rq[q] >= 0) {
+                const float4 p = __ldcg(
+                    (const float4*)(ps + s2 * sp_split + (long long)rq[q] * sp_row + c0));
                 v[q][0] = v[q][0] + p.x; v[q][1] = v[q][1] + p.y;
                 v[q][2] = v[q][2] + p.z; v[q][3] = v[q][3] + p.w;
             }
@@ -274,18 +330,17 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
     }
 #pragma unroll
     for (int q = 0; q < RPW; ++q) {
-        const int r = warp + 4 * q;
-        if (r >= M) continue;  // (uniform across the warp: the shuffles stay converged)
+        if (rq[q] < 0) continue;  // (uniform across the warp: the shuffles stay converged)
         fwht128(v[q], lane);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int c = c0 + j;
             float y = v[q][j] * inv;
-            y = y * h2f(svh[c]);
+            y = y * h2f(sv[c]);
 #if BT >= 0
             if (c < n_out) y = y + load_bias(bias, c);
 #endif
-            if (c < n_out) store_out(out, (long long)r * so + c, y);
+            if (c < n_out) store_out(out, set * so_set + (long long)rq[q] * so + c, y);
         }
     }
 }

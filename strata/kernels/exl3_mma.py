@@ -30,7 +30,11 @@ import torch
 # False: every EXL3 linear on the Triton kernels (A/B measurements; STRATA_EXL3_MMA=0 in the
 # environment does it in every process, ranks of a parallel run included).
 ENABLED = os.environ.get("STRATA_EXL3_MMA", "1") != "0"
-MAX_ROWS = 16  # one m16 MMA tile of rows
+MAX_ROWS = 16  # two n8 groups of rows
+# exl3_moe_linear: up to MAX_PAIRS (token, slot) pairs (decode steps and verify windows) in
+# row tiles of MOE_TILE_M pairs sharing an expert (a decode window routes ≤ 6 to one expert)
+MAX_PAIRS = 64
+MOE_TILE_M = 8
 _SOURCE = Path(__file__).with_name("exl3_mma.cu")
 _OT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -45,31 +49,38 @@ def _hopper(index: int | None) -> bool:
 
 
 def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: torch.dtype,
-            bias: torch.Tensor | None) -> str | None:
-    """None where exl3_linear's fused path may run here with the Triton kernels' bits, else
-    the reason it may not (a failed NVRTC compile included: the Triton kernels then run)."""
+            bias: torch.Tensor | None, pairs: int | None = None) -> str | None:
+    """None where the kernel may run here with the Triton kernels' bits, else the reason it
+    may not (a failed NVRTC compile included: the Triton kernels then run). x: the input,
+    [M, k_in] for exl3_linear; `pairs`: the (token, slot) pairs of an exl3_moe_linear call
+    (grouped into tiles of MOE_TILE_M rows; x then only gives the device)."""
+    rows_ok = (0 < pairs <= MAX_PAIRS if pairs is not None
+               else x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS)
     checks = (
         (ENABLED, "switched off (exl3_mma.ENABLED)"),
-        (x.is_cuda, "not on CUDA"),
-        (os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "TRITON_INTERPRET is set"),
-        (_compiler() is not None, "this torch has no torch.cuda._compile_kernel (NVRTC)"),
-        (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS, f"rows not in 1…{MAX_ROWS}"),
+        (rows_ok, f"pairs not in 1…{MAX_PAIRS}" if pairs is not None
+         else f"rows not in 1…{MAX_ROWS}"),
         (K2 <= 8, "K > 4"),
         (n_p % 128 == 0, "output not 128-aligned"),
         (out_dtype in _OT, f"output dtype {out_dtype}"),
         (bias is None or bias.dtype in _OT, "bias dtype"),
+        (x.is_cuda, "not on CUDA"),
+        (os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "TRITON_INTERPRET is set"),
+        (_compiler() is not None, "this torch has no torch.cuda._compile_kernel (NVRTC)"),
     )
     for ok, reason in checks:
         if not ok:
             return reason
     if not _hopper(x.device.index):
         return "not compute capability 9.0 (elsewhere the Triton kernels use mma.sync kWidth 4)"
-    key = _key(K2, codebook_id, out_dtype, bias, x.shape[0], x.device.index)
+    key = _key(K2, codebook_id, out_dtype, bias,
+               MOE_TILE_M if pairs is not None else x.shape[0], pairs is not None,
+               x.device.index)
     if key not in _KERNELS:
         try:
             with torch.cuda.device(x.device.index):
                 _KERNELS[key] = _compiler()(_SOURCE.read_text(), "exl3_mma_linear",
-                                            nvcc_options=_options(*key[:5]))
+                                            nvcc_options=_options(*key[:6]))
         except Exception as e:  # NVRTC missing or refusing: remembered, Triton runs instead
             _KERNELS[key] = f"NVRTC: {type(e).__name__}: {e}".splitlines()[0][:300]
             warnings.warn(f"strata: EXL3 CUDA kernel unavailable ({_KERNELS[key]}); "
@@ -78,17 +89,17 @@ def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: tor
     return k if isinstance(k, str) else None
 
 
-_KERNELS: dict = {}  # (K2, CB, OT, BT, R16, device index) → compiled kernel or why not
+_KERNELS: dict = {}  # (K2, CB, OT, BT, R16, G, device index) → compiled kernel or why not
 
 
 def _key(K2: int, codebook_id: int, out_dtype: torch.dtype, bias: torch.Tensor | None,
-         M: int, index: int | None) -> tuple:
+         tile_rows: int, grouped: bool, index: int | None) -> tuple:
     return (K2, codebook_id, _OT[out_dtype], -1 if bias is None else _OT[bias.dtype],
-            int(M > 8), index)
+            int(tile_rows > 8), int(grouped), index)
 
 
-def _options(K2: int, CB: int, OT: int, BT: int, R16: int) -> list[str]:
-    return [f"-DK2={K2}", f"-DCB={CB}", f"-DOT={OT}", f"-DBT={BT}", f"-DR16={R16}",
+def _options(K2: int, CB: int, OT: int, BT: int, R16: int, G: int) -> list[str]:
+    return [f"-DK2={K2}", f"-DCB={CB}", f"-DOT={OT}", f"-DBT={BT}", f"-DR16={R16}", f"-DG={G}",
             "--fmad=false"]
 
 
@@ -107,11 +118,13 @@ _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREA
 
 def _launch(kernel, grid, block, args, early: bool) -> None:
     """cuLaunchKernelEx on the current stream (captured by CUDA graphs like any launch);
-    early: the kernel may start before the previous one ends (it waits in griddepcontrol)."""
+    early: the kernel may start before the previous one ends (it waits in griddepcontrol).
+    args: tensors (their addresses), floats (double), ctypes values as they are, ints (int)."""
     from torch.cuda._utils import _get_gpu_runtime_library
     keep, params = [], []  # (keep: the ctypes values stay alive through the call)
     for a in args:
         v = (ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
+             else a if isinstance(a, ctypes._SimpleCData)
              else ctypes.c_double(a) if isinstance(a, float) else ctypes.c_int(a))
         keep.append(v)
         params.append(ctypes.cast(ctypes.byref(v), ctypes.c_void_p))
@@ -126,6 +139,9 @@ def _launch(kernel, grid, block, args, early: bool) -> None:
         raise RuntimeError(f"exl3_mma: cuLaunchKernelEx failed with CUDA error {rc}")
 
 
+_L = ctypes.c_longlong  # (the kernel's 64-bit strides)
+
+
 def linear(xr: torch.Tensor, trellis: torch.Tensor, svh: torch.Tensor, codebook_id: int,
            K2: int, out: torch.Tensor, part: torch.Tensor, counters: torch.Tensor,
            per_split: int, bias: torch.Tensor | None, inv: float, early: bool) -> torch.Tensor:
@@ -137,9 +153,37 @@ def linear(xr: torch.Tensor, trellis: torch.Tensor, svh: torch.Tensor, codebook_
     M = xr.shape[0]
     kt, nt = trellis.shape[-3], trellis.shape[-2]
     n_p, S = 16 * nt, part.shape[0]
-    k = _KERNELS[_key(K2, codebook_id, out.dtype, bias, M, xr.device.index)]  # why_not made it
+    k = _KERNELS[_key(K2, codebook_id, out.dtype, bias, M, False, xr.device.index)]
     _launch(k, (n_p // 64, S, 1), (128, 1, 1),
             [xr, trellis, part, counters, svh, bias if bias is not None else svh, out,
-             M, xr.stride(0), n_p, out.shape[1], out.stride(0), kt * 16 // 128, per_split,
-             nt * 4 * K2, float(inv)], early)
+             part, part,  # (no row tiles)
+             M, MAX_ROWS, 1, xr.stride(0), _L(0), _L(0), _L(0),
+             part.stride(1), _L(part.stride(0)), _L(0), _L(0), _L(0), out.stride(0), _L(0),
+             n_p, out.shape[1], kt * 16 // 128, per_split, nt * 4 * K2, float(inv)], early)
+    return out
+
+
+def moe(xr: torch.Tensor, words: torch.Tensor, str_set: int, svh: torch.Tensor,
+        ssvh_set: int, codebook_id: int, K2: int, out: torch.Tensor, part: torch.Tensor,
+        counters: torch.Tensor, per_split: int, tile_rows: torch.Tensor,
+        tile_expert: torch.Tensor, inv: float, early: bool) -> torch.Tensor:
+    """exl3_moe_linear's grouped step on this kernel: out[w, p] = H128(x'[w, p]·Ŵ_e)·svh_e for
+    each weight set w and pair p in a row tile of expert e, from x' [W, P, k_p] fp16 (the
+    grouped rotate_in's output); words: set 0's experts [E, kt, nt, 4K] int32, str_set words
+    to set w's (× w); svh set 0's [E, n_p], ssvh_set likewise; part [W, S, P, n_p] fp32;
+    tile_rows [n_tiles, MOE_TILE_M] / tile_expert [n_tiles] from moe_grouping (block
+    MOE_TILE_M); zeroed counters for W·n_tiles·n_p/128 blocks (left zero). The caller checked
+    why_not(…, pairs=P)."""
+    W, P, _ = xr.shape
+    kt, nt = words.shape[-3], words.shape[-2]
+    n_p, S, n_tiles = 16 * nt, part.shape[1], tile_expert.numel()
+    if tile_rows.shape != (n_tiles, MOE_TILE_M) or not tile_rows.is_contiguous():
+        raise ValueError(f"exl3_mma.moe: tile_rows must be [n_tiles, {MOE_TILE_M}] contiguous")
+    k = _KERNELS[_key(K2, codebook_id, out.dtype, None, MOE_TILE_M, True, xr.device.index)]
+    _launch(k, (n_p // 64, S, W * n_tiles), (128, 1, 1),
+            [xr, words, part, counters, svh, svh, out, tile_rows, tile_expert,
+             P, MOE_TILE_M, n_tiles, xr.stride(1), _L(xr.stride(0)), _L(words.stride(0)),
+             _L(str_set), part.stride(2), _L(part.stride(1)), _L(part.stride(0)),
+             _L(svh.stride(0)), _L(ssvh_set), out.stride(1), _L(out.stride(0)),
+             n_p, out.shape[2], kt * 16 // 128, per_split, nt * 4 * K2, float(inv)], early)
     return out

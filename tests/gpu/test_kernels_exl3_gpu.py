@@ -170,9 +170,11 @@ def test_moe_prefill_step_equals_single_linear(cuda):
         assert torch.equal(ref[0], y[t, s]), (t, s)
 
 
-def test_every_kernel_lowers_dot_to_wgmma_on_hopper(cuda):
+def test_every_kernel_lowers_dot_to_wgmma_on_hopper(cuda, monkeypatch):
     """The exactness rule's premise on this GPU: the fused, GEMM and grouped kernels all run
     wgmma (mma.sync with the decode's kWidth 4 would round differently; module doc)."""
+    from strata.kernels import exl3_mma
+    monkeypatch.setattr(exl3_mma, "ENABLED", False)  # (the grouped call: Triton's, not CUDA's)
     tr = trellis_of(1024, 512, 2, seed=70, device=cuda)
     xr = torch.randn(300, 1024, device=cuda).half()
     X.exl3_matmul(xr[:3], tr, "mul1", "fused")
@@ -342,3 +344,39 @@ def test_the_mma_kernel_gives_the_triton_kernels_bits(cuda, monkeypatch, K, code
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static, eager)
+
+
+@pytest.mark.parametrize("K,codebook", [(2, "3inst"), (2.5, "mul1"), (3, "mcg"), (4, "mul1")])
+def test_the_mma_kernels_moe_gives_the_triton_kernels_bits(cuda, monkeypatch, K, codebook):
+    """exl3_moe_linear on the CUDA kernel (tiles of MOE_TILE_M pairs) against the Triton
+    grouped kernel (tiles of BLOCK_M), bit for bit: gate + up (two sets, one input per token)
+    and down (one input per pair) for a 6-token verify window × 6 slots over 12 experts —
+    several pairs per expert, all experts' tiles, fp32 and bf16 outputs — then one token."""
+    from strata.kernels import exl3_mma
+    E, T, k = 12, 6, 6
+    sets = [(trellis_of(5120, 2304, K, seed=90 + w, device=cuda, E=E),
+             scales(5120, 92 + w, cuda, E, 5120 ** -0.5), scales(2304, 94 + w, cuda, E, 0.05))
+            for w in range(2)]
+    down = [(trellis_of(2304, 5120, K, seed=96, device=cuda, E=E),
+             scales(2304, 97, cuda, E, 2304 ** -0.5), scales(5120, 98, cuda, E, 0.05))]
+    g = torch.Generator().manual_seed(99)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(cuda)
+    x = torch.randn(T, 5120, generator=g).to(cuda, torch.bfloat16)
+    a = torch.randn(T, k, 2304, generator=g).to(cuda, torch.bfloat16)
+
+    def both(x, idx, w, out_dtype):
+        outs = []
+        for on in (True, False):
+            monkeypatch.setattr(exl3_mma, "ENABLED", on)
+            want = exl3_mma.MOE_TILE_M if on else X.BLOCK_M
+            assert X.moe_block_m(x, idx, w, codebook, out_dtype) == want
+            outs.append(X.exl3_moe_linear(x, idx, w, codebook, out_dtype=out_dtype))
+        return outs
+
+    for out_dtype in (torch.float32, torch.bfloat16):
+        got, ref = both(x, idx, sets, out_dtype)
+        assert all(torch.equal(p, q) for p, q in zip(got, ref)), out_dtype
+        got, ref = both(a, idx, down, out_dtype)
+        assert torch.equal(got[0], ref[0]), out_dtype
+    got, ref = both(x[2:3], idx[2:3], sets, torch.float32)
+    assert all(torch.equal(p, q) for p, q in zip(got, ref))
