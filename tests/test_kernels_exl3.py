@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 
 import strata.quant.exl3 as qexl3  # noqa: E402
 from strata.kernels import exl3 as X  # noqa: E402
-from strata.kernels.moe_grouping import group_by_expert  # noqa: E402
+from strata.kernels.moe_grouping import Routing, group_by_expert  # noqa: E402
 from strata.model.numerics import Numerics  # noqa: E402
 from strata.quant.exl3 import Exl3Linear, _rotate, decode_trellis  # noqa: E402
 
@@ -269,7 +269,12 @@ def test_moe_tiles_cross_the_finish_sub_blocks():
     used = groups.tile_expert >= 0
     assert sorted((groups.tile_rows[used] >= 0).sum(1).tolist()) == [1, 1, T - 2, T]
     x = torch.randn(T, 128, generator=torch.Generator().manual_seed(96))
-    outs = X.exl3_moe_linear(x, idx, sets, "mcg", groups=groups)
+    routing = Routing(idx, E)
+    outs = X.exl3_moe_linear(x, idx, sets, "mcg", routing=routing)
+    # (the Triton kernel's tiles here: the call made that grouping, and the same one)
+    assert torch.equal(routing.groups(X.BLOCK_M).tile_rows, groups.tile_rows)
+    with pytest.raises(ValueError, match="routing for ids"):
+        X.exl3_moe_linear(x[:3], idx[:3], sets, "mcg", routing=routing)
     for (tr, suh, svh), out in zip(sets, outs):
         ref = {e: X.exl3_linear(x, tr[e], suh[e], svh[e], "mcg", path="gemm") for e in range(E)}
         for t in range(T):

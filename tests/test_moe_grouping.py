@@ -48,3 +48,17 @@ def test_one_program_grouping_equals_the_general_path(T, k, E, bm, seed):
     assert torch.equal(got.order, want.order)
     assert torch.equal(got.tile_expert, want.tile_expert)
     assert torch.equal(got.tile_rows, want.tile_rows)
+
+
+def test_a_routing_groups_once_per_tile_size():
+    """Routing: each tile size's grouping made on first use, kept (one step's launches, or a
+    fixed routing across steps), equal to group_by_expert's."""
+    from strata.kernels.moe_grouping import Routing
+    idx = torch.tensor([[3, 1], [1, 0], [3, 2]])
+    r = Routing(idx, 5)
+    g8, g64 = r.groups(8), r.groups(64)
+    assert r.groups(8) is g8 and r.groups(64) is g64 and g8 is not g64
+    assert (g8.block_m, g64.block_m) == (8, 64)
+    want = group_by_expert(idx, 5, 8)
+    assert torch.equal(g8.tile_rows, want.tile_rows)
+    assert torch.equal(g8.tile_expert, want.tile_expert)

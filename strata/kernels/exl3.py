@@ -66,9 +66,10 @@ rotate_in began (the trellis, the expert groups), and it stores only after. Same
 
 Occupancy: each k-step's trellis words are loaded while the previous step decodes, and the
 fused / grouped kernel is capped at FUSED_MAX_REGISTERS (4 programs of 4 warps per SM: a
-~512-program decode launch in one wave). On Hopper a decode-sized dense linear's matmul runs
-in CUDA C instead (strata.kernels.exl3_mma: each MMA lane decodes its own fragment window;
-the same bits, checked on the GPU).
+~512-program decode launch in one wave). On Hopper a decode-sized call's matmul — a dense
+linear's ≤ 16 rows, a grouped call's ≤ 64 pairs in tiles of 8 — runs in CUDA C instead
+(strata.kernels.exl3_mma: each MMA lane decodes its own fragment window; the same bits,
+checked on the GPU).
 
 Arrival counters (`_counters`) are one zeroed buffer per device, zero again after every launch;
 an eager first call (the usual CUDA-graph warm-up) allocates them before a capture, and
@@ -88,7 +89,7 @@ from typing import Sequence
 import torch
 
 from strata.kernels import exl3_mma
-from strata.kernels.moe_grouping import ExpertGroups, group_by_expert
+from strata.kernels.moe_grouping import Routing
 
 try:
     import triton
@@ -913,23 +914,11 @@ def _stack_sets(weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor
                  strides[2])
 
 
-def moe_block_m(x: torch.Tensor, idx: torch.Tensor,
-                weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                codebook: str, out_dtype: torch.dtype = torch.float32) -> int:
-    """The row-tile size exl3_moe_linear groups these pairs by (group_by_expert's block_m)."""
-    tr = weights[0][0]
-    pairs = idx.numel()
-    if exl3_mma.why_not(x, k2_of(tr), CODEBOOK_IDS[codebook], 16 * tr.shape[-2], out_dtype,
-                        None, pairs=pairs) is None:
-        return exl3_mma.MOE_TILE_M
-    return BLOCK_M
-
-
 def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
                     weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                     codebook: str, out_features: int | None = None,
                     out_dtype: torch.dtype = torch.float32,
-                    groups: ExpertGroups | None = None) -> list[torch.Tensor]:
+                    routing: Routing | None = None) -> list[torch.Tensor]:
     """EXL3 expert linears for a step's (token, slot) pairs, grouped by expert.
 
     Contract (for the MoE wiring, strata.model.moe):
@@ -946,8 +935,8 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     codebook: '3inst' | 'mcg' | 'mul1' (shared by all sets; half-integer K needs mul1).
     out_features: trim the outputs to this width (default n_p).
     out_dtype: of the outputs (default fp32).
-    groups: a precomputed strata.kernels.moe_grouping.group_by_expert(idx, E, m) with
-       m = moe_block_m(x, idx, weights, codebook, out_dtype); computed here when None.
+    routing: a strata.kernels.moe_grouping.Routing(idx, E) shared by a step's launches (each
+       grouping made once, for the tile size the kernel that runs needs); made here when None.
     Returns W tensors [T, k, out_features]: y[w][t, s] = x_t·W_{w, idx[t,s]} — no routing
     weight, activation or slot sum is applied here.
 
@@ -992,11 +981,12 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     cb = CODEBOOK_IDS[codebook]
     mma = exl3_mma.why_not(x, K2, cb, n_p, out_dtype, None, pairs=P) is None
     block_m = exl3_mma.MOE_TILE_M if mma else BLOCK_M
-    if groups is None:
-        groups = group_by_expert(idx, E, block_m)
-    if groups.block_m != block_m:
-        raise ValueError(f"exl3_moe_linear: groups.block_m must be {block_m} here "
-                         "(moe_block_m)")
+    if routing is None:
+        routing = Routing(idx, E)
+    elif routing.idx.shape != idx.shape or routing.n_experts != E:
+        raise ValueError(f"exl3_moe_linear: routing for ids {list(routing.idx.shape)} over "
+                         f"{routing.n_experts} experts, called with {[T, k]} over {E}")
+    groups = routing.groups(block_m)
     sets = _stack_sets(weights)
     eidx = idx.reshape(-1)  # (int64 or int32 ids, read as they are: no cast launch)
     if eidx.dtype not in (torch.int32, torch.int64):

@@ -2,20 +2,26 @@
 
 Triton gives no control of the tensor cores' operand registers: its fused kernel decodes a
 tile per thread and moves it to the MMA layout through shared memory. The trellis layout is
-made for MMA fragments — lane l of an m16n8k16 MMA needs exactly ring positions 8l … 8l + 7 of
-a tile — so this kernel decodes each lane's window straight into its B fragments, and
-finishes each 128-column block in the last program to arrive, like the Triton kernel. It
-follows exl3.rotate_in and is launched early after it (programmatic dependent launch, through
-the driver's cuLaunchKernelEx), as the Triton fused kernel is. Measured on the H200 (session
-11, bench/results/kernels.md): a little faster than the Triton kernel at 1 row, equal at 6 —
-the layout change was not what bounds a 6-row linear.
+made for MMA fragments — lane l of an m16n8k16 MMA holds exactly ring positions 8l … 8l + 7 of
+a tile as its A fragment of Ŵᵀ — so this kernel computes y'ᵀ = Ŵᵀ·x'ᵀ with each lane decoding
+its window straight into registers and 8 rows of x' as the MMA's n8, and finishes each
+128-column block in the last program to arrive, like the Triton kernel. It follows
+exl3.rotate_in and is launched early after it (programmatic dependent launch, through the
+driver's cuLaunchKernelEx), as the Triton fused kernel is. `linear` serves exl3_linear, `moe`
+exl3_moe_linear (rows: tiles of MOE_TILE_M pairs sharing an expert, for W weight sets).
+The decode is integer work on the SM's ALU pipe (shifts, masks, byte permutes), which bounds
+it: the k-loop is written for few such instructions (the compiled loop: 427–462 per k-step at
+K = 2–4 in session 12, from 598–614; bench/results/kernels.md records what each version
+measured).
 
 Bits: identical to strata.kernels.exl3's kernels on Hopper (same split schedule, ascending
 k16 MMA chain per split — what wgmma computes — same Hadamard butterflies, no fused
-multiply-add: `--fmad=false`); a GPU test compares them. Used only where that holds and the
-kernel applies (`why_not` is None): compute capability 9.0, M ≤ 16 rows, K ≤ 4, a 128-aligned
-output; everything else stays on the Triton kernels. Compiled by torch's NVRTC wrapper
-(`torch.cuda._compile_kernel`, torch ≥ 2.8): no build step and no extra dependency.
+multiply-add: `--fmad=false`); GPU tests compare them, linear and grouped (the transposed
+product included: the same products summed in the same k order). Used only where that holds
+and the kernel applies (`why_not` is None): compute capability 9.0, M ≤ 16 rows (or ≤
+MAX_PAIRS grouped pairs), K ≤ 4, a 128-aligned output; everything else stays on the Triton
+kernels. Compiled by torch's NVRTC wrapper (`torch.cuda._compile_kernel`, torch ≥ 2.8): no
+build step and no extra dependency.
 """
 from __future__ import annotations
 

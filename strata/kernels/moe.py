@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.kernels.moe_grouping import group_by_expert
+from strata.kernels.moe_grouping import Routing, group_by_expert
 
 
 @dataclass
@@ -123,28 +123,23 @@ def exl3_moe_forward(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
     and routing weight in torch (elementwise: batch-invariant), the grouped down projection,
     and the slot sum in slot order. Per pair the numerics of Exl3Linear's kernel forward (no
     fp8 point: EXL3 linears take unquantized activations)."""
-    from strata.kernels.exl3 import exl3_moe_linear, moe_block_m
+    from strata.kernels.exl3 import exl3_moe_linear
     from strata.model.moe import slot_sum, swiglu_to
     T, k = idx.shape
     dt = nx.act_dtype
     D = w2.out_features
     if T == 0:
         return torch.zeros((0, D), dtype=torch.float32, device=x.device)
-    made = {}  # the step's expert groups, once per tile size the launches need (usually one)
-
-    def run(xin, sets, codebook, n_out):
-        m = moe_block_m(xin, idx, sets, codebook, dt)
-        if m not in made:
-            made[m] = group_by_expert(idx, w1.trellis.shape[0], m)
-        return exl3_moe_linear(xin, idx, sets, codebook, n_out, dt, made[m])
+    routing = Routing(idx, w1.trellis.shape[0])  # (each grouping made once for the 3 launches)
     xin = x.to(dt)
     if w1.codebook == w3.codebook and w1.trellis.shape == w3.trellis.shape:
-        g, v = run(xin, [w1.set, w3.set], w1.codebook, w1.out_features)
+        g, v = exl3_moe_linear(xin, idx, [w1.set, w3.set], w1.codebook, w1.out_features, dt,
+                               routing)
     else:
-        (g,) = run(xin, [w1.set], w1.codebook, w1.out_features)
-        (v,) = run(xin, [w3.set], w3.codebook, w3.out_features)
+        (g,) = exl3_moe_linear(xin, idx, [w1.set], w1.codebook, w1.out_features, dt, routing)
+        (v,) = exl3_moe_linear(xin, idx, [w3.set], w3.codebook, w3.out_features, dt, routing)
     a = swiglu_to(g, v, limit, dt, weight)  # [T, k, I]
-    (y,) = run(a, [w2.set], w2.codebook, D)
+    (y,) = exl3_moe_linear(a, idx, [w2.set], w2.codebook, D, dt, routing)
     return slot_sum(y)
 
 

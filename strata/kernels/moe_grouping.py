@@ -41,6 +41,23 @@ class ExpertGroups:
     block_m: int
 
 
+class Routing:
+    """A step's expert ids [T, k] with their groupings, each made on first use for the tile
+    size a kernel asks for (the EXL3 CUDA kernel's tiles are smaller than the Triton
+    kernel's; exl3_moe_linear picks): several launches of one step share one object, so each
+    grouping is computed once, and one kept across steps (fixed ids) keeps its groupings."""
+
+    def __init__(self, idx: torch.Tensor, n_experts: int) -> None:
+        self.idx, self.n_experts = idx, n_experts
+        self._by_block: dict[int, ExpertGroups] = {}
+
+    def groups(self, block_m: int) -> ExpertGroups:
+        g = self._by_block.get(block_m)
+        if g is None:
+            g = self._by_block[block_m] = group_by_expert(self.idx, self.n_experts, block_m)
+        return g
+
+
 def group_by_expert(idx: torch.Tensor, n_experts: int, block_m: int) -> ExpertGroups:
     """idx [T, k] expert ids → tiles of ≤ block_m pairs with one expert each."""
     if idx.is_cuda and triton is not None and idx.numel() <= FUSED_PAIRS:

@@ -21,7 +21,7 @@ class LinearGroups:
     def __init__(self, linears: list[Linear]) -> None:
         self.linears = list(linears)
         self._stack = None          # the groups' EXL3 tensors stacked (built on first use)
-        self._routes: dict = {}     # (T, device) -> (group ids [T, G], their grouping)
+        self._routes: dict = {}     # (T, device) -> Routing of group ids [T, G]
 
     def __len__(self) -> int:
         return len(self.linears)
@@ -42,9 +42,9 @@ class LinearGroups:
             return torch.cat([lin(x[:, g], nx, act_quant=False)
                               for g, lin in enumerate(self.linears)], dim=1)
         from strata.kernels.exl3 import exl3_moe_linear
-        ids, grouping = self._route(T, x.device)
-        (y,) = exl3_moe_linear(x, ids, [stack.set], stack.codebook, stack.out_features,
-                               nx.act_dtype, grouping)
+        routing = self._route(T, x.device)
+        (y,) = exl3_moe_linear(x, routing.idx, [stack.set], stack.codebook,
+                               stack.out_features, nx.act_dtype, routing)
         return y.reshape(T, -1)
 
     def _grouped_exl3(self, x: torch.Tensor):
@@ -73,9 +73,8 @@ class LinearGroups:
         graph's warm-up, before the capture)."""
         key = (T, device)
         if key not in self._routes:
-            from strata.kernels.exl3 import BLOCK_M
-            from strata.kernels.moe_grouping import group_by_expert
+            from strata.kernels.moe_grouping import Routing
             G = len(self.linears)
             ids = torch.arange(G, device=device).expand(T, G).contiguous()
-            self._routes[key] = ids, group_by_expert(ids, G, BLOCK_M)
+            self._routes[key] = Routing(ids, G)
         return self._routes[key]

@@ -368,8 +368,9 @@ def test_the_mma_kernels_moe_gives_the_triton_kernels_bits(cuda, monkeypatch, K,
         outs = []
         for on in (True, False):
             monkeypatch.setattr(exl3_mma, "ENABLED", on)
-            want = exl3_mma.MOE_TILE_M if on else X.BLOCK_M
-            assert X.moe_block_m(x, idx, w, codebook, out_dtype) == want
+            why = exl3_mma.why_not(x, X.k2_of(w[0][0]), X.CODEBOOK_IDS[codebook],
+                                   16 * w[0][0].shape[-2], out_dtype, None, pairs=idx.numel())
+            assert (why is None) == on, why
             outs.append(X.exl3_moe_linear(x, idx, w, codebook, out_dtype=out_dtype))
         return outs
 
