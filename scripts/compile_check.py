@@ -7,7 +7,8 @@ compiles every distinct one for a target (default Hopper, sm_90) with this machi
 which can differ from the device's version, so a pass here is a strong hint, not a proof.
 
     python scripts/compile_check.py [--arch 90] [--tests "tests/test_kernels_*.py …"] [--regs]
-    python scripts/compile_check.py --nvrtc …/nvidia/cuda_nvrtc/lib/libnvrtc.so.12  (CUDA C)
+    python scripts/compile_check.py --nvrtc …/nvidia/cuda_nvrtc/lib/libnvrtc.so.12 [--sass]
+        (the CUDA C kernel; --sass: its k-loop's instruction counts)
 
 Exit status 1 when any launch fails to compile (each failure is printed).
 """
@@ -126,10 +127,33 @@ def compile_all(path: str, arch: int, regs: bool = False) -> int:
     return 1 if failures else 0
 
 
-def compile_cuda(nvrtc: str, arch: int) -> int:
+def _k_loop(cubin: str) -> tuple[list[str], int]:
+    """The k-loop of exl3_mma's compiled kernel — the backward branch whose body holds the
+    MMAs — as its opcodes and MMA count (8 MMAs per k-step and row group): the decode's
+    integer work is what bounds the kernel, so this is its cost, read from the SASS of
+    Triton's cuobjdump."""
+    import re
+    from triton.backends.nvidia import __file__ as nv
+    sass = subprocess.run([os.path.join(os.path.dirname(nv), "bin", "cuobjdump"), "-sass",
+                           cubin], capture_output=True, text=True).stdout
+    code = [(int(m.group(1), 16), m.group(2)) for m in
+            re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);",
+                        sass)]
+    branches = re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+0x([0-9a-f]+)", sass)
+    for b in branches:
+        at, to = int(b.group(1), 16), int(b.group(2), 16)
+        body = [op.split(".")[0] for a, op in code if to <= a <= at]
+        n_mma = body.count("HMMA")
+        if to < at and n_mma:
+            return body, n_mma
+    return [], 0
+
+
+def compile_cuda(nvrtc: str, arch: int, sass: bool = False) -> int:
     """Compile strata/kernels/exl3_mma.cu with the NVRTC library at `nvrtc` (e.g. from the
     nvidia-cuda-nvrtc wheel) for every set of its compile-time constants, then assemble each
-    for sm_<arch> with Triton's ptxas and print registers and spills."""
+    for sm_<arch> with Triton's ptxas and print registers and spills (`sass`: also the
+    k-loop's instructions per k-step, _k_loop)."""
     import ctypes
     import itertools
     import re
@@ -167,6 +191,15 @@ def compile_cuda(nvrtc: str, arch: int) -> int:
                 f.write(ptx.value)
             out = subprocess.run([ptxas, f"-arch=sm_{arch}", "-v", path, "-o",
                                   os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
+            loop = ""
+            if sass and out.returncode == 0 and OT == 0 and BT == -1:
+                import collections
+                body, n_mma = _k_loop(os.path.join(tmp, "k.cubin"))
+                per = len(body) * 8 * (2 if R16 else 1) / max(n_mma, 1)
+                top = collections.Counter(body).most_common(6)
+                loop = (f"; k-loop {per:.0f} instructions per k-step ("
+                        + ", ".join(f"{op} {n * 8 * (2 if R16 else 1) / n_mma:.0f}"
+                                    for op, n in top) + ")")
         info = re.findall(r"Used (\d+) registers|(\d+) bytes spill stores", out.stderr)
         if out.returncode != 0:
             failures += 1
@@ -175,7 +208,7 @@ def compile_cuda(nvrtc: str, arch: int) -> int:
             regs = [a for a, _ in info if a]
             spills = [b for _, b in info if b]
             print(f"exl3_mma K2={K2} CB={CB} OT={OT} BT={BT} R16={R16} G={G}: {regs[0]} registers, "
-                  f"{spills[0] if spills else 0} bytes spilled", flush=True)
+                  f"{spills[0] if spills else 0} bytes spilled{loop}", flush=True)
     print(f"exl3_mma.cu compiled for sm_{arch}: {failures} failed")
     return 1 if failures else 0
 
@@ -189,10 +222,12 @@ def main() -> int:
     p.add_argument("--nvrtc", metavar="LIBNVRTC",
                    help="instead: compile the CUDA kernel source (exl3_mma.cu) with this NVRTC "
                         "library, every constant set, and report registers")
+    p.add_argument("--sass", action="store_true",
+                   help="with --nvrtc: also the k-loop's instructions per k-step by opcode")
     p.add_argument("--compile-only", metavar="JSONL", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.nvrtc:
-        return compile_cuda(args.nvrtc, args.arch)
+        return compile_cuda(args.nvrtc, args.arch, args.sass)
     if args.compile_only:
         return compile_all(args.compile_only, args.arch, args.regs)
     with tempfile.TemporaryDirectory() as tmp:
