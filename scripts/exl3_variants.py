@@ -1,7 +1,8 @@
 """Where an EXL3 decode linear's time goes, and A/B of the fused kernel's switches (GPU).
 
 For each variant (a set of strata.kernels.exl3 module switches: FUSED_MAX_REGISTERS (0: none),
-PDL, TARGET_PROGRAMS; MMA = strata.kernels.exl3_mma.ENABLED) and each V4.1 shape at 1 and 6 rows, times under CUDA-graph replay
+PDL, TARGET_PROGRAMS; MMA = strata.kernels.exl3_mma.ENABLED, MMA_XS = its XS) and each V4.1
+shape at 1 and 6 rows, times under CUDA-graph replay
 (strata.bench.kernels.Timer: L2 flushed, median): rotate_in alone, the split partials alone
 (the fused kernel without its output step), rotate_out of those partials alone, and the whole
 linear (rotate_in + fused kernel finishing its blocks), plus the grouped MoE gate+up for 1 and
@@ -39,6 +40,12 @@ def _variants(spec: str) -> list[tuple[str, dict]]:
             kv[k.strip()] = int(v)
         out.append((name.strip(), kv))
     return out
+
+
+def _switch(key: str) -> tuple:
+    """(module, attribute) of a variant's switch: MMA = exl3_mma.ENABLED, MMA_XS = exl3_mma.XS,
+    anything else strata.kernels.exl3's."""
+    return {"MMA": (exl3_mma, "ENABLED"), "MMA_XS": (exl3_mma, "XS")}.get(key, (X, key))
 
 
 def chain_us(timer, fns) -> float:
@@ -85,8 +92,7 @@ def main() -> None:
     timer = Timer(dev, 25, a.rep, smoke=False)
     rows = [int(r) for r in a.rows.split(",")]
     variants = _variants(a.variants)
-    defaults = {k: exl3_mma.ENABLED if k == "MMA" else getattr(X, k)
-                for _, kv in variants for k in kv}
+    defaults = {k: getattr(*_switch(k)) for _, kv in variants for k in kv}
     results, ref = [], {}
     cases, chains = [], {}
     for i, name in enumerate(a.shapes.split(",")):
@@ -113,8 +119,7 @@ def main() -> None:
         moe_cases.append((T, idx, torch.randn(T, k, generator=g).to(dev, torch.bfloat16)))
     for vname, kv in variants:
         for key, val in defaults.items():
-            setattr(exl3_mma if key == "MMA" else X, "ENABLED" if key == "MMA" else key,
-                    kv.get(key, val))
+            setattr(*_switch(key), kv.get(key, val))
         for name, M, tr, suh, svh, x in cases:
             xr = X.rotate_in(x, suh)
             part = X.exl3_partials(xr, tr, "mul1", path="fused")

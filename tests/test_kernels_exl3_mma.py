@@ -24,24 +24,32 @@ def funnel(lo: int, hi: int, n: int) -> int:
     return ((((hi << 32) | lo) << min(n, 32)) >> 32) & M32
 
 
-def lane_values(words: list[int], lane: int, K2: int) -> list[int]:
-    """The 8 states lane `lane` decodes, as exl3_mma.cu computes them."""
+def lane_values(words: list[int], lane: int, K2: int, xs: bool = False) -> list[int]:
+    """The 8 states lane `lane` decodes, as exl3_mma.cu computes them (xs: its XS switch)."""
     WT = 4 * K2
     b0 = 4 * lane * K2 - 16
     w0, o = b0 >> 5, b0 & 31  # (Python's >> and & on negatives match two's complement)
     w = [words[(w0 + i + WT) % WT] for i in range(3)]
     A, B = funnel(w[1], w[0], o), funnel(w[2], w[1], o)
     AB = (A << 32) | B
-    return [(AB >> (48 - ((j + 1) * K2) // 2)) & 0xFFFF for j in range(8)]
+    out = []
+    for j in range(8):
+        n = ((j + 1) * K2) // 2
+        if xs and n < 16:  # mul.hi.u32 of (A << n) (32 bits) and 2^16
+            out.append(((((A << n) & M32) * 65536) >> 32) & M32)
+        else:
+            out.append((AB >> (48 - n)) & 0xFFFF)
+    return out
 
 
 # decode_tile: fragment register a[r] = codebook2(s[i], s[j]) (low half s[i], high s[j])
 FRAGMENT = {0: (0, 1), 1: (4, 5), 2: (2, 3), 3: (6, 7)}
 
 
+@pytest.mark.parametrize("xs", [False, True])
 @pytest.mark.parametrize("K2,codebook", [(4, "mul1"), (5, "mul1"), (6, "mcg"), (7, "mul1"),
                                          (8, "3inst")])
-def test_lane_windows_are_the_mma_fragments(K2, codebook):
+def test_lane_windows_are_the_mma_fragments(K2, codebook, xs):
     """Lane l = 4g + t: register a[r], half h holds, by the m16n8k16 A-operand layout (PTX
     ISA: row g + 8·(r & 1), column 2t + h + 8·(r >> 1)), element [n, k] of Ŵᵀ — exactly
     decode_trellis's Ŵ[k, n] — for random tiles."""
@@ -56,7 +64,7 @@ def test_lane_windows_are_the_mma_fragments(K2, codebook):
             words = [v & M32 for v in trellis[tk, tn].contiguous().view(torch.int32).tolist()]
             for lane in range(32):
                 gg, t = lane >> 2, lane & 3
-                states = lane_values(words, lane, K2)
+                states = lane_values(words, lane, K2, xs)
                 for r, pair in FRAGMENT.items():
                     for h, j in enumerate(pair):
                         n = gg + 8 * (r & 1)

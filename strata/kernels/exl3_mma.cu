@@ -8,7 +8,9 @@
 //
 // Compile-time constants (-D): K2 = 2K (bits per weight × 2), CB (0 3INST, 1 MCG, 2 MUL1),
 // OT (out: 0 fp32, 1 bf16, 2 fp16), BT (bias: -1 none, else as OT),
-// R16 (1: up to 16 rows; 0: up to 8, the A fragments' rows 8–15 are zero registers),
+// R16 (1: up to 16 rows; 0: up to 8 — one n8 group of x' rows),
+// XS (1: the states inside the window's first word shifted right on the FMA pipe — a
+// multiply-high by 2^16 — not the integer ALU pipe, which the decode saturates: an A/B switch),
 // G (1: grouped — the rows of a program are a tile of (token, slot) pairs sharing one expert,
 // from strata.kernels.moe_grouping, for W weight sets at once: exl3.exl3_moe_linear).
 //
@@ -127,15 +129,24 @@ __device__ __forceinline__ u32 funnel(u32 lo, u32 hi, u32 n) {
 
 // This lane's A fragment of one 16×16 tile of Ŵᵀ (rows = Ŵ's columns g, g + 8; columns = Ŵ's
 // rows) from the three words holding its window (the window starts o bits into w[0])
-__device__ __forceinline__ void decode_tile(const u32 (&w)[3], u32 o, u32 xc, u32 (&a)[4]) {
+__device__ __forceinline__ void decode_tile(const u32 (&w)[3], u32 o, u32 xc, u32 k16,
+                                            u32 (&a)[4]) {
     const u32 A = funnel(w[1], w[0], o), B = funnel(w[2], w[1], o);  // window bits 0..63
     const unsigned long long AB = ((unsigned long long)A << 32) | B;
     u32 s[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j)  // position 8·lane + j: the 16 bits from ⌊(j + 1)·K2 / 2⌋
+    for (int j = 0; j < 8; ++j) {  // position 8·lane + j: the 16 bits from ⌊(j + 1)·K2 / 2⌋
+        const int n = ((j + 1) * K2) / 2;
+#if XS
+        if (n < 16) {  // (A << n) >> 16 as a multiply-high by k16 = 2^16 (a register)
+            asm("mul.hi.u32 %0, %1, %2;" : "=r"(s[j]) : "r"(A << n), "r"(k16));
+            continue;
+        }
+#endif
         // (a constant shift of the 64-bit window, not a funnel then a shift: where it is
         // byte-aligned the compiler takes the 16 bits with one PRMT)
-        s[j] = (u32)(AB >> (48 - ((j + 1) * K2) / 2)) & 0xFFFFu;
+        s[j] = (u32)(AB >> (48 - n)) & 0xFFFFu;
+    }
     // positions in pairs: Ŵ rows (k) 2t, 2t + 1 (bit r0) at column g; the rows + 8 (r3); both
     // at column g + 8 (c3). Fragment: a[0] (k 2t…, column g), a[1] (k 2t…, g + 8),
     // a[2] (k 2t + 8…, g), a[3] (k 2t + 8…, g + 8).
@@ -244,8 +255,9 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
 #pragma unroll
         for (int j = 0; j < 4; ++j) acc[q][j] = 0.f;
 
-    u32 xc;  // (codebook2's constant, kept in a register)
+    u32 xc, k16;  // (constants kept in registers: see codebook2, decode_tile)
     asm volatile("mov.b32 %0, 0x3B603B60;" : "=r"(xc));
+    asm volatile("mov.b32 %0, 65536;" : "=r"(k16));
     u32 w[8][3], x[RG][8][2];
     load_w(col, row_words, k_lo, wa, wb, wc, w);
     // x' comes from the rotate_in launched just before (a no-op without an early launch)
@@ -262,7 +274,7 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             u32 a[4];
-            decode_tile(w[i], o, xc, a);
+            decode_tile(w[i], o, xc, k16, a);
 #pragma unroll
             for (int q = 0; q < RG; ++q) mma(acc[q], a, x[q][i][0], x[q][i][1]);
         }
