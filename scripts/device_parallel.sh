@@ -7,7 +7,7 @@
 # On the device: source scripts/device_env.sh && bash scripts/device_parallel.sh
 set -o pipefail
 nvidia-smi topo -m | tee $OUT/topo.txt
-timeout ${TESTS_S:-200} python -m pytest -q -m gpu tests/gpu/test_parallel_gpu.py 2>&1 \
+timeout ${TESTS_S:-240} python -m pytest -q -m gpu tests/gpu/test_parallel_gpu.py 2>&1 \
     | tee $OUT/parallel_tests.log
 for p in ${DECODE:+layer tp}; do
   timeout ${DECODE_S:-90} python -m strata bench decode --parallel $p --devices cuda:0,cuda:1 \
@@ -16,7 +16,7 @@ for p in ${DECODE:+layer tp}; do
 done
 for p in ${SYN_MODES:-layer tp}; do
   timeout ${SYN_S:-170} python -m strata bench synthetic --parallel $p --devices cuda:0,cuda:1 \
-      --modes plain+graphs,oracle+graphs,oracle:2.9+graphs --tokens 16 --runs 1 --warmup 0 \
+      --modes plain+graphs,oracle+graphs,oracle:2.9+graphs --tokens 16 --runs 1 --warmup 1 \
       --breakdown ${BREAKDOWN:-2} --json $OUT/synthetic_$p.json 2>&1 \
       | grep -v CUDAGraph.cpp | tee $OUT/synthetic_$p.log
 done
