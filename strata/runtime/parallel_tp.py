@@ -41,6 +41,7 @@ import torch
 from strata.config import ModelConfig
 from strata.errors import ConfigError
 from strata.model.attention import sparse_attention
+from strata.model.moe import slot_sum
 from strata.model.model import Model
 from strata.model.numerics import Numerics
 from strata.quant.linear import DenseLinear, Fp4Group32Linear, Fp8Block32Linear, Linear
@@ -324,12 +325,9 @@ class ExpertParallelMoE:
         if shared:
             owner = torch.cat((owner, owner.new_full((T, 1), self.shared_owner)), dim=1)
         ys = every.gather(0, owner[None, :, :, None].expand(1, T, k + shared, u.shape[1]))[0]
-        out = ys[:, 0]
-        for j in range(1, k):
-            out = out + ys[:, j]
-        if shared:
-            out = out + ys[:, k]
-        return out.to(nx.act_dtype)
+        # the slots in order, then the shared expert: MoE.forward's fp32 sums in its order
+        # (slot_sum, then join's routed + shared), one launch on CUDA
+        return slot_sum(ys).to(nx.act_dtype)
 
 
 def apply_tp(model: Model, comm: Comm, plan: TPPlan) -> None:
