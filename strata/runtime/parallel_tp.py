@@ -41,8 +41,8 @@ import torch
 from strata.config import ModelConfig
 from strata.errors import ConfigError
 from strata.model.attention import sparse_attention
-from strata.model.moe import slot_sum
 from strata.model.model import Model
+from strata.model.moe import slot_sum
 from strata.model.numerics import Numerics
 from strata.quant.linear import DenseLinear, Fp4Group32Linear, Fp8Block32Linear, Linear
 from strata.runtime.parallel_comm import Comm
