@@ -153,7 +153,7 @@ def compile_cuda(nvrtc: str, arch: int, sass: bool = False) -> int:
     """Compile strata/kernels/exl3_mma.cu with the NVRTC library at `nvrtc` (e.g. from the
     nvidia-cuda-nvrtc wheel) for every set of its compile-time constants, then assemble each
     for sm_<arch> with Triton's ptxas and print registers and spills (`sass`: also the
-    k-loop's instructions per k-step, _k_loop). XS as exl3_mma has it (STRATA_EXL3_MMA_XS)."""
+    k-loop's instructions per k-step, _k_loop)."""
     import ctypes
     import itertools
     import re
@@ -169,7 +169,7 @@ def compile_cuda(nvrtc: str, arch: int, sass: bool = False) -> int:
             continue  # half-integer K exists with MUL1 only
         if G and (BT >= 0 or R16):
             continue  # grouped: no bias, tiles of 8 rows
-        opts = exl3_mma._options(K2, CB, OT, BT, R16, G, int(exl3_mma.XS)) \
+        opts = exl3_mma._options(K2, CB, OT, BT, R16, G) \
             + [f"--gpu-architecture=compute_{arch}"]
         prog = ctypes.c_void_p()
         lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"exl3_mma.cu", 0, None, None)

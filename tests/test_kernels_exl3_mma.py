@@ -24,8 +24,8 @@ def funnel(lo: int, hi: int, n: int) -> int:
     return ((((hi << 32) | lo) << min(n, 32)) >> 32) & M32
 
 
-def lane_values(words: list[int], lane: int, K2: int, xs: bool = False) -> list[int]:
-    """The 8 states lane `lane` decodes, as exl3_mma.cu computes them (xs: its XS switch)."""
+def lane_values(words: list[int], lane: int, K2: int) -> list[int]:
+    """The 8 states lane `lane` decodes, as exl3_mma.cu computes them."""
     WT = 4 * K2
     b0 = 4 * lane * K2 - 16
     w0, o = b0 >> 5, b0 & 31  # (Python's >> and & on negatives match two's complement)
@@ -35,10 +35,7 @@ def lane_values(words: list[int], lane: int, K2: int, xs: bool = False) -> list[
     out = []
     for j in range(8):
         n = ((j + 1) * K2) // 2
-        if xs and n < 16:  # mul.hi.u32 of (A << n) (32 bits) and 2^16
-            out.append(((((A << n) & M32) * 65536) >> 32) & M32)
-        else:
-            out.append((AB >> (48 - n)) & 0xFFFF)
+        out.append((AB >> (48 - n)) & 0xFFFF)
     return out
 
 
@@ -46,10 +43,9 @@ def lane_values(words: list[int], lane: int, K2: int, xs: bool = False) -> list[
 FRAGMENT = {0: (0, 1), 1: (4, 5), 2: (2, 3), 3: (6, 7)}
 
 
-@pytest.mark.parametrize("xs", [False, True])
 @pytest.mark.parametrize("K2,codebook", [(4, "mul1"), (5, "mul1"), (6, "mcg"), (7, "mul1"),
                                          (8, "3inst")])
-def test_lane_windows_are_the_mma_fragments(K2, codebook, xs):
+def test_lane_windows_are_the_mma_fragments(K2, codebook):
     """Lane l = 4g + t: register a[r], half h holds, by the m16n8k16 A-operand layout (PTX
     ISA: row g + 8·(r & 1), column 2t + h + 8·(r >> 1)), element [n, k] of Ŵᵀ — exactly
     decode_trellis's Ŵ[k, n] — for random tiles."""
@@ -64,7 +60,7 @@ def test_lane_windows_are_the_mma_fragments(K2, codebook, xs):
             words = [v & M32 for v in trellis[tk, tn].contiguous().view(torch.int32).tolist()]
             for lane in range(32):
                 gg, t = lane >> 2, lane & 3
-                states = lane_values(words, lane, K2, xs)
+                states = lane_values(words, lane, K2)
                 for r, pair in FRAGMENT.items():
                     for h, j in enumerate(pair):
                         n = gg + 8 * (r & 1)
@@ -76,16 +72,24 @@ def test_lane_windows_are_the_mma_fragments(K2, codebook, xs):
 
 def test_it_declines_off_hopper_and_says_why(monkeypatch):
     x = torch.zeros(6, 256)
-    assert exl3_mma.why_not(x, 5, 2, 256, torch.float32, None) == "not on CUDA"
-    assert exl3_mma.why_not(x, 5, 2, 256, torch.float32, None, pairs=36) == "not on CUDA"
+    tr = torch.zeros(16, 16, 20, dtype=torch.int16)  # (256 × 256 at 2.5 bits)
+
+    def why(x, K2=5, n_p=256, trellis=tr, **kw):
+        return exl3_mma.why_not(x, K2, 2, n_p, torch.float32, None, trellis, **kw)
+
+    assert why(x) == "not on CUDA"
+    assert why(x, pairs=36) == "not on CUDA"
     # (shape reasons first: they hold on any device)
-    assert exl3_mma.why_not(torch.zeros(17, 256), 5, 2, 256, torch.float32, None) \
-        == "rows not in 1…16"
-    assert exl3_mma.why_not(x, 5, 2, 256, torch.float32, None, pairs=65) == "pairs not in 1…64"
-    assert exl3_mma.why_not(x, 12, 2, 256, torch.float32, None) == "K > 4"
-    assert exl3_mma.why_not(x, 5, 2, 192, torch.float32, None) == "output not 128-aligned"
+    assert why(torch.zeros(17, 256)) == "rows not in 1…16"
+    assert why(x, pairs=65) == "pairs not in 1…64"
+    assert why(x, K2=12) == "K > 4"
+    assert why(x, n_p=192) == "output not 128-aligned"
+    # the kernel copies 16-byte chunks of tiles: a view 4 bytes in, or sets 3 words apart, not
+    assert why(x, trellis=tr.view(-1)[2:]) == "trellis not 16-byte aligned"
+    assert why(x, pairs=36, str_set=3) == "trellis not 16-byte aligned"
+    assert why(x, pairs=36, str_set=4) == "not on CUDA"
     monkeypatch.setattr(exl3_mma, "ENABLED", False)
-    assert "switched off" in exl3_mma.why_not(x, 5, 2, 256, torch.float32, None)
+    assert "switched off" in why(x)
 
 
 def test_launch_structures_match_the_driver_abi():

@@ -851,7 +851,7 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
         svh = _contig_rows(svh)
         trellis = trellis if trellis.is_contiguous() else trellis.contiguous()
         cb = CODEBOOK_IDS[codebook]
-        if exl3_mma.why_not(x2, K2, cb, 16 * nt, out_dtype, bias) is None:  # the same bits
+        if exl3_mma.why_not(x2, K2, cb, 16 * nt, out_dtype, bias, trellis) is None:  # same bits
             per, S = split_schedule(16 * kt, sched_cols or 16 * nt)
             part = torch.empty((S, M, 16 * nt), dtype=torch.float32, device=x.device)
             words, cnt = _words(trellis), _counters(x.device, 16 * nt // 128)
@@ -979,7 +979,9 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     if P == 0:
         return [torch.empty((T, k, n_out), dtype=out_dtype, device=dev) for _ in range(W)]
     cb = CODEBOOK_IDS[codebook]
-    mma = exl3_mma.why_not(x, K2, cb, n_p, out_dtype, None, pairs=P) is None
+    sets = _stack_sets(weights)
+    mma = exl3_mma.why_not(x, K2, cb, n_p, out_dtype, None, sets.trellis, pairs=P,
+                           str_set=sets.str_set) is None
     block_m = exl3_mma.MOE_TILE_M if mma else BLOCK_M
     if routing is None:
         routing = Routing(idx, E)
@@ -987,7 +989,6 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
         raise ValueError(f"exl3_moe_linear: routing for ids {list(routing.idx.shape)} over "
                          f"{routing.n_experts} experts, called with {[T, k]} over {E}")
     groups = routing.groups(block_m)
-    sets = _stack_sets(weights)
     eidx = idx.reshape(-1)  # (int64 or int32 ids, read as they are: no cast launch)
     if eidx.dtype not in (torch.int32, torch.int64):
         eidx = eidx.to(torch.int32)

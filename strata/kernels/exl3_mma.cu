@@ -9,8 +9,6 @@
 // Compile-time constants (-D): K2 = 2K (bits per weight × 2), CB (0 3INST, 1 MCG, 2 MUL1),
 // OT (out: 0 fp32, 1 bf16, 2 fp16), BT (bias: -1 none, else as OT),
 // R16 (1: up to 16 rows; 0: up to 8 — one n8 group of x' rows),
-// XS (1: the states inside the window's first word shifted right on the FMA pipe — a
-// multiply-high by 2^16 — not the integer ALU pipe, which the decode saturates: an A/B switch),
 // G (1: grouped — the rows of a program are a tile of (token, slot) pairs sharing one expert,
 // from strata.kernels.moe_grouping, for W weight sets at once: exl3.exl3_moe_linear).
 //
@@ -129,20 +127,13 @@ __device__ __forceinline__ u32 funnel(u32 lo, u32 hi, u32 n) {
 
 // This lane's A fragment of one 16×16 tile of Ŵᵀ (rows = Ŵ's columns g, g + 8; columns = Ŵ's
 // rows) from the three words holding its window (the window starts o bits into w[0])
-__device__ __forceinline__ void decode_tile(const u32 (&w)[3], u32 o, u32 xc, u32 k16,
-                                            u32 (&a)[4]) {
+__device__ __forceinline__ void decode_tile(const u32 (&w)[3], u32 o, u32 xc, u32 (&a)[4]) {
     const u32 A = funnel(w[1], w[0], o), B = funnel(w[2], w[1], o);  // window bits 0..63
     const unsigned long long AB = ((unsigned long long)A << 32) | B;
     u32 s[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {  // position 8·lane + j: the 16 bits from ⌊(j + 1)·K2 / 2⌋
         const int n = ((j + 1) * K2) / 2;
-#if XS
-        if (n < 16) {  // (A << n) >> 16 as a multiply-high by k16 = 2^16 (a register)
-            asm("mul.hi.u32 %0, %1, %2;" : "=r"(s[j]) : "r"(A << n), "r"(k16));
-            continue;
-        }
-#endif
         // (a constant shift of the 64-bit window, not a funnel then a shift: where it is
         // byte-aligned the compiler takes the 16 bits with one PRMT)
         s[j] = (u32)(AB >> (48 - n)) & 0xFFFFu;
@@ -180,14 +171,30 @@ __device__ __forceinline__ void load_x(const unsigned short* const (&xq)[RG], in
         }
 }
 
-// this lane's three words of each of the 8 tiles of k-step ks in its tile column
-__device__ __forceinline__ void load_w(const u32* __restrict__ col, int row_words, int ks,
-                                       int wa, int wb, int wc, u32 (&w)[8][3]) {
+// Each warp stages its tile column's k-steps in shared memory, two buffers of 8 tiles (8·WT
+// words, in the trellis's own order) filled by cp.async in 16-byte chunks: the global address
+// of a chunk is a per-lane offset plus one step per k-step, and a lane's three words of tile i
+// are then shared loads at i·WT past three per-lane addresses — no 64-bit address arithmetic
+// per tile and word, which the loads straight from global memory cost (~9 instructions a tile,
+// the trellis's k-stride being known only at run time).
+#define CHUNKS (8 * K2)  // 16-byte chunks of a k-step's 8 tiles: 8 · WT / 4 (≤ 64)
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// this lane's chunks (lane, lane + 32) of k-step ks into the buffer at shared address dst
+__device__ __forceinline__ void stage_w(const u32* __restrict__ col, long long step_words,
+                                        int ks, const long long (&goff)[2], u32 dst, int lane) {
+    const u32* base = col + ks * step_words;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const u32* tp = col + (long long)(ks * 8 + i) * row_words;
-        w[i][0] = tp[wa]; w[i][1] = tp[wb]; w[i][2] = tp[wc];
-    }
+    for (int c = 0; c < 2; ++c)
+        if (lane + 32 * c < CHUNKS)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                         :: "r"(dst + 16 * (lane + 32 * c)), "l"(base + goff[c]) : "memory");
+    asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
 // Row r (0 ≤ r < 16) of this program's row tile: its row of x', the partials and the output
@@ -247,6 +254,15 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
     const int w0 = b0 >> 5;
     const u32 o = b0 & 31;
     const int wa = (w0 + WT) % WT, wb = (w0 + 1 + WT) % WT, wc = (w0 + 2 + WT) % WT;
+    // this lane's chunks of a k-step (tile (lane + 32c) / K2 of the 8, its part (lane + 32c)
+    // % K2), relative to the k-step's first tile; a k-step is 8 tiles down the column
+    long long goff[2];
+#pragma unroll
+    for (int c = 0; c < 2; ++c)
+        goff[c] = (long long)((lane + 32 * c) / K2) * row_words + 4 * ((lane + 32 * c) % K2);
+    const long long step_words = 8LL * row_words;
+    __shared__ __align__(16) u32 stage[4][2][8 * WT];
+    const u32 sbuf[2] = {smem_addr(&stage[warp][0][0]), smem_addr(&stage[warp][1][0])};
 
     // y'ᵀ of this warp's 16 columns × each row group: columns g, g + 8 × rows 8q + 2t, + 1
     float acc[RG][4];
@@ -255,39 +271,43 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
 #pragma unroll
         for (int j = 0; j < 4; ++j) acc[q][j] = 0.f;
 
-    u32 xc, k16;  // (constants kept in registers: see codebook2, decode_tile)
+    u32 xc;  // (a constant kept in a register: see codebook2)
     asm volatile("mov.b32 %0, 0x3B603B60;" : "=r"(xc));
-    asm volatile("mov.b32 %0, 65536;" : "=r"(k16));
-    u32 w[8][3], x[RG][8][2];
-    load_w(col, row_words, k_lo, wa, wb, wc, w);
+    u32 x[RG][8][2];
+    stage_w(col, step_words, k_lo, goff, sbuf[0], lane);
     // x' comes from the rotate_in launched just before (a no-op without an early launch)
     asm volatile("griddepcontrol.wait;" ::: "memory");
     load_x(xq, k_lo, t, x);
+    int cur = 0;
 #pragma unroll 2
     for (int ks = k_lo; ks < k_hi; ++ks) {
-        // the next k-step's words and x' load while this one decodes; the last step reloads
-        // its own, so there is no branch and, unrolled twice, the copies below are renames
+        // the next k-step's words (into the other buffer, which every lane finished reading
+        // in the previous step) and x' load while this one decodes; the last step re-stages
+        // its own into the idle buffer, so there is no branch
         const int kn = min(ks + 1, k_hi - 1);
-        u32 wn[8][3], xn[RG][8][2];
-        load_w(col, row_words, kn, wa, wb, wc, wn);
+        __syncwarp();
+        stage_w(col, step_words, kn, goff, sbuf[cur ^ 1], lane);
+        u32 xn[RG][8][2];
         load_x(xq, kn, t, xn);
+        asm volatile("cp.async.wait_group 1;" ::: "memory");  // this step's chunks (own)
+        __syncwarp();                                          // … and the other lanes'
+        const u32* const sw = &stage[warp][cur][0];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
+            const u32 w[3] = {sw[i * WT + wa], sw[i * WT + wb], sw[i * WT + wc]};
             u32 a[4];
-            decode_tile(w[i], o, xc, k16, a);
+            decode_tile(w, o, xc, a);
 #pragma unroll
             for (int q = 0; q < RG; ++q) mma(acc[q], a, x[q][i][0], x[q][i][1]);
         }
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-#pragma unroll
-            for (int j = 0; j < 3; ++j) w[i][j] = wn[i][j];
+        for (int i = 0; i < 8; ++i)
 #pragma unroll
             for (int q = 0; q < RG; ++q) {
                 x[q][i][0] = xn[q][i][0];
                 x[q][i][1] = xn[q][i][1];
             }
-        }
+        cur ^= 1;
     }
 
     // this split's partial: y' rows 8q + 2t, + 1 at columns g, g + 8 of the warp's 16

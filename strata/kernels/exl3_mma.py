@@ -36,9 +36,6 @@ import torch
 # False: every EXL3 linear on the Triton kernels (A/B measurements; STRATA_EXL3_MMA=0 in the
 # environment does it in every process, ranks of a parallel run included).
 ENABLED = os.environ.get("STRATA_EXL3_MMA", "1") != "0"
-# True: the decode's right shifts inside a window's first word on the FMA pipe (exl3_mma.cu's
-# XS; the same bits) — an A/B switch until measured (STRATA_EXL3_MMA_XS=1 in the environment).
-XS = os.environ.get("STRATA_EXL3_MMA_XS", "0") == "1"
 MAX_ROWS = 16  # two n8 groups of rows
 # exl3_moe_linear: up to MAX_PAIRS (token, slot) pairs (decode steps and verify windows) in
 # row tiles of MOE_TILE_M pairs sharing an expert (a decode window routes ≤ 6 to one expert)
@@ -58,18 +55,24 @@ def _hopper(index: int | None) -> bool:
 
 
 def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: torch.dtype,
-            bias: torch.Tensor | None, pairs: int | None = None) -> str | None:
+            bias: torch.Tensor | None, trellis: torch.Tensor, pairs: int | None = None,
+            str_set: int = 0) -> str | None:
     """None where the kernel may run here with the Triton kernels' bits, else the reason it
     may not (a failed NVRTC compile included: the Triton kernels then run). x: the input,
-    [M, k_in] for exl3_linear; `pairs`: the (token, slot) pairs of an exl3_moe_linear call
-    (grouped into tiles of MOE_TILE_M rows; x then only gives the device)."""
+    [M, k_in] for exl3_linear; trellis: the (contiguous) trellis it reads, whose tiles it copies
+    in 16-byte chunks; `pairs`: the (token, slot) pairs of an exl3_moe_linear call (grouped
+    into tiles of MOE_TILE_M rows; x then only gives the device), str_set its words from one
+    weight set's trellis to the next."""
     rows_ok = (0 < pairs <= MAX_PAIRS if pairs is not None
                else x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS)
+    # (a tile is 16·K2 bytes: 16-byte aligned wherever the tensor and its sets are)
+    aligned = trellis.data_ptr() % 16 == 0 and str_set % 4 == 0
     checks = (
         (ENABLED, "switched off (exl3_mma.ENABLED)"),
         (rows_ok, f"pairs not in 1…{MAX_PAIRS}" if pairs is not None
          else f"rows not in 1…{MAX_ROWS}"),
         (K2 <= 8, "K > 4"),
+        (aligned, "trellis not 16-byte aligned"),
         (n_p % 128 == 0, "output not 128-aligned"),
         (out_dtype in _OT, f"output dtype {out_dtype}"),
         (bias is None or bias.dtype in _OT, "bias dtype"),
@@ -89,7 +92,7 @@ def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: tor
         try:
             with torch.cuda.device(x.device.index):
                 _KERNELS[key] = _compiler()(_SOURCE.read_text(), "exl3_mma_linear",
-                                            nvcc_options=_options(*key[:7]))
+                                            nvcc_options=_options(*key[:6]))
         except Exception as e:  # NVRTC missing or refusing: remembered, Triton runs instead
             _KERNELS[key] = f"NVRTC: {type(e).__name__}: {e}".splitlines()[0][:300]
             warnings.warn(f"strata: EXL3 CUDA kernel unavailable ({_KERNELS[key]}); "
@@ -98,18 +101,18 @@ def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: tor
     return k if isinstance(k, str) else None
 
 
-_KERNELS: dict = {}  # (K2, CB, OT, BT, R16, G, XS, device index) → compiled kernel or why not
+_KERNELS: dict = {}  # (K2, CB, OT, BT, R16, G, device index) → compiled kernel or why not
 
 
 def _key(K2: int, codebook_id: int, out_dtype: torch.dtype, bias: torch.Tensor | None,
          tile_rows: int, grouped: bool, index: int | None) -> tuple:
     return (K2, codebook_id, _OT[out_dtype], -1 if bias is None else _OT[bias.dtype],
-            int(tile_rows > 8), int(grouped), int(XS), index)
+            int(tile_rows > 8), int(grouped), index)
 
 
-def _options(K2: int, CB: int, OT: int, BT: int, R16: int, G: int, XS: int) -> list[str]:
+def _options(K2: int, CB: int, OT: int, BT: int, R16: int, G: int) -> list[str]:
     return [f"-DK2={K2}", f"-DCB={CB}", f"-DOT={OT}", f"-DBT={BT}", f"-DR16={R16}", f"-DG={G}",
-            f"-DXS={XS}", "--fmad=false"]
+            "--fmad=false"]
 
 
 class _Attr(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union

@@ -311,7 +311,7 @@ def test_the_mma_kernel_gives_the_triton_kernels_bits(cuda, monkeypatch, K, code
             x = torch.randn(M, k, generator=g).to(cuda)
             monkeypatch.setattr(exl3_mma, "ENABLED", True)
             why = exl3_mma.why_not(x.bfloat16(), K2, X.CODEBOOK_IDS[codebook], n,
-                                   torch.float32, None)
+                                   torch.float32, None, tr)
             assert why is None, why
             got, ref = both(x.bfloat16(), tr, suh, svh, codebook)
             assert torch.equal(got, ref), ((k, n), M)
@@ -369,7 +369,8 @@ def test_the_mma_kernels_moe_gives_the_triton_kernels_bits(cuda, monkeypatch, K,
         for on in (True, False):
             monkeypatch.setattr(exl3_mma, "ENABLED", on)
             why = exl3_mma.why_not(x, X.k2_of(w[0][0]), X.CODEBOOK_IDS[codebook],
-                                   16 * w[0][0].shape[-2], out_dtype, None, pairs=idx.numel())
+                                   16 * w[0][0].shape[-2], out_dtype, None, w[0][0],
+                                   pairs=idx.numel())
             assert (why is None) == on, why
             outs.append(X.exl3_moe_linear(x, idx, w, codebook, out_dtype=out_dtype))
         return outs
@@ -381,22 +382,3 @@ def test_the_mma_kernels_moe_gives_the_triton_kernels_bits(cuda, monkeypatch, K,
         assert torch.equal(got[0], ref[0]), out_dtype
     got, ref = both(x[2:3], idx[2:3], sets, torch.float32)
     assert all(torch.equal(p, q) for p, q in zip(got, ref))
-
-
-@pytest.mark.parametrize("K,codebook", [(2, "3inst"), (2.5, "mul1"), (3, "mcg"), (4, "3inst")])
-def test_the_mma_kernels_xs_switch_keeps_the_bits(cuda, monkeypatch, K, codebook):
-    """exl3_mma.XS (the decode's right shifts on the FMA pipe, an A/B switch) changes no bit:
-    a 6-row linear and a 6-token MoE window, against XS off (itself equal to Triton's)."""
-    from strata.kernels import exl3_mma
-    E = 8
-    tr = trellis_of(5120, 2304, K, seed=110, device=cuda, E=E)
-    suh, svh = scales(5120, 111, cuda, E, 5120 ** -0.5), scales(2304, 112, cuda, E, 0.05)
-    g = torch.Generator().manual_seed(113)
-    idx = torch.stack([torch.randperm(E, generator=g)[:6] for _ in range(6)]).to(cuda)
-    x = torch.randn(6, 5120, generator=g).to(cuda, torch.bfloat16)
-    outs = []
-    for xs in (False, True):
-        monkeypatch.setattr(exl3_mma, "XS", xs)
-        outs.append((X.exl3_linear(x, tr[0], suh[0], svh[0], codebook),
-                     X.exl3_moe_linear(x, idx, [(tr, suh, svh)], codebook)[0]))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
