@@ -1,8 +1,8 @@
 // EXL3 linear for decode-sized inputs (M ≤ 16 rows) after its rotate_in (x' = H128(fp16(x·suh))):
 // x'·Ŵ with Ŵ decoded straight into m16n8k16 MMA fragments → split partials → the last program
 // of each 128-column block sums them, Hadamard, ·svh (+ bias). Launched early (programmatic
-// dependent launch) after rotate_in: each program loads its first trellis words, then waits
-// for x'.
+// dependent launch) after rotate_in: each program starts copying its first trellis tiles,
+// then waits for x'.
 // Compiled at run time with NVRTC (strata/kernels/exl3_mma.py); no header is included, so
 // half-precision work is done on bit patterns with PTX.
 //

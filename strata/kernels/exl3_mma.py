@@ -10,8 +10,8 @@ exl3.rotate_in and is launched early after it (programmatic dependent launch, th
 driver's cuLaunchKernelEx), as the Triton fused kernel is. `linear` serves exl3_linear, `moe`
 exl3_moe_linear (rows: tiles of MOE_TILE_M pairs sharing an expert, for W weight sets).
 The decode is integer work on the SM's ALU pipe (shifts, masks, byte permutes), which bounds
-it: the k-loop is written for few such instructions (the compiled loop: 427–462 per k-step at
-K = 2–4 in session 12, from 598–614; bench/results/kernels.md records what each version
+it: the k-loop is written for few such instructions (the compiled loop: 387–448 per k-step at
+K = 2–4, from 598–614 in session 11; bench/results/kernels.md records what each version
 measured).
 
 Bits: identical to strata.kernels.exl3's kernels on Hopper (same split schedule, ascending
