@@ -39,7 +39,8 @@ BLOCK_D = 512  # hidden columns per program in collapse / hc_update
 # against 16 (each weight chunk read once per 32 rows). A decode row's call is a chain of K
 # steps per program, so shorter chunks mean more programs and a shorter chain: in graphed
 # decode steps 13 µs a call at chunks of 256 (session 9), 24 µs at 512 (session 10); the
-# coefficients kernel adds the 80 partials four loads at a time. The partition is K's
+# coefficients kernel adds the 80 partials in order (unrolled: their loads issued ahead,
+# where a loop of four loads at a time took 16.6 µs in session 13). The partition is K's
 # alone, so rows never depend on the batch.
 MIX_ROWS = 32
 MIX_K = 64     # K per tl.dot step
@@ -73,11 +74,11 @@ if triton is not None:
 
     @triton.jit
     def _hc_coeffs_kernel(m_ptr, ms_ptr, s_ptr, b_ptr, pre_ptr, post_ptr, comb_ptr,
-                          T, sm_row, s_ms, chunks, s_chunk, ms_count, norm_eps, hc_eps,
+                          T, sm_row, s_ms, s_chunk, ms_count, norm_eps, hc_eps,
                           H: tl.constexpr, HP: tl.constexpr, ITERS: tl.constexpr,
-                          BT: tl.constexpr):
-        # m and ms are the sums of `chunks` partials s_chunk elements apart (hc_mix's K
-        # chunks; one for a plain m), added in chunk order from zero as the chunk sum adds.
+                          BT: tl.constexpr, CHUNKS: tl.constexpr):
+        # m and ms are the sums of CHUNKS partials s_chunk elements apart (hc_mix's K chunks;
+        # one for a plain m), added in chunk order from zero as the chunk sum adds.
         rows = tl.program_id(0) * BT + tl.arange(0, BT)
         rmask = rows < T
         r64 = tl.where(rmask, rows, 0).to(tl.int64)
@@ -95,27 +96,13 @@ if triton is not None:
         mrow = m_ptr + r64[:, None] * sm_row
         msrow = ms_ptr + r64 * s_ms
         lmask = rmask[:, None, None] & cmask
-        # Four chunks' loads issued before their in-order adds: at decode the loop's time is
-        # the loads' latency, chunk after chunk.
-        for _ in range(0, chunks // 4):
-            a0, p0, q0, l0 = _mix_chunk(mrow, msrow, i, off, vmask, lmask, H)
-            a1, p1, q1, l1 = _mix_chunk(mrow + s_chunk, msrow + s_chunk, i, off, vmask, lmask,
-                                        H)
-            a2, p2, q2, l2 = _mix_chunk(mrow + 2 * s_chunk, msrow + 2 * s_chunk, i, off, vmask,
-                                        lmask, H)
-            a3, p3, q3, l3 = _mix_chunk(mrow + 3 * s_chunk, msrow + 3 * s_chunk, i, off, vmask,
+        # Unrolled (CHUNKS is a compile-time count): every chunk's loads are independent of
+        # the in-order adds, so they are issued ahead of them — at decode (80 chunks) the
+        # time was the loads' latency, chunk after chunk, when the loop issued four at a time.
+        for ci in tl.static_range(CHUNKS):
+            a0, p0, q0, l0 = _mix_chunk(mrow + ci * s_chunk, msrow + ci * s_chunk, i, off, vmask,
                                         lmask, H)
             ms, m_pre, m_post, lg = ms + a0, m_pre + p0, m_post + q0, lg + l0
-            ms, m_pre, m_post, lg = ms + a1, m_pre + p1, m_post + q1, lg + l1
-            ms, m_pre, m_post, lg = ms + a2, m_pre + p2, m_post + q2, lg + l2
-            ms, m_pre, m_post, lg = ms + a3, m_pre + p3, m_post + q3, lg + l3
-            mrow += 4 * s_chunk
-            msrow += 4 * s_chunk
-        for _ in range(0, chunks % 4):
-            a0, p0, q0, l0 = _mix_chunk(mrow, msrow, i, off, vmask, lmask, H)
-            ms, m_pre, m_post, lg = ms + a0, m_pre + p0, m_post + q0, lg + l0
-            mrow += s_chunk
-            msrow += s_chunk
         ms = tl.math.div_rn(ms, ms_count)                                    # (÷1: exact)
         inv = tl.rsqrt(ms + norm_eps)[:, None]                               # [BT, 1]
         s0 = tl.load(s_ptr)
@@ -152,8 +139,10 @@ if triton is not None:
         rmask = rows < T
         acc = tl.zeros([BT, BN], dtype=tl.float32)
         sq = tl.zeros([BT], dtype=tl.float32)
-        for k0 in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, K), BK):
-            ks = k0 + tl.arange(0, BK)
+        # (unrolled: the steps' loads issue ahead of the dot chain; a step past K is all
+        # masked and adds exact zeros)
+        for step in tl.static_range(CHUNK // BK):
+            ks = chunk * CHUNK + step * BK + tl.arange(0, BK)
             kmask = ks < K
             x = tl.load(x_ptr + rows[:, None] * sx_row + ks[None, :],
                         mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
@@ -221,10 +210,9 @@ def hc_coeffs(m: torch.Tensor, ms: torch.Tensor, scale: torch.Tensor, base: torc
     if T:
         _hc_coeffs_kernel[(triton.cdiv(T, ROWS),)](
             m, ms, _contig(scale.float()), _contig(base.float()), pre, post, comb, T,
-            m.stride(0), ms.stride(0), 1, 0, float(ms_count), float(norm_eps), float(hc_eps),
-            H=H,
-            HP=triton.next_power_of_2(H),
-            ITERS=iters, BT=ROWS, num_warps=4, enable_fp_fusion=False)
+            m.stride(0), ms.stride(0), 0, float(ms_count), float(norm_eps), float(hc_eps),
+            H=H, HP=triton.next_power_of_2(H), ITERS=iters, BT=ROWS, CHUNKS=1, num_warps=4,
+            enable_fp_fusion=False)
     return pre, post, comb
 
 
@@ -279,9 +267,9 @@ def hc_mixed_coeffs(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base
     if T:
         _hc_coeffs_kernel[(triton.cdiv(T, ROWS),)](
             part, part[0, :, N1 - 1], _contig(scale.float()), _contig(base.float()), pre, post,
-            comb, T, part.stride(1), part.stride(1), chunks, part.stride(0),
+            comb, T, part.stride(1), part.stride(1), part.stride(0),
             float(H * h.shape[2]), float(norm_eps), float(hc_eps), H=H,
-            HP=triton.next_power_of_2(H), ITERS=iters, BT=ROWS, num_warps=4,
+            HP=triton.next_power_of_2(H), ITERS=iters, BT=ROWS, CHUNKS=chunks, num_warps=4,
             enable_fp_fusion=False)
     return pre, post, comb
 
