@@ -1,9 +1,10 @@
 # Device calls for the CUDA EXL3 kernel (strata/kernels/exl3_mma.cu) after a change to it.
 # STEP=check (default): (1) its GPU tests — bits against the Triton kernels for linears and MoE,
 # the early launch — and the CUDA-graph tests; (2) an A/B of the synthetic V4.1's graphed
-# decode (half the layers): the CUDA kernel and Triton only (--no-mma), each mode twice; (3)
-# the kernels alone: scripts/exl3_variants.py (V4.1 shapes at 1 and 6 rows, the MoE gate + up
-# for 1 and 6 tokens; bits compared). With two GPUs visible the tests run on the second while
+# decode (half the layers): the CUDA kernel with 4 and with 8 warps a program
+# (STRATA_EXL3_MMA_NW) and Triton only (--no-mma), each mode twice; (3) the kernels alone:
+# scripts/exl3_variants.py (V4.1 shapes at 1 and 6 rows, the MoE gate + up for 1 and 6
+# tokens; bits compared). With two GPUs visible the tests run on the second while
 # the A/B times on the first (graph replays: the tests' host work does not reach the timed GPU).
 # STEP=parallel (two GPUs): the two-GPU tests (NO_TESTS=1: not), then the synthetic over both
 # GPUs (PAR: tp and/or layer) with a warm-up and its breakdown.
@@ -21,8 +22,8 @@ tests() {
       tests/gpu/test_cuda_graph_gpu.py > $OUT/graph_tests.log 2>&1
 }
 
-ab() {  # one variant of the synthetic A/B: cuda | triton
-  timeout ${T2:-150} python -m strata bench \
+ab() {  # one variant of the synthetic A/B: cuda | nw8 | triton
+  env $([ $1 = nw8 ] && echo STRATA_EXL3_MMA_NW=8) timeout ${T2:-150} python -m strata bench \
       synthetic --device cuda:${2:-0} --layers 0-9,20-29 \
       --modes plain+graphs,oracle+graphs,oracle:2.9+graphs --tokens 24 --runs 2 --warmup 1 \
       $([ $1 = triton ] && echo --no-mma) --json $OUT/synthetic_$1.json 2>&1 \
@@ -32,14 +33,14 @@ ab() {  # one variant of the synthetic A/B: cuda | triton
 if [ "${STEP:-check}" = check ]; then
   if [ "$second" = 1 ]; then
     tests &
-    ab cuda; ab triton
+    ab cuda; ab nw8; ab triton
     wait
   else
-    tests; ab cuda; ab triton
+    tests; ab cuda; ab nw8; ab triton
   fi
   tail -n 4 $OUT/mma_tests.log $OUT/graph_tests.log; cat $OUT/synthetic_*.log
   timeout ${T3:-150} python scripts/exl3_variants.py --linear-only \
-      --variants "cuda:;triton:MMA=0" --json $OUT/variants.json > $OUT/variants.log 2>&1
+      --variants "cuda:;nw8:NW=8;triton:MMA=0" --json $OUT/variants.json > $OUT/variants.log 2>&1
   tail -40 $OUT/variants.log
 elif [ "$STEP" = parallel ]; then
   [ -z "$NO_TESTS" ] && timeout ${T4:-200} python -m pytest -q -m gpu -rf --tb=short \

@@ -88,6 +88,8 @@ def test_it_declines_off_hopper_and_says_why(monkeypatch):
     assert why(x, trellis=tr.view(-1)[2:]) == "trellis not 16-byte aligned"
     assert why(x, pairs=36, str_set=3) == "trellis not 16-byte aligned"
     assert why(x, pairs=36, str_set=4) == "not on CUDA"
+    monkeypatch.setattr(exl3_mma, "NW", 6)
+    assert why(x) == "NW = 6 (4 or 8 warps a program)"
     monkeypatch.setattr(exl3_mma, "ENABLED", False)
     assert "switched off" in why(x)
 

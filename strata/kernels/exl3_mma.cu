@@ -10,7 +10,10 @@
 // OT (out: 0 fp32, 1 bf16, 2 fp16), BT (bias: -1 none, else as OT),
 // R16 (1: up to 16 rows; 0: up to 8 — one n8 group of x' rows),
 // G (1: grouped — the rows of a program are a tile of (token, slot) pairs sharing one expert,
-// from strata.kernels.moe_grouping, for W weight sets at once: exl3.exl3_moe_linear).
+// from strata.kernels.moe_grouping, for W weight sets at once: exl3.exl3_moe_linear),
+// NW (warps per program, 4 or 8: a program covers 16·NW columns; with 8, one program per
+// 128-column block, and a weight of one split (S = 1) finishes its blocks from shared memory,
+// without the partials' round trip through global memory and the arrival count).
 //
 // Why the fragments need no exchange between lanes: a 16×16 trellis tile's ring position p has
 // bits (r0, r3, c3, r1, r2, c0, c1, c2) of its row r and column c. The kernel computes the
@@ -26,6 +29,10 @@
 // added in ascending order from zero, and the Hadamard steps use the same butterfly order.
 
 #define WT (4 * K2)        // 32-bit words per tile (16·K int16)
+#define PER_BLOCK (8 / NW)  // programs per 128-column block
+#if NW != 4 && NW != 8
+#error "exl3_mma: NW is 4 or 8"
+#endif
 #define RG (R16 ? 2 : 1)   // groups of 8 rows (an MMA's n8)
 // A lane's window (16 bits before its 8 positions, then 8·K bits) starts anywhere in a word:
 // three words hold it and, shifted to start at bit 0, two words (8K + 16 ≤ 64) for K ≤ 4. Larger
@@ -209,10 +216,11 @@ __device__ __forceinline__ int tile_row(const int* __restrict__ rows, int tile, 
 #endif
 }
 
-// Grid (n_p / 64, S, W · n_tiles); 4 warps, warp w owns the tile column 4·blockIdx.x + w;
-// block y = split; block z = weight set · n_tiles + row tile (ungrouped: one set, one tile of
-// M rows). Strides count elements of what they step through (32-bit words for the trellis).
-extern "C" __global__ void __launch_bounds__(128, 4)
+// Grid (n_p / (16·NW), S, W · n_tiles); NW warps, warp w owns the tile column NW·blockIdx.x
+// + w; block y = split; block z = weight set · n_tiles + row tile (ungrouped: one set, one
+// tile of M rows). Strides count elements of what they step through (32-bit words for the
+// trellis).
+extern "C" __global__ void __launch_bounds__(32 * NW, 16 / NW)
 exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ trellis,
                 float* __restrict__ part, int* __restrict__ cnt,
                 const unsigned short* __restrict__ svh, const void* __restrict__ bias,
@@ -239,7 +247,7 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
     const int k_lo = s * per_split;
     const int k_hi = min(k_lo + per_split, k_steps);
     // this warp's tile column of this set's (expert's) trellis
-    const u32* col = trellis + set * str_set + e * str_exp + (long long)(nb * 4 + warp) * WT;
+    const u32* col = trellis + set * str_set + e * str_exp + (long long)(nb * NW + warp) * WT;
     float* const ps = part + set * sp_set;
     const unsigned short* const x0 = xr + set * sx_set;  // (row 0: every tile's sets have it)
     const unsigned short* xq[RG];
@@ -261,7 +269,7 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
     for (int c = 0; c < 2; ++c)
         goff[c] = (long long)((lane + 32 * c) / K2) * row_words + 4 * ((lane + 32 * c) % K2);
     const long long step_words = 8LL * row_words;
-    __shared__ __align__(16) u32 stage[4][2][8 * WT];
+    __shared__ __align__(16) u32 stage[NW][2][8 * WT];
     const u32 sbuf[2] = {smem_addr(&stage[warp][0][0]), smem_addr(&stage[warp][1][0])};
 
     // y'ᵀ of this warp's 16 columns × each row group: columns g, g + 8 × rows 8q + 2t, + 1
@@ -309,47 +317,79 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
             }
         cur ^= 1;
     }
+    asm volatile("cp.async.wait_all;" ::: "memory");  // (the last step's spare copy)
 
-    // this split's partial: y' rows 8q + 2t, + 1 at columns g, g + 8 of the warp's 16
+    // One split with one program per 128-column block (NW = 8, S = 1): the block's y' goes
+    // to shared memory and the program finishes it. Otherwise this split's partial goes to
+    // global memory and the last of the block's PER_BLOCK·S programs to arrive finishes it.
+    constexpr int TR = R16 ? 16 : 8;  // tile rows
+#if NW == 8
+    __shared__ float ys[TR][128];
+    const bool direct = S == 1;
+    if (direct) {
 #pragma unroll
-    for (int q = 0; q < RG; ++q)
+        for (int q = 0; q < RG; ++q)
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            const int r = tile_row(rows, tile, tile_m, M, 8 * q + 2 * t + j);
-            if (r >= 0) {
-                float* p = ps + s * sp_split + (long long)r * sp_row + (nb * 4 + warp) * 16 + g;
-                p[0] = acc[q][j];
-                p[8] = acc[q][2 + j];
+            for (int j = 0; j < 2; ++j) {
+                float* y = &ys[8 * q + 2 * t + j][warp * 16 + g];
+                y[0] = acc[q][j];
+                y[8] = acc[q][2 + j];
             }
+        __syncthreads();
+    } else
+#else
+    constexpr bool direct = false;
+#endif
+    {
+        // this split's partial: y' rows 8q + 2t, + 1 at columns g, g + 8 of the warp's 16
+#pragma unroll
+        for (int q = 0; q < RG; ++q)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int r = tile_row(rows, tile, tile_m, M, 8 * q + 2 * t + j);
+                if (r >= 0) {
+                    float* p = ps + s * sp_split + (long long)r * sp_row + (nb * NW + warp) * 16
+                               + g;
+                    p[0] = acc[q][j];
+                    p[8] = acc[q][2 + j];
+                }
+            }
+        int* const arrivals = cnt + (long long)blockIdx.z * (gridDim.x / PER_BLOCK)
+                              + nb / PER_BLOCK;
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const int prev = atomicAdd(arrivals, 1);
+            last = prev == PER_BLOCK * S - 1;
+            if (last) *arrivals = 0;
         }
-
-    // the last of the 2·S programs writing this tile's 128-column block finishes it
-    int* const arrivals = cnt + (long long)blockIdx.z * (gridDim.x >> 1) + (nb >> 1);
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const int prev = atomicAdd(arrivals, 1);
-        last = prev == 2 * S - 1;
-        if (last) *arrivals = 0;
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
     }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    // warp w finishes rows w, w + 4, … together: every row's split loads are in flight at
-    // once (each row still sums its splits in ascending order from zero)
-    constexpr int RPW = R16 ? 4 : 2;  // rows per warp
-    const int c0 = (nb >> 1) * 128 + 4 * lane;
+    // warp w finishes tile rows w, w + NW, … together: every row's split loads are in flight
+    // at once (each row still sums its splits in ascending order from zero)
+    constexpr int RPW = TR / NW;  // rows per warp
+    const int c0 = nb / PER_BLOCK * 128 + 4 * lane;
     const unsigned short* const sv = svh + set * ssvh_set + (long long)e * ssvh_e;
     int rq[RPW];
     float v[RPW][4];
 #pragma unroll
     for (int q = 0; q < RPW; ++q) {
-        rq[q] = tile_row(rows, tile, tile_m, M, warp + 4 * q);
+        rq[q] = tile_row(rows, tile, tile_m, M, warp + NW * q);
 #pragma unroll
         for (int j = 0; j < 4; ++j) v[q][j] = 0.f;
     }
+#if NW == 8
+    if (direct) {  // (0 + y': the value the one-split sum below gives)
+#pragma unroll
+        for (int q = 0; q < RPW; ++q)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) v[q][j] = v[q][j] + ys[warp + NW * q][4 * lane + j];
+    }
+#endif
 #pragma unroll 2
-    for (int s2 = 0; s2 < S; ++s2) {
+    for (int s2 = 0; s2 < (direct ? 0 : S); ++s2) {
 #pragma unroll
         for (int q = 0; q < RPW; ++q) {
             if (rq[q] >= 0) {

@@ -36,6 +36,11 @@ import torch
 # False: every EXL3 linear on the Triton kernels (A/B measurements; STRATA_EXL3_MMA=0 in the
 # environment does it in every process, ranks of a parallel run included).
 ENABLED = os.environ.get("STRATA_EXL3_MMA", "1") != "0"
+# Warps per program (exl3_mma.cu's NW): 4 — 64 columns, two programs per 128-column block —
+# or 8, one program per block, which finishes a one-split weight (wq_b, the head) from shared
+# memory with no partials or arrival count. An A/B switch until measured on the device
+# (STRATA_EXL3_MMA_NW=8 in the environment); the same bits either way.
+NW = int(os.environ.get("STRATA_EXL3_MMA_NW", "4"))
 MAX_ROWS = 16  # two n8 groups of rows
 # exl3_moe_linear: up to MAX_PAIRS (token, slot) pairs (decode steps and verify windows) in
 # row tiles of MOE_TILE_M pairs sharing an expert (a decode window routes ≤ 6 to one expert)
@@ -72,6 +77,7 @@ def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: tor
         (rows_ok, f"pairs not in 1…{MAX_PAIRS}" if pairs is not None
          else f"rows not in 1…{MAX_ROWS}"),
         (K2 <= 8, "K > 4"),
+        (NW in (4, 8), f"NW = {NW} (4 or 8 warps a program)"),
         (aligned, "trellis not 16-byte aligned"),
         (n_p % 128 == 0, "output not 128-aligned"),
         (out_dtype in _OT, f"output dtype {out_dtype}"),
@@ -92,7 +98,7 @@ def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: tor
         try:
             with torch.cuda.device(x.device.index):
                 _KERNELS[key] = _compiler()(_SOURCE.read_text(), "exl3_mma_linear",
-                                            nvcc_options=_options(*key[:6]))
+                                            nvcc_options=_options(*key[:7]))
         except Exception as e:  # NVRTC missing or refusing: remembered, Triton runs instead
             _KERNELS[key] = f"NVRTC: {type(e).__name__}: {e}".splitlines()[0][:300]
             warnings.warn(f"strata: EXL3 CUDA kernel unavailable ({_KERNELS[key]}); "
@@ -101,18 +107,18 @@ def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: tor
     return k if isinstance(k, str) else None
 
 
-_KERNELS: dict = {}  # (K2, CB, OT, BT, R16, G, device index) → compiled kernel or why not
+_KERNELS: dict = {}  # (K2, CB, OT, BT, R16, G, NW, device index) → compiled kernel or why not
 
 
 def _key(K2: int, codebook_id: int, out_dtype: torch.dtype, bias: torch.Tensor | None,
          tile_rows: int, grouped: bool, index: int | None) -> tuple:
     return (K2, codebook_id, _OT[out_dtype], -1 if bias is None else _OT[bias.dtype],
-            int(tile_rows > 8), int(grouped), index)
+            int(tile_rows > 8), int(grouped), NW, index)
 
 
-def _options(K2: int, CB: int, OT: int, BT: int, R16: int, G: int) -> list[str]:
+def _options(K2: int, CB: int, OT: int, BT: int, R16: int, G: int, NW: int) -> list[str]:
     return [f"-DK2={K2}", f"-DCB={CB}", f"-DOT={OT}", f"-DBT={BT}", f"-DR16={R16}", f"-DG={G}",
-            "--fmad=false"]
+            f"-DNW={NW}", "--fmad=false"]
 
 
 class _Attr(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
@@ -165,8 +171,8 @@ def linear(xr: torch.Tensor, trellis: torch.Tensor, svh: torch.Tensor, codebook_
     M = xr.shape[0]
     kt, nt = trellis.shape[-3], trellis.shape[-2]
     n_p, S = 16 * nt, part.shape[0]
-    k = _KERNELS[_key(K2, codebook_id, out.dtype, bias, M, False, xr.device.index)]
-    _launch(k, (n_p // 64, S, 1), (128, 1, 1),
+    key = _key(K2, codebook_id, out.dtype, bias, M, False, xr.device.index)
+    _launch(_KERNELS[key], (n_p // (16 * key[6]), S, 1), (32 * key[6], 1, 1),
             [xr, trellis, part, counters, svh, bias if bias is not None else svh, out,
              part, part,  # (no row tiles)
              M, MAX_ROWS, 1, xr.stride(0), _L(0), _L(0), _L(0),
@@ -191,8 +197,8 @@ def moe(xr: torch.Tensor, words: torch.Tensor, str_set: int, svh: torch.Tensor,
     n_p, S, n_tiles = 16 * nt, part.shape[1], tile_expert.numel()
     if tile_rows.shape != (n_tiles, MOE_TILE_M) or not tile_rows.is_contiguous():
         raise ValueError(f"exl3_mma.moe: tile_rows must be [n_tiles, {MOE_TILE_M}] contiguous")
-    k = _KERNELS[_key(K2, codebook_id, out.dtype, None, MOE_TILE_M, True, xr.device.index)]
-    _launch(k, (n_p // 64, S, W * n_tiles), (128, 1, 1),
+    key = _key(K2, codebook_id, out.dtype, None, MOE_TILE_M, True, xr.device.index)
+    _launch(_KERNELS[key], (n_p // (16 * key[6]), S, W * n_tiles), (32 * key[6], 1, 1),
             [xr, words, part, counters, svh, svh, out, tile_rows, tile_expert,
              P, MOE_TILE_M, n_tiles, xr.stride(1), _L(xr.stride(0)), _L(words.stride(0)),
              _L(str_set), part.stride(2), _L(part.stride(1)), _L(part.stride(0)),

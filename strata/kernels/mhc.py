@@ -99,10 +99,11 @@ if triton is not None:
         # Unrolled (CHUNKS is a compile-time count): every chunk's loads are independent of
         # the in-order adds, so they are issued ahead of them — at decode (80 chunks) the
         # time was the loads' latency, chunk after chunk, when the loop issued four at a time.
-        for ci in tl.static_range(CHUNKS):
-            a0, p0, q0, l0 = _mix_chunk(mrow + ci * s_chunk, msrow + ci * s_chunk, i, off, vmask,
-                                        lmask, H)
+        for _ in tl.static_range(CHUNKS):
+            a0, p0, q0, l0 = _mix_chunk(mrow, msrow, i, off, vmask, lmask, H)
             ms, m_pre, m_post, lg = ms + a0, m_pre + p0, m_post + q0, lg + l0
+            mrow += s_chunk  # (pointer steps: no int32 chunk × stride product)
+            msrow += s_chunk
         ms = tl.math.div_rn(ms, ms_count)                                    # (÷1: exact)
         inv = tl.rsqrt(ms + norm_eps)[:, None]                               # [BT, 1]
         s0 = tl.load(s_ptr)

@@ -283,17 +283,21 @@ def test_the_early_launch_gives_plain_orders_bits_eager_and_graphed(cuda, monkey
     assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
 
 
+@pytest.mark.parametrize("nw", [4, 8])
 @pytest.mark.parametrize("K,codebook", [(2, "mul1"), (2.5, "mul1"), (3, "mcg"), (3.5, "mul1"),
                                         (4, "3inst"), (4, "mul1")])
-def test_the_mma_kernel_gives_the_triton_kernels_bits(cuda, monkeypatch, K, codebook):
+def test_the_mma_kernel_gives_the_triton_kernels_bits(cuda, monkeypatch, K, codebook, nw):
     """strata.kernels.exl3_mma (the CUDA kernel, fragments decoded in registers, after
-    rotate_in) against the Triton fused kernel, bit for bit: three shapes at 1, 6, 9 and 16
-    rows; on the first, bf16 and fp32 inputs, fp32 / bf16 / fp16 outputs, a bias, a trimmed
-    output and a column slice with the whole weight's split schedule (tensor parallelism);
-    eager and replayed from a CUDA graph."""
+    rotate_in) against the Triton fused kernel, bit for bit, with 4 and 8 warps a program
+    (exl3_mma.NW): four shapes at 1, 6, 9 and 16 rows — the last of one split (S = 1, which
+    8 warps finish from shared memory); on the first, bf16 and fp32 inputs, fp32 / bf16 / fp16
+    outputs, a bias, a trimmed output and a column slice with the whole weight's split
+    schedule (tensor parallelism); eager and replayed from a CUDA graph."""
     from strata.kernels import exl3_mma
     from strata.quant.exl3 import bits_per_weight
-    cases = [((5120, 2304), 70), ((2304, 5120), 71), ((1280, 4096), 72)]
+    monkeypatch.setattr(exl3_mma, "NW", nw)
+    cases = [((5120, 2304), 70), ((2304, 5120), 71), ((1280, 4096), 72), ((256, 32768), 74)]
+    assert X.split_schedule(256, 32768)[1] == 1
     g = torch.Generator().manual_seed(73)
 
     def both(*args, **kw):
@@ -346,13 +350,16 @@ def test_the_mma_kernel_gives_the_triton_kernels_bits(cuda, monkeypatch, K, code
         assert torch.equal(static, eager)
 
 
+@pytest.mark.parametrize("nw", [4, 8])
 @pytest.mark.parametrize("K,codebook", [(2, "3inst"), (2.5, "mul1"), (3, "mcg"), (4, "mul1")])
-def test_the_mma_kernels_moe_gives_the_triton_kernels_bits(cuda, monkeypatch, K, codebook):
+def test_the_mma_kernels_moe_gives_the_triton_kernels_bits(cuda, monkeypatch, K, codebook, nw):
     """exl3_moe_linear on the CUDA kernel (tiles of MOE_TILE_M pairs) against the Triton
     grouped kernel (tiles of BLOCK_M), bit for bit: gate + up (two sets, one input per token)
     and down (one input per pair) for a 6-token verify window × 6 slots over 12 experts —
-    several pairs per expert, all experts' tiles, fp32 and bf16 outputs — then one token."""
+    several pairs per expert, all experts' tiles, fp32 and bf16 outputs — then one token;
+    4 and 8 warps a program (exl3_mma.NW)."""
     from strata.kernels import exl3_mma
+    monkeypatch.setattr(exl3_mma, "NW", nw)
     E, T, k = 12, 6, 6
     sets = [(trellis_of(5120, 2304, K, seed=90 + w, device=cuda, E=E),
              scales(5120, 92 + w, cuda, E, 5120 ** -0.5), scales(2304, 94 + w, cuda, E, 0.05))
