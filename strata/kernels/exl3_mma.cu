@@ -367,8 +367,9 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
         if (!last) return;
         __threadfence();
     }
-    // warp w finishes tile rows w, w + NW, … together: every row's split loads are in flight
-    // at once (each row still sums its splits in ascending order from zero)
+    // warp w finishes tile rows w, w + NW, … together, four splits' loads of every row in
+    // flight at once (each row still sums its splits in ascending order from zero): the
+    // partials come from L2, and the output step's time is their latency, round after round
     constexpr int RPW = TR / NW;  // rows per warp
     const int c0 = nb / PER_BLOCK * 128 + 4 * lane;
     const unsigned short* const sv = svh + set * ssvh_set + (long long)e * ssvh_e;
@@ -388,7 +389,7 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
             for (int j = 0; j < 4; ++j) v[q][j] = v[q][j] + ys[warp + NW * q][4 * lane + j];
     }
 #endif
-#pragma unroll 2
+#pragma unroll 4
     for (int s2 = 0; s2 < (direct ? 0 : S); ++s2) {
 #pragma unroll
         for (int q = 0; q < RPW; ++q) {
