@@ -30,11 +30,16 @@ def available(t: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    from strata.kernels import pdl
+    from strata.kernels.pdl import wait_then_release
+
     @triton.jit
     def _gather_rows_kernel(kv_ptr, ring_ptr, tags_ptr, kpos_ptr, exist_ptr, inch_ptr, row_ptr,
                             slot_ptr, cache_ptr, sel_ptr, out_ptr, mask_ptr, W, K, HD,
                             s_kv, s_ring, s_cache, s_win, s_sel,
-                            HAS_SEL: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr):
+                            HAS_SEL: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr,
+                            PDL: tl.constexpr):
+        wait_then_release(PDL)
         t = tl.program_id(0).to(tl.int64)
         r = tl.program_id(1) * BR + tl.arange(0, BR)  # rows of the joined set: window, then k
         n = W + K
@@ -76,7 +81,8 @@ if triton is not None:
 
     @triton.jit
     def _sink_softmax_kernel(s_ptr, m_ptr, sink_ptr, o_ptr, n, scale, s_t, s_h, m_t, o_t, o_h,
-                             NB: tl.constexpr):
+                             NB: tl.constexpr, PDL: tl.constexpr):
+        wait_then_release(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         j = tl.arange(0, NB)
@@ -120,7 +126,7 @@ def gather_rows(kv: torch.Tensor, ring_rows: torch.Tensor, ring_tags: torch.Tens
             kv, ring_rows, ring_tags, kpos, existing, in_chunk, row, slot, cache_c, sel_c, out,
             mask.view(torch.int8), W, K, hd, kv.stride(0), ring_rows.stride(0),
             cache_c.stride(0), kpos.stride(0), sel_c.stride(0), HAS_SEL=has, BR=GATHER_ROWS,
-            BH=GATHER_COLS)
+            BH=GATHER_COLS, **pdl.args(kv.device))
     return out, mask
 
 
@@ -137,5 +143,5 @@ def sink_softmax(s: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor,
         _sink_softmax_kernel[(T, H)](s, m, sink.float().contiguous(), out, n, float(scale),
                                      s.stride(0), s.stride(1), m.stride(0), out.stride(0),
                                      out.stride(1), NB=triton.next_power_of_2(n),
-                                     enable_fp_fusion=False)
+                                     enable_fp_fusion=False, **pdl.args(s.device))
     return out

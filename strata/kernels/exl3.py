@@ -79,7 +79,6 @@ Everything runs on CPU under TRITON_INTERPRET=1 (tests/test_kernels_exl3.py).
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 import re
@@ -97,20 +96,10 @@ try:
 except ImportError:  # CPU-only installs: the torch reference path is used
     triton = None
 
-if triton is not None:
-    try:  # programmatic dependent launch (Hopper+; Triton ≥ 3.3)
-        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-        _HAS_GDC = True
-    except ImportError:
-        _HAS_GDC = False
+from strata.kernels import pdl as _early
 
-        @triton.jit
-        def gdc_wait():
-            pass
-
-        @triton.jit
-        def gdc_launch_dependents():
-            pass
+if triton is not None:  # programmatic dependent launch (Hopper+; Triton ≥ 3.3)
+    from strata.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 # The fused kernel after its rotate_in is launched early (programmatic dependent launch): its
 # programs start, and decode their first weight tile, while the rotation and the launch are
@@ -636,22 +625,12 @@ def _words(trellis: torch.Tensor) -> torch.Tensor:
 def _pdl(device: torch.device) -> dict:
     """The launch option of a fused kernel that directly follows its rotate_in: early launch
     where it exists (compiled Triton with GDC and its launch option, CUDA, Hopper or later)."""
-    if PDL and device.type == "cuda" and not _interpreting() and _pdl_capable(device.index):
-        return {"launch_pdl": True}
-    return {}
+    return _early.launch(device, on=PDL)
 
 
 def _regs(t: torch.Tensor) -> dict:
     """The fused kernel's register cap as a launch option (compiled launches only)."""
     return {"maxnreg": FUSED_MAX_REGISTERS} if FUSED_MAX_REGISTERS and _asm(t) else {}
-
-
-@functools.lru_cache(maxsize=None)
-def _pdl_capable(index: int | None) -> bool:
-    if not _HAS_GDC or torch.cuda.get_device_capability(index) < (9, 0):
-        return False
-    from triton.backends.nvidia.compiler import CUDAOptions
-    return "launch_pdl" in CUDAOptions.__dataclass_fields__
 
 
 def _contig_rows(x: torch.Tensor) -> torch.Tensor:

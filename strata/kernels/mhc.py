@@ -53,6 +53,8 @@ def available(t: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    from strata.kernels import pdl
+    from strata.kernels.pdl import wait_then_release
 
     @triton.jit
     def _round_out(acc, DT: tl.constexpr):
@@ -76,7 +78,8 @@ if triton is not None:
     def _hc_coeffs_kernel(m_ptr, ms_ptr, s_ptr, b_ptr, pre_ptr, post_ptr, comb_ptr,
                           T, sm_row, s_ms, s_chunk, ms_count, norm_eps, hc_eps,
                           H: tl.constexpr, HP: tl.constexpr, ITERS: tl.constexpr,
-                          BT: tl.constexpr, CHUNKS: tl.constexpr):
+                          BT: tl.constexpr, CHUNKS: tl.constexpr, PDL: tl.constexpr):
+        wait_then_release(PDL)
         # m and ms are the sums of CHUNKS partials s_chunk elements apart (hc_mix's K chunks;
         # one for a plain m), added in chunk order from zero as the chunk sum adds.
         rows = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -131,7 +134,8 @@ if triton is not None:
     @triton.jit
     def _hc_mix_kernel(x_ptr, fn_ptr, part_ptr, T, N, K, sx_row, sf_row, sp_chunk, sp_row,
                        BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       CHUNK: tl.constexpr):
+                       CHUNK: tl.constexpr, PDL: tl.constexpr):
+        wait_then_release(PDL)
         # Rows [BT] × the chunk's K: partial m (columns 0..N-1) and Σx² (column N). Each
         # output is its own fixed chain over k whatever rows share the program.
         rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
@@ -157,7 +161,8 @@ if triton is not None:
 
     @triton.jit
     def _collapse_kernel(h_ptr, pre_ptr, out_ptr, D, sh_row, sh_copy, so_row,
-                         H: tl.constexpr, BD: tl.constexpr):
+                         H: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
+        wait_then_release(PDL)
         t = tl.program_id(0).to(tl.int64)
         d = tl.program_id(1) * BD + tl.arange(0, BD)
         dmask = d < D
@@ -171,7 +176,9 @@ if triton is not None:
 
     @triton.jit
     def _hc_update_kernel(y_ptr, r_ptr, post_ptr, comb_ptr, out_ptr, D, sy_row, sr_row,
-                          sr_copy, so_row, so_copy, H: tl.constexpr, BD: tl.constexpr):
+                          sr_copy, so_row, so_copy, H: tl.constexpr, BD: tl.constexpr,
+                          PDL: tl.constexpr):
+        wait_then_release(PDL)
         t = tl.program_id(0).to(tl.int64)
         j = tl.program_id(1)
         d = tl.program_id(2) * BD + tl.arange(0, BD)
@@ -213,7 +220,7 @@ def hc_coeffs(m: torch.Tensor, ms: torch.Tensor, scale: torch.Tensor, base: torc
             m, ms, _contig(scale.float()), _contig(base.float()), pre, post, comb, T,
             m.stride(0), ms.stride(0), 0, float(ms_count), float(norm_eps), float(hc_eps),
             H=H, HP=triton.next_power_of_2(H), ITERS=iters, BT=ROWS, CHUNKS=1, num_warps=4,
-            enable_fp_fusion=False)
+            enable_fp_fusion=False, **pdl.args(m.device))
     return pre, post, comb
 
 
@@ -234,7 +241,7 @@ def _mix_partials(h: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
         _hc_mix_kernel[(triton.cdiv(T, MIX_ROWS), chunks)](
             x, fn, part, T, N, K, x.stride(0), fn.stride(0), part.stride(0), part.stride(1),
             BT=MIX_ROWS, BN=max(16, triton.next_power_of_2(N)), BK=MIX_K, CHUNK=MIX_CHUNK,
-            num_warps=4)
+            num_warps=4, **pdl.args(h.device))
     return part
 
 
@@ -248,7 +255,8 @@ def hc_mix(h: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     total = torch.empty((T, N1), dtype=torch.float32, device=h.device)
     n = T * N1
     if n:
-        _chunk_sum_kernel[(triton.cdiv(n, 1024),)](part, total, n, chunks, BLOCK=1024)
+        _chunk_sum_kernel[(triton.cdiv(n, 1024),)](part, total, n, chunks, BLOCK=1024,
+                                                   **pdl.args(h.device))
     return total[:, :N1 - 1], total[:, N1 - 1]
 
 
@@ -271,7 +279,7 @@ def hc_mixed_coeffs(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base
             comb, T, part.stride(1), part.stride(1), part.stride(0),
             float(H * h.shape[2]), float(norm_eps), float(hc_eps), H=H,
             HP=triton.next_power_of_2(H), ITERS=iters, BT=ROWS, CHUNKS=chunks, num_warps=4,
-            enable_fp_fusion=False)
+            enable_fp_fusion=False, **pdl.args(h.device))
     return pre, post, comb
 
 
@@ -284,7 +292,7 @@ def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     if T:
         _collapse_kernel[(T, triton.cdiv(D, BLOCK_D))](
             h, _contig(pre.float()), out, D, h.stride(0), h.stride(1), out.stride(0),
-            H=H, BD=BLOCK_D, num_warps=4, enable_fp_fusion=False)
+            H=H, BD=BLOCK_D, num_warps=4, enable_fp_fusion=False, **pdl.args(h.device))
     return out
 
 
@@ -301,5 +309,6 @@ def hc_update(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
         _hc_update_kernel[(T, H, triton.cdiv(D, BLOCK_D))](
             y, residual, _contig(post.float()), _contig(comb.float()), out, D, y.stride(0),
             residual.stride(0), residual.stride(1), out.stride(0), out.stride(1),
-            H=H, BD=BLOCK_D, num_warps=4, enable_fp_fusion=False)
+            H=H, BD=BLOCK_D, num_warps=4, enable_fp_fusion=False,
+            **pdl.args(y.device))
     return out

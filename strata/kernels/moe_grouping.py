@@ -87,11 +87,16 @@ def group_by_expert(idx: torch.Tensor, n_experts: int, block_m: int) -> ExpertGr
 
 
 if triton is not None:
+    from strata.kernels import pdl
+    from strata.kernels.pdl import wait_then_release
+
     @triton.jit
     def _group_kernel(ids_ptr, order_ptr, tile_expert_ptr, tile_rows_ptr, P, n_tiles,
-                      BLOCK_M: tl.constexpr, PB: tl.constexpr, TB: tl.constexpr):
+                      BLOCK_M: tl.constexpr, PB: tl.constexpr, TB: tl.constexpr,
+                      PDL: tl.constexpr):
         # One program over all P pairs: every quantity of the general path from pairwise
         # comparisons (P ≤ PB ≤ 64, so the [PB, PB] tables live in registers).
+        wait_then_release(PDL)
         i = tl.arange(0, PB)
         live = i < P
         e = tl.load(ids_ptr + i, mask=live, other=0).to(tl.int64)
@@ -137,7 +142,8 @@ def group_in_one_program(idx: torch.Tensor, n_experts: int, block_m: int) -> Exp
     if P:
         _group_kernel[(1,)](flat, order, tile_expert, tile_rows, P, n_tiles, BLOCK_M=block_m,
                             PB=max(16, triton.next_power_of_2(P)),
-                            TB=max(16, triton.next_power_of_2(n_tiles)))
+                            TB=max(16, triton.next_power_of_2(n_tiles)),
+                            **pdl.args(dev))
     else:
         tile_expert.fill_(-1)
         tile_rows.fill_(-1)

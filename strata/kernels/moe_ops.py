@@ -29,7 +29,9 @@ def available(t: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    from strata.kernels import pdl
     from strata.kernels.mhc import _round_out
+    from strata.kernels.pdl import wait_then_release
 
     @triton.jit
     def _log1p(y):
@@ -40,7 +42,8 @@ if triton is not None:
 
     @triton.jit
     def _route_kernel(logit_ptr, bias_ptr, idx_ptr, w_ptr, E, temp, scale,
-                      K: tl.constexpr, KB: tl.constexpr, EB: tl.constexpr):
+                      K: tl.constexpr, KB: tl.constexpr, EB: tl.constexpr, PDL: tl.constexpr):
+        wait_then_release(PDL)
         t = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, EB)
         live = e < E
@@ -71,7 +74,8 @@ if triton is not None:
 
     @triton.jit
     def _swiglu_kernel(g_ptr, v_ptr, w_ptr, o_ptr, N, sg, sv, so, limit,
-                       HAS_W: tl.constexpr, BN: tl.constexpr):
+                       HAS_W: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
+        wait_then_release(PDL)
         r = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
         m = cols < N
@@ -84,7 +88,9 @@ if triton is not None:
         tl.store(o_ptr + r * so + cols, _round_out(a, o_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _slot_sum_kernel(y_ptr, o_ptr, D, sy_t, sy_s, K: tl.constexpr, BD: tl.constexpr):
+    def _slot_sum_kernel(y_ptr, o_ptr, D, sy_t, sy_s, K: tl.constexpr, BD: tl.constexpr,
+                         PDL: tl.constexpr):
+        wait_then_release(PDL)
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BD + tl.arange(0, BD)
         m = cols < D
@@ -95,7 +101,8 @@ if triton is not None:
         tl.store(o_ptr + t * D + cols, acc, mask=m)
 
     @triton.jit
-    def _join_kernel(a_ptr, b_ptr, o_ptr, n, BLOCK: tl.constexpr):
+    def _join_kernel(a_ptr, b_ptr, o_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_then_release(PDL)
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = offs < n
         y = tl.load(a_ptr + offs, mask=m, other=0.0).to(tl.float32) \
@@ -113,7 +120,8 @@ def route(logits: torch.Tensor, bias: torch.Tensor, temp: float, k: int,
     if T:
         _route_kernel[(T,)](logits.float().contiguous(), bias.float().contiguous(), idx, w, E,
                             float(temp), float(scale), K=k, KB=triton.next_power_of_2(k),
-                            EB=triton.next_power_of_2(E), enable_fp_fusion=False)
+                            EB=triton.next_power_of_2(E), enable_fp_fusion=False,
+                            **pdl.args(logits.device))
     return idx, w
 
 
@@ -133,7 +141,8 @@ def swiglu(g: torch.Tensor, v: torch.Tensor, limit: float, dtype: torch.dtype,
         w = weight.reshape(-1).float().contiguous() if weight is not None else out
         _swiglu_kernel[(R, triton.cdiv(N, SWIGLU_BLOCK))](
             g2, v2, w, out, N, g2.stride(0), v2.stride(0), out.stride(0), float(limit),
-            HAS_W=weight is not None, BN=SWIGLU_BLOCK, enable_fp_fusion=False)
+            HAS_W=weight is not None, BN=SWIGLU_BLOCK, enable_fp_fusion=False,
+            **pdl.args(g.device))
     return out.view(g.shape)
 
 
@@ -145,7 +154,8 @@ def slot_sum(y: torch.Tensor) -> torch.Tensor:
     out = torch.empty((T, D), dtype=torch.float32, device=y.device)
     if T and D:
         _slot_sum_kernel[(T, triton.cdiv(D, SUM_BLOCK))](y, out, D, y.stride(0), y.stride(1),
-                                                          K=k, BD=SUM_BLOCK)
+                                                          K=k, BD=SUM_BLOCK,
+                                                          **pdl.args(y.device))
     return out
 
 
@@ -158,5 +168,6 @@ def join(routed: torch.Tensor, shared: torch.Tensor, dtype: torch.dtype) -> torc
     out = torch.empty(a.shape, dtype=dtype, device=a.device)
     n = a.numel()
     if n:
-        _join_kernel[(triton.cdiv(n, SUM_BLOCK),)](a, b, out, n, BLOCK=SUM_BLOCK)
+        _join_kernel[(triton.cdiv(n, SUM_BLOCK),)](a, b, out, n, BLOCK=SUM_BLOCK,
+                                                   **pdl.args(a.device))
     return out

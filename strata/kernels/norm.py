@@ -27,7 +27,9 @@ def available(t: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    from strata.kernels import pdl
     from strata.kernels.mhc import _round_out
+    from strata.kernels.pdl import wait_then_release
 
     @triton.jit
     def _row_values(xrow, pre_row, k, K, s_copy, H: tl.constexpr, DT: tl.constexpr):
@@ -44,7 +46,9 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, pre_ptr, K, sx_row, so_row, s_copy, eps,
-                         HAS_W: tl.constexpr, BK: tl.constexpr, H: tl.constexpr):
+                         HAS_W: tl.constexpr, BK: tl.constexpr, H: tl.constexpr,
+                         PDL: tl.constexpr):
+        wait_then_release(PDL)
         r = tl.program_id(0).to(tl.int64)
         xrow = x_ptr + r * sx_row
         pre_row = pre_ptr + r * H
@@ -99,4 +103,4 @@ def _launch(x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor,
                            out.stride(0), s_copy, float(eps), HAS_W=weight is not None,
                            BK=min(BLOCK, triton.next_power_of_2(K)),
                            H=0 if pre is None else pre.shape[1],
-                           num_warps=4, enable_fp_fusion=False)
+                           num_warps=4, enable_fp_fusion=False, **pdl.args(out.device))

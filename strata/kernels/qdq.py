@@ -27,8 +27,10 @@ def available(t: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    from strata.kernels import pdl
     from strata.kernels.fp8fp4 import _e4m3_rne, _signed_like
     from strata.kernels.mhc import _round_out
+    from strata.kernels.pdl import wait_then_release
 
     @triton.jit
     def _ceil_log2(r):
@@ -55,7 +57,8 @@ if triton is not None:
 
     @triton.jit
     def _qdq_kernel(x_ptr, o_ptr, n_blocks, FLOOR: tl.constexpr, FMT: tl.constexpr,
-                    BLOCK: tl.constexpr, ROWS: tl.constexpr):
+                    BLOCK: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
+        wait_then_release(PDL)
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
         live = (rows < n_blocks)[:, None]
@@ -91,5 +94,6 @@ def qdq(x: torch.Tensor, fmt: int, block: int, floor: float) -> torch.Tensor:
     if n_blocks:
         _qdq_kernel[(triton.cdiv(n_blocks, ROWS),)](xc, out, n_blocks, FLOOR=floor, FMT=fmt,
                                                     BLOCK=block, ROWS=ROWS,
-                                                    enable_fp_fusion=False)
+                                                    enable_fp_fusion=False,
+                                                    **pdl.args(x.device))
     return out.view(x.shape)

@@ -35,11 +35,14 @@ def available(rows: torch.Tensor, src: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    from strata.kernels import pdl
     from strata.kernels.mhc import _round_out
+    from strata.kernels.pdl import wait_then_release
 
     @triton.jit
     def _ring_write_kernel(src_ptr, pos_ptr, rows_ptr, tags_ptr, W, size, s_src, s_rows,
-                           BLOCK: tl.constexpr):
+                           BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_then_release(PDL)
         i = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         pos = tl.load(pos_ptr + i)
@@ -88,7 +91,7 @@ def ring_write(rows: torch.Tensor, tags: torch.Tensor, positions: torch.Tensor,
     s2 = _flat(src)
     _ring_write_kernel[(n, triton.cdiv(W, BLOCK))](
         s2, positions.long().contiguous(), rows, tags, W, size, s2.stride(0), W, BLOCK=BLOCK,
-        num_warps=4)
+        num_warps=4, **pdl.args(rows.device))
 
 
 def ring_restore(rows: torch.Tensor, tags: torch.Tensor, slots: torch.Tensor,

@@ -18,11 +18,15 @@ def available(t: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    from strata.kernels import pdl
     from strata.kernels.mhc import _round_out
+    from strata.kernels.pdl import wait_then_release
 
     @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, M, d, sx_t, sx_m, so_t, so_m,
-                     sc_t, sign, RD2: tl.constexpr, BH: tl.constexpr, BP: tl.constexpr):
+                     sc_t, sign, RD2: tl.constexpr, BH: tl.constexpr, BP: tl.constexpr,
+                     PDL: tl.constexpr):
+        wait_then_release(PDL)
         row = tl.program_id(0)
         t = (row // M).to(tl.int64)
         m = (row % M).to(tl.int64)
@@ -60,5 +64,5 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                                out.stride(0), out.stride(1), cos.stride(0),
                                -1.0 if inverse else 1.0, RD2=rd2, BH=256,
                                BP=triton.next_power_of_2(rd2), num_warps=2,
-                               enable_fp_fusion=False)
+                               enable_fp_fusion=False, **pdl.args(out.device))
     return out.view(x.shape)

@@ -39,17 +39,21 @@ def rowwise_bmm_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
+    from strata.kernels import pdl
+    from strata.kernels.pdl import wait_then_release
+
     @triton.jit
     def _rowwise_kernel(x_ptr, w_ptr, o_ptr, M, N, K, m_blocks, k_chunk,
                         sxb, sxm, sxk, swb, swn, swk, soc, sob, som, son,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        DOT: tl.constexpr, NATIVE: tl.constexpr):
+                        DOT: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
         # A tile of BLOCK_M rows × BLOCK_N outputs of one batch element over one K chunk: the
         # w tile is read once for BLOCK_M rows. Every output is the same fixed-order sum over
         # its chunk whatever the tile holds, BLOCK_K slices added in order; a slice's products
         # summed along k on the CUDA cores (the M = 1 kernel) or through one tl.dot (DOT, the
         # M ≥ 2 kernel: NATIVE when both operands are one 16-bit float type — exact products
         # on tensor cores — else fp32 FMAs).
+        wait_then_release(PDL)
         pid = tl.program_id(0)  # b · m_blocks + m_block
         b = (pid // m_blocks).to(tl.int64)  # (offsets past 2³¹ elements: long prefills)
         offs_m = (pid % m_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -78,10 +82,11 @@ if triton is not None:
                  acc.to(o_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
     @triton.jit
-    def _chunk_sum_kernel(p_ptr, o_ptr, n, chunks, BLOCK: tl.constexpr):
+    def _chunk_sum_kernel(p_ptr, o_ptr, n, chunks, BLOCK: tl.constexpr, PDL: tl.constexpr):
         # The chunks' partial sums added in chunk order, element by element. Four chunks'
         # loads are issued before their adds (the same adds in the same order): at decode a
         # call is one program whose time is the loads' latency, chunk after chunk.
+        wait_then_release(PDL)
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         live = offs < n
         acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -152,8 +157,9 @@ def rowwise_bmm(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
             dest.stride(0) if chunks > 1 else 0, *dest.stride()[-3:])
     grid = (B * m_blocks, triton.cdiv(N, bn), chunks)
     _rowwise_kernel[grid](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT=M > 1,
-                          NATIVE=native, num_warps=TILE_WARPS)
+                          NATIVE=native, num_warps=TILE_WARPS, **pdl.args(x.device))
     if chunks > 1:
         n = B * M * N
-        _chunk_sum_kernel[(triton.cdiv(n, 1024),)](dest, out, n, chunks, BLOCK=1024)
+        _chunk_sum_kernel[(triton.cdiv(n, 1024),)](dest, out, n, chunks, BLOCK=1024,
+                                                   **pdl.args(x.device))
     return out

@@ -249,7 +249,7 @@ def test_the_early_launch_gives_plain_orders_bits_eager_and_graphed(cuda, monkey
     X.PDL) against plain stream order: a dense linear at 1 and 6 rows and the grouped MoE
     gate + up, eager and replayed from a CUDA graph (the decode step's form), bit for bit."""
     active = X._pdl(torch.device(cuda))
-    print(f"early launch active: {bool(active)} (GDC in this Triton: {X._HAS_GDC})")
+    print(f"early launch active: {bool(active)} (GDC in this Triton: {X._early.HAS_GDC})")
     E, T, k = 8, 6, 6
     tr = trellis_of(5120, 2304, 2.5, seed=60, device=cuda)
     suh, svh = scales(5120, 61, cuda, scale=5120 ** -0.5), scales(2304, 62, cuda, scale=0.05)
