@@ -17,7 +17,7 @@ ngpu=$(python -c "import torch; print(torch.cuda.device_count())")
 second=$([ "$ngpu" -ge 2 ] && echo 1 || echo 0)
 
 tests() {
-  CUDA_VISIBLE_DEVICES=$second timeout ${T1:-200} python -m pytest -q -m gpu -rf --tb=short \
+  CUDA_VISIBLE_DEVICES=$second timeout ${T1:-300} python -m pytest -q -m gpu -rf --tb=short \
       tests/gpu/test_kernels_exl3_gpu.py -k "mma or moe or early_launch or wgmma" \
       > $OUT/mma_tests.log 2>&1
   CUDA_VISIBLE_DEVICES=$second timeout ${T1G:-200} python -m pytest -q -m gpu -rf --tb=short \
