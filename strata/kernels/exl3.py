@@ -80,7 +80,6 @@ Everything runs on CPU under TRITON_INTERPRET=1 (tests/test_kernels_exl3.py).
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass
 from typing import Sequence
@@ -139,8 +138,7 @@ MOE_MAX_PAIRS = 24576
 INV_SQRT128 = float(torch.tensor(1.0, dtype=torch.float32) / math.sqrt(128))
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_interpreting = _early.interpreting
 
 
 def _require_triton() -> None:

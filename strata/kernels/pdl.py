@@ -56,7 +56,8 @@ else:
     HAS_GDC = False
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1: CPU tests)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -73,7 +74,7 @@ def launch(device: torch.device, on: bool | None = None) -> dict:
     """The launch option of a kernel that waits first (`wait_then_release`): early launch
     where it exists and is switched on (`on`: the switch, ENABLED by default)."""
     on = ENABLED if on is None else on
-    if on and device.type == "cuda" and not _interpreting() and capable(device.index):
+    if on and device.type == "cuda" and not interpreting() and capable(device.index):
         return {"launch_pdl": True}
     return {}
 
