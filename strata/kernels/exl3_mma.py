@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from strata.kernels import pdl
+
 # False: every EXL3 linear on the Triton kernels (A/B measurements; STRATA_EXL3_MMA=0 in the
 # environment does it in every process, ranks of a parallel run included).
 ENABLED = os.environ.get("STRATA_EXL3_MMA", "1") != "0"
@@ -83,7 +85,7 @@ def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: tor
         (out_dtype in _OT, f"output dtype {out_dtype}"),
         (bias is None or bias.dtype in _OT, "bias dtype"),
         (x.is_cuda, "not on CUDA"),
-        (os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "TRITON_INTERPRET is set"),
+        (not pdl.interpreting(), "TRITON_INTERPRET is set"),
         (_compiler() is not None, "this torch has no torch.cuda._compile_kernel (NVRTC)"),
     )
     for ok, reason in checks:
