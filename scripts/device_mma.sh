@@ -1,13 +1,13 @@
 # Device calls for the CUDA EXL3 kernel (strata/kernels/exl3_mma.cu) after a change to it.
 # STEP=check (default): (1) its GPU tests — bits against the Triton kernels for linears and MoE,
-# the early launch — and the CUDA-graph and fused-op tests, those also with every small
-# kernel launched early (STRATA_PDL=1, strata/kernels/pdl.py); (2) an A/B of the synthetic
-# V4.1's graphed decode (half the layers): the CUDA kernel with 4 and with 8 warps a program
-# (STRATA_EXL3_MMA_NW), with STRATA_PDL=1, and Triton only (--no-mma), each mode twice (the
-# tokens' sha256 must match across variants); (3) the kernels alone: scripts/exl3_variants.py
-# (V4.1 shapes at 1 and 6 rows, the MoE gate + up for 1 and 6 tokens; bits compared). With two
-# GPUs visible the tests run on the second while the A/B times on the first (graph replays:
-# the tests' host work does not reach the timed GPU).
+# with and without the kernel computing x' itself, the early launch — and the CUDA-graph and
+# fused-op tests; (2) an A/B of the synthetic V4.1's graphed decode (half the layers): as
+# configured (cuda), without the kernel's own x' (nofold: STRATA_EXL3_MMA_FOLD=0), without the
+# small kernels' early launch (nopdl: STRATA_PDL=0, strata/kernels/pdl.py) and Triton only
+# (--no-mma), each mode twice (the tokens' sha256 must match across variants); (3) the
+# kernels alone: scripts/exl3_variants.py (V4.1 shapes at 1 and 6 rows, the MoE gate + up for
+# 1 and 6 tokens; bits compared). With two GPUs visible the tests run on the second while the
+# A/B times on the first (graph replays: the tests' host work does not reach the timed GPU).
 # STEP=parallel (two GPUs): the two-GPU tests (NO_TESTS=1: not), then the synthetic over both
 # GPUs (PAR: tp and/or layer) with a warm-up and its breakdown.
 # Every step has its own timeout and writes to $OUT as it runs.
@@ -21,14 +21,12 @@ tests() {
       tests/gpu/test_kernels_exl3_gpu.py -k "mma or moe or early_launch or wgmma" \
       > $OUT/mma_tests.log 2>&1
   CUDA_VISIBLE_DEVICES=$second timeout ${T1G:-200} python -m pytest -q -m gpu -rf --tb=short \
-      tests/gpu/test_cuda_graph_gpu.py > $OUT/graph_tests.log 2>&1
-  STRATA_PDL=1 CUDA_VISIBLE_DEVICES=$second timeout ${T1G:-200} python -m pytest -q -m gpu \
-      -rf --tb=short tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_kernels_fused_ops_gpu.py \
-      > $OUT/graph_tests_pdl.log 2>&1
+      tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_kernels_fused_ops_gpu.py \
+      > $OUT/graph_tests.log 2>&1
 }
 
-ab() {  # one variant of the synthetic A/B: cuda | nw8 | pdl | triton
-  env $([ $1 = nw8 ] && echo STRATA_EXL3_MMA_NW=8) $([ $1 = pdl ] && echo STRATA_PDL=1) \
+ab() {  # one variant of the synthetic A/B: cuda | nofold | nopdl | triton
+  env $([ $1 = nofold ] && echo STRATA_EXL3_MMA_FOLD=0) $([ $1 = nopdl ] && echo STRATA_PDL=0) \
       timeout ${T2:-150} python -m strata bench \
       synthetic --device cuda:${2:-0} --layers 0-9,20-29 \
       --modes plain+graphs,oracle+graphs,oracle:2.9+graphs --tokens 24 --runs 2 --warmup 1 \
@@ -39,14 +37,14 @@ ab() {  # one variant of the synthetic A/B: cuda | nw8 | pdl | triton
 if [ "${STEP:-check}" = check ]; then
   if [ "$second" = 1 ]; then
     tests &
-    ab cuda; ab nw8; ab pdl; ab triton
+    ab cuda; ab nofold; ab nopdl; ab triton
     wait
   else
-    tests; ab cuda; ab nw8; ab pdl; ab triton
+    tests; ab cuda; ab nofold; ab nopdl; ab triton
   fi
-  tail -n 4 $OUT/mma_tests.log $OUT/graph_tests.log $OUT/graph_tests_pdl.log; cat $OUT/synthetic_*.log
+  tail -n 4 $OUT/mma_tests.log $OUT/graph_tests.log; cat $OUT/synthetic_*.log
   timeout ${T3:-150} python scripts/exl3_variants.py --linear-only \
-      --variants "cuda:;nw8:NW=8;triton:MMA=0" --json $OUT/variants.json > $OUT/variants.log 2>&1
+      --variants "cuda:;nofold:FOLD=0;triton:MMA=0" --json $OUT/variants.json > $OUT/variants.log 2>&1
   tail -40 $OUT/variants.log
 elif [ "$STEP" = parallel ]; then
   [ -z "$NO_TESTS" ] && timeout ${T4:-200} python -m pytest -q -m gpu -rf --tb=short \

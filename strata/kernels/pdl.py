@@ -12,8 +12,10 @@ without PDL.
 
 A kernel takes part with a `PDL: tl.constexpr` parameter and `wait_then_release(PDL)` as its
 first statement, and is launched with `**args(device)` (its PDL value and launch option).
-`ENABLED` (environment STRATA_PDL=1) is an A/B switch until measured on the device; the EXL3
-kernels' own early launch after rotate_in (strata.kernels.exl3.PDL) is separate and on.
+On by default: on one H200 it made the synthetic V4.1's graphed decode 4–6 % faster with the
+same tokens (bench/results/performance.md, session 14). `ENABLED` False (environment
+STRATA_PDL=0): plain stream order, for A/B measurements. The EXL3 kernels' own early launch
+(strata.kernels.exl3.PDL) is separate and on.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ try:
 except ImportError:  # CPU-only installs: no Triton kernels run
     triton = None
 
-ENABLED = os.environ.get("STRATA_PDL", "0") == "1"
+ENABLED = os.environ.get("STRATA_PDL", "1") != "0"
 
 if triton is not None:
     try:  # Triton ≥ 3.3
