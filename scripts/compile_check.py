@@ -163,18 +163,13 @@ def compile_cuda(nvrtc: str, arch: int, sass: bool = False) -> int:
     src = exl3_mma._SOURCE.read_bytes()
     ptxas = os.path.join(os.path.dirname(nv), "bin", "ptxas")
     failures = 0
-    for K2, CB, OT, BT, R16, G, NW, FOLD, XT in itertools.product(
-            (4, 5, 6, 7, 8), (0, 1, 2), (0, 1, 2), (-1, 0, 1, 2), (0, 1), (0, 1), (4, 8),
-            (0, 1), (0, 1, 2)):
+    for K2, CB, OT, BT, R16, G, NW in itertools.product((4, 5, 6, 7, 8), (0, 1, 2), (0, 1, 2),
+                                                         (-1, 0, 1, 2), (0, 1), (0, 1), (4, 8)):
         if K2 % 2 and CB != 2:
             continue  # half-integer K exists with MUL1 only
         if G and (BT >= 0 or R16):
             continue  # grouped: no bias, tiles of 8 rows
-        if not FOLD and XT != 2:
-            continue  # x' (rotate_in's) is fp16
-        if FOLD and (OT, BT) != (0, -1) and XT != 1:
-            continue  # (the other x dtypes with one output and bias dtype)
-        opts = exl3_mma._options(K2, CB, OT, BT, R16, G, NW, FOLD, XT) \
+        opts = exl3_mma._options(K2, CB, OT, BT, R16, G, NW) \
             + [f"--gpu-architecture=compute_{arch}"]
         prog = ctypes.c_void_p()
         lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"exl3_mma.cu", 0, None, None)
@@ -213,8 +208,7 @@ def compile_cuda(nvrtc: str, arch: int, sass: bool = False) -> int:
         elif OT == 0 and BT == -1:  # (one line per K, codebook and row class)
             regs = [a for a, _ in info if a]
             spills = [b for _, b in info if b]
-            print(f"exl3_mma K2={K2} CB={CB} OT={OT} BT={BT} R16={R16} G={G} NW={NW} "
-                  f"FOLD={FOLD} XT={XT}: "
+            print(f"exl3_mma K2={K2} CB={CB} OT={OT} BT={BT} R16={R16} G={G} NW={NW}: "
                   f"{regs[0]} registers, "
                   f"{spills[0] if spills else 0} bytes spilled{loop}", flush=True)
     print(f"exl3_mma.cu compiled for sm_{arch}: {failures} failed")

@@ -1,7 +1,7 @@
 """Where an EXL3 decode linear's time goes, and A/B of the fused kernel's switches (GPU).
 
 For each variant (a set of strata.kernels.exl3 module switches: FUSED_MAX_REGISTERS (0: none),
-PDL, TARGET_PROGRAMS; MMA = strata.kernels.exl3_mma.ENABLED, FOLD = its own x' for short splits) and
+PDL, TARGET_PROGRAMS; MMA = strata.kernels.exl3_mma.ENABLED) and
 each V4.1 shape at 1 and 6 rows, times under CUDA-graph replay
 (strata.bench.kernels.Timer: L2 flushed, median): rotate_in alone, the split partials alone
 (the fused kernel without its output step), rotate_out of those partials alone, and the whole
@@ -43,9 +43,9 @@ def _variants(spec: str) -> list[tuple[str, dict]]:
 
 
 def _switch(key: str) -> tuple:
-    """(module, attribute) of a variant's switch: MMA = exl3_mma.ENABLED, FOLD = exl3_mma.FOLD,
+    """(module, attribute) of a variant's switch: MMA = exl3_mma.ENABLED,
     anything else strata.kernels.exl3's."""
-    return {"MMA": (exl3_mma, "ENABLED"), "FOLD": (exl3_mma, "FOLD")}.get(key, (X, key))
+    return {"MMA": (exl3_mma, "ENABLED")}.get(key, (X, key))
 
 
 def chain_us(timer, fns) -> float:

@@ -75,7 +75,7 @@ def test_it_declines_off_hopper_and_says_why(monkeypatch):
     tr = torch.zeros(16, 16, 20, dtype=torch.int16)  # (256 × 256 at 2.5 bits)
 
     def why(x, K2=5, n_p=256, trellis=tr, **kw):
-        return exl3_mma.why_not(x, K2, 2, n_p, torch.float32, None, trellis, 2, 8, **kw)
+        return exl3_mma.why_not(x, K2, 2, n_p, torch.float32, None, trellis, 8, **kw)
 
     assert why(x) == "not on CUDA"
     assert why(x, pairs=36) == "not on CUDA"
@@ -92,25 +92,14 @@ def test_it_declines_off_hopper_and_says_why(monkeypatch):
     assert "switched off" in why(x)
 
 
-def test_the_compiled_variant_follows_the_split_schedule(monkeypatch):
-    """8 warps a program for a weight of one split, else 4; x' computed in the kernel (FOLD,
-    XT = x's dtype) for splits of ≤ FOLD_STEPS k-steps and inputs it reads, else read as
-    rotate_in's fp16."""
-    x = torch.zeros(6, 512, dtype=torch.bfloat16)
-    short, long_ = exl3_mma.FOLD_STEPS, exl3_mma.FOLD_STEPS + 1
-    assert exl3_mma.folds(x, short) and exl3_mma.folds(x.float(), 1)
-    assert not exl3_mma.folds(x, long_) and not exl3_mma.folds(x.double(), short)
-
-    def variant(S, x_dtype):  # (NW, FOLD, XT) of the compile key
-        return exl3_mma._key(5, 2, torch.float32, None, 6, False, S, x_dtype, 0)[6:9]
-
-    assert variant(1, None) == (8, 0, 2) and variant(7, None) == (4, 0, 2)
-    assert variant(14, torch.bfloat16) == (4, 1, 1) and variant(1, torch.float32) == (8, 1, 0)
-    opts = exl3_mma._options(*exl3_mma._key(5, 2, torch.float32, None, 6, False, 3,
-                                            torch.float16, 0)[:-1])
-    assert {"-DNW=4", "-DFOLD=1", "-DXT=2"} <= set(opts)
-    monkeypatch.setattr(exl3_mma, "FOLD", False)
-    assert not exl3_mma.folds(x, short)
+def test_a_one_split_weight_gets_eight_warps_a_program():
+    """The compiled variant's NW: 8 warps — one program a 128-column block, finished in
+    shared memory — for a weight of one split, else 4 (two programs a block, partials)."""
+    def nw(S):
+        key = exl3_mma._key(5, 2, torch.float32, None, 6, False, S, 0)
+        return key[6], exl3_mma._options(*key[:-1])[-2]
+    assert nw(1) == (8, "-DNW=8")
+    assert nw(2) == nw(14) == (4, "-DNW=4")
 
 
 def test_launch_structures_match_the_driver_abi():

@@ -68,9 +68,8 @@ Occupancy: each k-step's trellis words are loaded while the previous step decode
 fused / grouped kernel is capped at FUSED_MAX_REGISTERS (4 programs of 4 warps per SM: a
 ~512-program decode launch in one wave). On Hopper a decode-sized call's matmul — a dense
 linear's ≤ 16 rows, a grouped call's ≤ 64 pairs in tiles of 8 — runs in CUDA C instead
-(strata.kernels.exl3_mma: each MMA lane decodes its own fragment window; where a split has
-few k-steps it also computes its x' itself, rotate_in's operations without its launch; the
-same bits, checked on the GPU).
+(strata.kernels.exl3_mma: each MMA lane decodes its own fragment window; the same bits,
+checked on the GPU).
 
 Arrival counters (`_counters`) are one zeroed buffer per device, zero again after every launch;
 an eager first call (the usual CUDA-graph warm-up) allocates them before a capture, and
@@ -812,8 +811,7 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
     """The EXL3 linear y = x·W (+ bias) on the kernels: x [..., k_in] → [..., out_features]
     (`sched_cols`: see exl3_partials).
     Fused path: rotate_in + the fused kernel finishing each column block (2 launches; the
-    second the CUDA kernel of exl3_mma where it applies, with the same bits — and the only
-    one where that kernel rotates x itself);
+    second the CUDA kernel of exl3_mma where it applies, with the same bits);
     GEMM path: rotate_in + reconstruct + GEMM + rotate_out. Same bits either way."""
     _require_triton()
     lead = x.shape[:-1]
@@ -831,14 +829,11 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
         trellis = trellis if trellis.is_contiguous() else trellis.contiguous()
         cb = CODEBOOK_IDS[codebook]
         per, S = split_schedule(16 * kt, sched_cols or 16 * nt)
-        x2 = _contig_rows(x2)
-        if exl3_mma.why_not(x2, K2, cb, 16 * nt, out_dtype, bias, trellis, per, S) is None:
-            # (the same bits; without a rotate_in launch where its splits are short)
-            fold = exl3_mma.folds(x2, per)
+        if exl3_mma.why_not(x2, K2, cb, 16 * nt, out_dtype, bias, trellis, S) is None:  # same bits
             part = torch.empty((S, M, 16 * nt), dtype=torch.float32, device=x.device)
             words, cnt = _words(trellis), _counters(x.device, 16 * nt // 128)
-            exl3_mma.linear(x2 if fold else rotate_in(x2, suh), _contig_rows(suh), words, svh,
-                            cb, K2, y, part, cnt, per, bias, INV_SQRT128, fold,
+            xr = rotate_in(x2, suh)
+            exl3_mma.linear(xr, words, svh, cb, K2, y, part, cnt, per, bias, INV_SQRT128,
                             early=bool(_pdl(x.device)))
         else:
             xr = rotate_in(x2, suh)
@@ -963,7 +958,7 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     cb = CODEBOOK_IDS[codebook]
     sets = _stack_sets(weights)
     per, S = split_schedule(kp, n_p)
-    mma = exl3_mma.why_not(x, K2, cb, n_p, out_dtype, None, sets.trellis, per, S, pairs=P,
+    mma = exl3_mma.why_not(x, K2, cb, n_p, out_dtype, None, sets.trellis, S, pairs=P,
                            str_set=sets.str_set) is None
     block_m = exl3_mma.MOE_TILE_M if mma else BLOCK_M
     if routing is None:
@@ -980,7 +975,9 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     else:
         xin, x_per = _contig_rows(x.reshape(P, x.shape[-1])), 1
     k_in = xin.shape[1]
-    # 2.'s buffers first: the grouped kernel directly follows 1. (early launch)
+    # 1. x' per (set, pair) with the pair's expert's suh
+    xr = torch.empty((W, P, kp), dtype=torch.float16, device=dev)
+    # 2.'s buffers first: the grouped kernel directly follows this one (early launch)
     split_loop = P > MOE_SPLIT_LOOP_PAIRS and not mma
     part = torch.empty((W, 1 if split_loop else S, P, n_p), dtype=torch.float32, device=dev)
     out = torch.empty((W, P, n_out), dtype=out_dtype, device=dev)
@@ -988,21 +985,13 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     grid = (n_p // BLOCK_N, 1 if split_loop else S, W * n_tiles)
     cnt = part if split_loop else _counters(dev, grid[2] * (grid[0] // 2))
     pdl = _pdl(dev)
-    if mma and exl3_mma.folds(x, per):  # 1. + 2. the CUDA kernel computing x' itself (short splits)
-        exl3_mma.moe(xin, x_per, sets.suh, sets.ssuh_set, sets.trellis, sets.str_set, sets.svh,
-                     sets.ssvh_set, cb, K2, out, part, cnt, per, groups.tile_rows,
-                     groups.tile_expert, INV_SQRT128, True, bool(pdl))
-        return [out[w].view(T, k, n_out) for w in range(W)]
-    # 1. x' per (set, pair) with the pair's expert's suh
-    xr = torch.empty((W, P, kp), dtype=torch.float16, device=dev)
     _rotate_in_kernel[(triton.cdiv(P, ROT_ROWS), kp // 128, W)](
         xin, sets.suh, xr, eidx, P, x_per, k_in, xin.stride(0),
         sets.suh.stride(0), sets.ssuh_set, xr.stride(0), xr.stride(1), INV_SQRT128,
         HAS_EIDX=True, BR=ROT_ROWS, PDL=bool(pdl), num_warps=4, enable_fp_fusion=False)
     if mma:  # 2. the CUDA kernel over tiles of ≤ MOE_TILE_M pairs: decode's few pairs
-        exl3_mma.moe(xr, 1, sets.suh, sets.ssuh_set, sets.trellis, sets.str_set, sets.svh,
-                     sets.ssvh_set, cb, K2, out, part, cnt, per, groups.tile_rows,
-                     groups.tile_expert, INV_SQRT128, False, bool(pdl))
+        exl3_mma.moe(xr, sets.trellis, sets.str_set, sets.svh, sets.ssvh_set, cb, K2, out, part,
+                     cnt, per, groups.tile_rows, groups.tile_expert, INV_SQRT128, bool(pdl))
         return [out[w].view(T, k, n_out) for w in range(W)]
     # 2. the grouped kernel over tiles of ≤ BLOCK_M pairs sharing an expert. Few pairs
     #    (decode): one program per split, the last of each (tile, 128 columns) finishing

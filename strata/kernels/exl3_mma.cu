@@ -13,11 +13,7 @@
 // from strata.kernels.moe_grouping, for W weight sets at once: exl3.exl3_moe_linear),
 // NW (warps per program, 4 or 8: a program covers 16·NW columns; with 8 — chosen for a weight
 // of one split, S = 1 — one program per 128-column block finishes its block from shared
-// memory, without the partials' round trip through global memory and the arrival count),
-// FOLD (1: no rotate_in before the kernel — each program computes the x' of its own k-steps,
-// rotate_in's operations in its order, into shared memory; for schedules of ≤ FOLD_STEPS
-// k-steps a split, where one launch less outweighs the x' each column program recomputes),
-// XT (the dtype of the x the kernel reads, as OT: x' fp16 without FOLD).
+// memory, without the partials' round trip through global memory and the arrival count).
 //
 // Why the fragments need no exchange between lanes: a 16×16 trellis tile's ring position p has
 // bits (r0, r3, c3, r1, r2, c0, c1, c2) of its row r and column c. The kernel computes the
@@ -38,11 +34,6 @@
 #error "exl3_mma: NW is 4 or 8"
 #endif
 #define RG (R16 ? 2 : 1)   // groups of 8 rows (an MMA's n8)
-#define TR (8 * RG)        // tile rows
-#define FOLD_STEPS 4       // (exl3_mma.py's FOLD_STEPS)
-#if !FOLD && XT != 2
-#error "exl3_mma: x' is fp16"
-#endif
 // A lane's window (16 bits before its 8 positions, then 8·K bits) starts anywhere in a word:
 // three words hold it and, shifted to start at bit 0, two words (8K + 16 ≤ 64) for K ≤ 4. Larger
 // K (EXL3 allows up to 8; V4.1 quants use 6 for the head) stays on the Triton kernel.
@@ -69,18 +60,6 @@ __device__ __forceinline__ float load_bias(const void* p, long long i) {
 #if BT == 0
     return ((const float*)p)[i];
 #elif BT == 1
-    return __uint_as_float(((u32)((const unsigned short*)p)[i]) << 16);
-#else
-    return h2f(((const unsigned short*)p)[i]);
-#endif
-}
-#endif
-
-#if FOLD
-__device__ __forceinline__ float load_in(const void* p, long long i) {
-#if XT == 0
-    return ((const float*)p)[i];
-#elif XT == 1
     return __uint_as_float(((u32)((const unsigned short*)p)[i]) << 16);
 #else
     return h2f(((const unsigned short*)p)[i]);
@@ -183,10 +162,10 @@ __device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u3
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// this lane's B fragments (x'ᵀ: k × 8 rows) of the 8 k16 steps of k-step ks (counted from
-// where xq's rows start) for each group of 8 tile rows: x' row xq[q] (row 8q + g of the tile),
-// k 2t, 2t + 1 and 2t + 8, 2t + 9. (A row the tile lacks reads some valid row: an MMA's output
-// column depends on its own B column only, and such rows are never stored.)
+// this lane's B fragments (x'ᵀ: k × 8 rows) of the 8 k16 steps of k-step ks for each group of
+// 8 tile rows: x' row xq[q] (row 8q + g of the tile), k 2t, 2t + 1 and 2t + 8, 2t + 9.
+// (A row the tile lacks reads some valid row: an MMA's output column depends on its own B
+// column only, and such rows are never stored.)
 __device__ __forceinline__ void load_x(const unsigned short* const (&xq)[RG], int ks, int t,
                                        u32 (&x)[RG][8][2]) {
 #pragma unroll
@@ -239,21 +218,17 @@ __device__ __forceinline__ int tile_row(const int* __restrict__ rows, int tile, 
 
 // Grid (n_p / (16·NW), S, W · n_tiles); NW warps, warp w owns the tile column NW·blockIdx.x
 // + w; block y = split; block z = weight set · n_tiles + row tile (ungrouped: one set, one
-// tile of M rows). xin: x' [.., k_p] fp16, or with FOLD the input x [.., k_in] (x_per tile
-// rows a row of x — a token's pairs — and suh, whose set / expert rows are ssuh_set /
-// ssuh_e apart). Strides count elements of what they step through (32-bit words for the
+// tile of M rows). Strides count elements of what they step through (32-bit words for the
 // trellis).
 extern "C" __global__ void __launch_bounds__(32 * NW, 16 / NW)
-exl3_mma_linear(const void* __restrict__ xin, const u32* __restrict__ trellis,
+exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ trellis,
                 float* __restrict__ part, int* __restrict__ cnt,
                 const unsigned short* __restrict__ svh, const void* __restrict__ bias,
                 void* __restrict__ out, const int* __restrict__ rows,
-                const int* __restrict__ texp, const unsigned short* __restrict__ suh,
-                int M, int tile_m, int n_tiles,
+                const int* __restrict__ texp, int M, int tile_m, int n_tiles,
                 int sxr, long long sx_set, long long str_exp, long long str_set,
                 int sp_row, long long sp_split, long long sp_set,
-                long long ssvh_e, long long ssvh_set, long long ssuh_e, long long ssuh_set,
-                int so, long long so_set, int x_per, int k_in,
+                long long ssvh_e, long long ssvh_set, int so, long long so_set,
                 int n_p, int n_out, int k_steps, int per_split, int row_words, double inv_d) {
     __shared__ int last;
     const float inv = (float)inv_d;
@@ -263,11 +238,7 @@ exl3_mma_linear(const void* __restrict__ xin, const u32* __restrict__ trellis,
     const int tile = blockIdx.z % n_tiles;
     const long long set = blockIdx.z / n_tiles;
 #if G
-#if FOLD
-    // the groups may come from the kernel just before (no rotate_in between): wait for it
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-    // (without FOLD the groups were written before the rotate_in this launch may overlap)
+    // (the groups were written before the rotate_in this launch may overlap: readable now)
     const int e = texp[tile];
     if (e < 0) return;  // an unused tile: none of its programs writes or counts
 #else
@@ -278,25 +249,12 @@ exl3_mma_linear(const void* __restrict__ xin, const u32* __restrict__ trellis,
     // this warp's tile column of this set's (expert's) trellis
     const u32* col = trellis + set * str_set + e * str_exp + (long long)(nb * NW + warp) * WT;
     float* const ps = part + set * sp_set;
-    // each tile row's row of x' (a row the tile lacks: row 0, which every tile has), from the
-    // program's k-step k_lo on with FOLD (in shared memory), else from k-step 0
-#if FOLD
-    // (+8 halves a row: the B-fragment loads of 8 rows × 4 lanes fall in 32 distinct banks)
-    __shared__ __align__(16) unsigned short xs[TR][FOLD_STEPS * 128 + 8];
-    const int ks0 = k_lo;
-#else
-    const unsigned short* const x0 = (const unsigned short*)xin + set * sx_set;
-    const int ks0 = 0;
-#endif
+    const unsigned short* const x0 = xr + set * sx_set;  // (row 0: every tile's sets have it)
     const unsigned short* xq[RG];
 #pragma unroll
     for (int q = 0; q < RG; ++q) {
         const int r = tile_row(rows, tile, tile_m, M, 8 * q + g);
-#if FOLD
-        xq[q] = &xs[r >= 0 ? 8 * q + g : 0][0];
-#else
         xq[q] = r >= 0 ? x0 + (long long)r * sxr : x0;
-#endif
     }
 
     // this lane's window of every tile: bits [4·lane·K2 − 16, …), wrapping for lane 0
@@ -325,36 +283,9 @@ exl3_mma_linear(const void* __restrict__ xin, const u32* __restrict__ trellis,
     asm volatile("mov.b32 %0, 0x3B603B60;" : "=r"(xc));
     u32 x[RG][8][2];
     stage_w(col, step_words, k_lo, goff, sbuf[0], lane);
-    // x (x') comes from the kernel launched just before (a no-op without an early launch)
+    // x' comes from the rotate_in launched just before (a no-op without an early launch)
     asm volatile("griddepcontrol.wait;" ::: "memory");
-#if FOLD
-    {
-        // x'[r, k-step j] = fp16(H128(fp16(x·suh))·inv) — rotate_in's operations — for the
-        // tile's rows (a prefix of it) and this split's k-steps, one (row, k-step) a warp at
-        // a time, 4 consecutive k a lane
-        int n_rows = 0;
-        while (n_rows < TR && tile_row(rows, tile, tile_m, M, n_rows) >= 0) ++n_rows;
-        const int n_steps = k_hi - k_lo;
-        const unsigned short* const su = suh + set * ssuh_set + (long long)e * ssuh_e;
-        for (int u = warp; u < n_rows * n_steps; u += NW) {
-            const int r = u / n_steps, j = u - r * n_steps;
-            const long long xrow = (long long)(tile_row(rows, tile, tile_m, M, r) / x_per) * sxr;
-            const int k = (k_lo + j) * 128 + 4 * lane;
-            float v[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float xv = k + i < k_in ? load_in(xin, xrow + k + i) : 0.f;
-                v[i] = h2f(f2h(xv * h2f(su[k + i])));
-            }
-            fwht128(v, lane);
-            const u32 lo = f2h(v[0] * inv) | ((u32)f2h(v[1] * inv) << 16);
-            const u32 hi = f2h(v[2] * inv) | ((u32)f2h(v[3] * inv) << 16);
-            *(uint2*)&xs[r][j * 128 + 4 * lane] = make_uint2(lo, hi);
-        }
-        __syncthreads();
-    }
-#endif
-    load_x(xq, k_lo - ks0, t, x);
+    load_x(xq, k_lo, t, x);
     int cur = 0;
 #pragma unroll 2
     for (int ks = k_lo; ks < k_hi; ++ks) {
@@ -365,7 +296,7 @@ exl3_mma_linear(const void* __restrict__ xin, const u32* __restrict__ trellis,
         __syncwarp();
         stage_w(col, step_words, kn, goff, sbuf[cur ^ 1], lane);
         u32 xn[RG][8][2];
-        load_x(xq, kn - ks0, t, xn);
+        load_x(xq, kn, t, xn);
         asm volatile("cp.async.wait_group 1;" ::: "memory");  // this step's chunks (own)
         __syncwarp();                                          // … and the other lanes'
         const u32* const sw = &stage[warp][cur][0];
@@ -391,6 +322,7 @@ exl3_mma_linear(const void* __restrict__ xin, const u32* __restrict__ trellis,
     // One split with one program per 128-column block (NW = 8, S = 1): the block's y' goes
     // to shared memory and the program finishes it. Otherwise this split's partial goes to
     // global memory and the last of the block's PER_BLOCK·S programs to arrive finishes it.
+    constexpr int TR = R16 ? 16 : 8;  // tile rows
 #if NW == 8
     __shared__ float ys[TR][128];
     const bool direct = S == 1;

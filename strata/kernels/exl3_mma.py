@@ -5,13 +5,10 @@ tile per thread and moves it to the MMA layout through shared memory. The trelli
 made for MMA fragments — lane l of an m16n8k16 MMA holds exactly ring positions 8l … 8l + 7 of
 a tile as its A fragment of Ŵᵀ — so this kernel computes y'ᵀ = Ŵᵀ·x'ᵀ with each lane decoding
 its window straight into registers and 8 rows of x' as the MMA's n8, and finishes each
-128-column block in the last program to arrive, like the Triton kernel. It is launched early
-(programmatic dependent launch, through the driver's cuLaunchKernelEx) and copies its first
-trellis tiles before it waits for its input: x' from exl3.rotate_in, or — where a split has few
-k-steps (`folds`) — x itself, whose x' each program then computes for its own k-steps (one
-launch less; the Hadamard work repeats in each column program, so only short splits do it).
-`linear` serves exl3_linear, `moe` exl3_moe_linear (rows: tiles of MOE_TILE_M pairs sharing an
-expert, for W weight sets).
+128-column block in the last program to arrive, like the Triton kernel. It follows
+exl3.rotate_in and is launched early after it (programmatic dependent launch, through the
+driver's cuLaunchKernelEx), as the Triton fused kernel is. `linear` serves exl3_linear, `moe`
+exl3_moe_linear (rows: tiles of MOE_TILE_M pairs sharing an expert, for W weight sets).
 The decode is integer work on the SM's ALU pipe (shifts, masks, byte permutes), which bounds
 it: the k-loop is written for few such instructions (the compiled loop: 387–448 per k-step at
 K = 2–4, from 598–614 in session 11; bench/results/kernels.md records what each version
@@ -41,10 +38,6 @@ from strata.kernels import pdl
 # False: every EXL3 linear on the Triton kernels (A/B measurements; STRATA_EXL3_MMA=0 in the
 # environment does it in every process, ranks of a parallel run included).
 ENABLED = os.environ.get("STRATA_EXL3_MMA", "1") != "0"
-# The kernel computes x' itself (no rotate_in launch) where a split has ≤ FOLD_STEPS k-steps;
-# False: never (A/B measurements; STRATA_EXL3_MMA_FOLD=0 in the environment). Same bits.
-FOLD = os.environ.get("STRATA_EXL3_MMA_FOLD", "1") != "0"
-FOLD_STEPS = 4  # (exl3_mma.cu's shared x' buffer: 128·FOLD_STEPS columns)
 MAX_ROWS = 16  # two n8 groups of rows
 # exl3_moe_linear: up to MAX_PAIRS (token, slot) pairs (decode steps and verify windows) in
 # row tiles of MOE_TILE_M pairs sharing an expert (a decode window routes ≤ 6 to one expert)
@@ -63,21 +56,15 @@ def _hopper(index: int | None) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
-def folds(x: torch.Tensor, per_split: int) -> bool:
-    """Whether the kernel computes x' itself (no rotate_in launch) for input x and a split
-    schedule of per_split k-steps a split: a short split and an x dtype it reads."""
-    return FOLD and per_split <= FOLD_STEPS and x.dtype in _OT
-
-
 def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: torch.dtype,
-            bias: torch.Tensor | None, trellis: torch.Tensor, per_split: int, S: int,
+            bias: torch.Tensor | None, trellis: torch.Tensor, S: int,
             pairs: int | None = None, str_set: int = 0) -> str | None:
     """None where the kernel may run here with the Triton kernels' bits, else the reason it
     may not (a failed NVRTC compile included: the Triton kernels then run). x: the input,
     [M, k_in] for exl3_linear; trellis: the (contiguous) trellis it reads, whose tiles it copies
-    in 16-byte chunks; per_split, S: the weight's split schedule (exl3.split_schedule);
-    `pairs`: the (token, slot) pairs of an exl3_moe_linear call (grouped into tiles of
-    MOE_TILE_M rows; x then only gives the device and dtype), str_set its words from one
+    in 16-byte chunks; S: the weight's number of splits (exl3.split_schedule); `pairs`: the
+    (token, slot) pairs of an exl3_moe_linear call (grouped
+    into tiles of MOE_TILE_M rows; x then only gives the device), str_set its words from one
     weight set's trellis to the next."""
     rows_ok = (0 < pairs <= MAX_PAIRS if pairs is not None
                else x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS)
@@ -103,12 +90,12 @@ def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: tor
         return "not compute capability 9.0 (elsewhere the Triton kernels use mma.sync kWidth 4)"
     key = _key(K2, codebook_id, out_dtype, bias,
                MOE_TILE_M if pairs is not None else x.shape[0], pairs is not None, S,
-               x.dtype if folds(x, per_split) else None, x.device.index)
+               x.device.index)
     if key not in _KERNELS:
         try:
             with torch.cuda.device(x.device.index):
                 _KERNELS[key] = _compiler()(_SOURCE.read_text(), "exl3_mma_linear",
-                                            nvcc_options=_options(*key[:-1]))
+                                            nvcc_options=_options(*key[:7]))
         except Exception as e:  # NVRTC missing or refusing: remembered, Triton runs instead
             _KERNELS[key] = f"NVRTC: {type(e).__name__}: {e}".splitlines()[0][:300]
             warnings.warn(f"strata: EXL3 CUDA kernel unavailable ({_KERNELS[key]}); "
@@ -117,24 +104,20 @@ def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: tor
     return k if isinstance(k, str) else None
 
 
-_KERNELS: dict = {}  # (K2, CB, OT, BT, R16, G, NW, FOLD, XT, device index) → kernel or why not
+_KERNELS: dict = {}  # (K2, CB, OT, BT, R16, G, NW, device index) → compiled kernel or why not
 
 
 def _key(K2: int, codebook_id: int, out_dtype: torch.dtype, bias: torch.Tensor | None,
-         tile_rows: int, grouped: bool, S: int, x_dtype: torch.dtype | None,
-         index: int | None) -> tuple:
-    """The compiled variant: 8 warps a program for a weight of one split (its blocks finish
-    in shared memory), else 4; x_dtype: the dtype of x where the kernel computes x' itself
-    (FOLD), None where it reads rotate_in's x' (fp16)."""
+         tile_rows: int, grouped: bool, S: int, index: int | None) -> tuple:
+    """The compiled variant; NW: 8 warps a program for a weight of one split (a program a
+    128-column block, finished in shared memory), else 4 (two programs a block)."""
     return (K2, codebook_id, _OT[out_dtype], -1 if bias is None else _OT[bias.dtype],
-            int(tile_rows > 8), int(grouped), 8 if S == 1 else 4, int(x_dtype is not None),
-            _OT[x_dtype or torch.float16], index)
+            int(tile_rows > 8), int(grouped), 8 if S == 1 else 4, index)
 
 
-def _options(K2: int, CB: int, OT: int, BT: int, R16: int, G: int, NW: int, FOLD: int,
-             XT: int) -> list[str]:
+def _options(K2: int, CB: int, OT: int, BT: int, R16: int, G: int, NW: int) -> list[str]:
     return [f"-DK2={K2}", f"-DCB={CB}", f"-DOT={OT}", f"-DBT={BT}", f"-DR16={R16}", f"-DG={G}",
-            f"-DNW={NW}", f"-DFOLD={FOLD}", f"-DXT={XT}", "--fmad=false"]
+            f"-DNW={NW}", "--fmad=false"]
 
 
 class _Attr(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
@@ -176,61 +159,48 @@ def _launch(kernel, grid, block, args, early: bool) -> None:
 _L = ctypes.c_longlong  # (the kernel's 64-bit strides)
 
 
-def linear(xin: torch.Tensor, suh: torch.Tensor, trellis: torch.Tensor, svh: torch.Tensor,
-           codebook_id: int, K2: int, out: torch.Tensor, part: torch.Tensor,
-           counters: torch.Tensor, per_split: int, bias: torch.Tensor | None, inv: float,
-           fold: bool, early: bool) -> torch.Tensor:
-    """out [M, n_out] = H128(x'·Ŵ)·svh (+ bias), given the int32 word view of the contiguous
-    trellis [kt, nt, 16·K], the split schedule's per_split, a partials buffer part [S, M, n_p]
-    fp32 (S = its first dim) and zeroed arrival counters (left zero). fold (folds(x,
-    per_split)): xin is x [M, k_in] and the kernel computes x' = rotate_in(x, suh) itself;
-    else xin is that x' [M, k_p] fp16 (rows contiguous). early: launched early after the
-    kernel before it, which wrote xin. The caller checked why_not (which compiled the kernel)
-    for the same arguments."""
-    M = xin.shape[0]
+def linear(xr: torch.Tensor, trellis: torch.Tensor, svh: torch.Tensor, codebook_id: int,
+           K2: int, out: torch.Tensor, part: torch.Tensor, counters: torch.Tensor,
+           per_split: int, bias: torch.Tensor | None, inv: float, early: bool) -> torch.Tensor:
+    """out [M, n_out] = H128(x'·Ŵ)·svh (+ bias) for x' [M, k_p] fp16 (rotate_in's output, rows
+    contiguous), given the int32 word view of the contiguous trellis [kt, nt, 16·K], the split
+    schedule's per_split, a partials buffer part [S, M, n_p] fp32 (S = its first dim) and
+    zeroed arrival counters (left zero). early: launched right after xr's rotate_in. The
+    caller checked why_not (which compiled the kernel) for the same arguments."""
+    M = xr.shape[0]
     kt, nt = trellis.shape[-3], trellis.shape[-2]
     n_p, S = 16 * nt, part.shape[0]
-    key = _key(K2, codebook_id, out.dtype, bias, M, False, S, xin.dtype if fold else None,
-               xin.device.index)
-    nw = key[6]
-    _launch(_KERNELS[key], (n_p // (16 * nw), S, 1), (32 * nw, 1, 1),
-            [xin, trellis, part, counters, svh, bias if bias is not None else svh, out,
-             part, part, suh,  # (no row tiles)
-             M, MAX_ROWS, 1, xin.stride(0), _L(0), _L(0), _L(0),
-             part.stride(1), _L(part.stride(0)), _L(0), _L(0), _L(0), _L(0), _L(0),
-             out.stride(0), _L(0), 1, xin.shape[1],
+    key = _key(K2, codebook_id, out.dtype, bias, M, False, S, xr.device.index)
+    _launch(_KERNELS[key], (n_p // (16 * key[6]), S, 1), (32 * key[6], 1, 1),
+            [xr, trellis, part, counters, svh, bias if bias is not None else svh, out,
+             part, part,  # (no row tiles)
+             M, MAX_ROWS, 1, xr.stride(0), _L(0), _L(0), _L(0),
+             part.stride(1), _L(part.stride(0)), _L(0), _L(0), _L(0), out.stride(0), _L(0),
              n_p, out.shape[1], kt * 16 // 128, per_split, nt * 4 * K2, float(inv)], early)
     return out
 
 
-def moe(xin: torch.Tensor, x_per: int, suh: torch.Tensor, ssuh_set: int, words: torch.Tensor,
-        str_set: int, svh: torch.Tensor, ssvh_set: int, codebook_id: int, K2: int,
-        out: torch.Tensor, part: torch.Tensor, counters: torch.Tensor, per_split: int,
-        tile_rows: torch.Tensor, tile_expert: torch.Tensor, inv: float, fold: bool,
-        early: bool) -> torch.Tensor:
+def moe(xr: torch.Tensor, words: torch.Tensor, str_set: int, svh: torch.Tensor,
+        ssvh_set: int, codebook_id: int, K2: int, out: torch.Tensor, part: torch.Tensor,
+        counters: torch.Tensor, per_split: int, tile_rows: torch.Tensor,
+        tile_expert: torch.Tensor, inv: float, early: bool) -> torch.Tensor:
     """exl3_moe_linear's grouped step on this kernel: out[w, p] = H128(x'[w, p]·Ŵ_e)·svh_e for
-    each weight set w and pair p in a row tile of expert e. fold: xin is x [R, k_in] (rows
-    contiguous; pair p reads row p // x_per) and the kernel computes x'[w, p] with set w's
-    expert-e suh (set 0's [E, k_p], ssuh_set elements to set w's, × w); else xin is x'
-    [W, P, k_p] fp16 (the grouped rotate_in's output). words: set 0's experts [E, kt, nt, 4K]
-    int32, str_set words to set w's (× w); svh set 0's [E, n_p], ssvh_set likewise; part
-    [W, S, P, n_p] fp32; tile_rows [n_tiles, MOE_TILE_M] / tile_expert [n_tiles] from
-    moe_grouping (block MOE_TILE_M); zeroed counters for W·n_tiles·n_p/128 blocks (left
-    zero). The caller checked why_not(…, pairs=P)."""
-    W, _, P, _ = part.shape
+    each weight set w and pair p in a row tile of expert e, from x' [W, P, k_p] fp16 (the
+    grouped rotate_in's output); words: set 0's experts [E, kt, nt, 4K] int32, str_set words
+    to set w's (× w); svh set 0's [E, n_p], ssvh_set likewise; part [W, S, P, n_p] fp32;
+    tile_rows [n_tiles, MOE_TILE_M] / tile_expert [n_tiles] from moe_grouping (block
+    MOE_TILE_M); zeroed counters for W·n_tiles·n_p/128 blocks (left zero). The caller checked
+    why_not(…, pairs=P)."""
+    W, P, _ = xr.shape
     kt, nt = words.shape[-3], words.shape[-2]
     n_p, S, n_tiles = 16 * nt, part.shape[1], tile_expert.numel()
     if tile_rows.shape != (n_tiles, MOE_TILE_M) or not tile_rows.is_contiguous():
         raise ValueError(f"exl3_mma.moe: tile_rows must be [n_tiles, {MOE_TILE_M}] contiguous")
-    key = _key(K2, codebook_id, out.dtype, None, MOE_TILE_M, True, S,
-               xin.dtype if fold else None, xin.device.index)
-    nw = key[6]
-    sxr, sx_set = (xin.stride(0), 0) if fold else (xin.stride(1), xin.stride(0))
-    _launch(_KERNELS[key], (n_p // (16 * nw), S, W * n_tiles), (32 * nw, 1, 1),
-            [xin, words, part, counters, svh, svh, out, tile_rows, tile_expert, suh,
-             P, MOE_TILE_M, n_tiles, sxr, _L(sx_set), _L(words.stride(0)),
+    key = _key(K2, codebook_id, out.dtype, None, MOE_TILE_M, True, S, xr.device.index)
+    _launch(_KERNELS[key], (n_p // (16 * key[6]), S, W * n_tiles), (32 * key[6], 1, 1),
+            [xr, words, part, counters, svh, svh, out, tile_rows, tile_expert,
+             P, MOE_TILE_M, n_tiles, xr.stride(1), _L(xr.stride(0)), _L(words.stride(0)),
              _L(str_set), part.stride(2), _L(part.stride(1)), _L(part.stride(0)),
-             _L(svh.stride(0)), _L(ssvh_set), _L(suh.stride(0)), _L(ssuh_set),
-             out.stride(1), _L(out.stride(0)), x_per, xin.shape[-1],
+             _L(svh.stride(0)), _L(ssvh_set), out.stride(1), _L(out.stride(0)),
              n_p, out.shape[2], kt * 16 // 128, per_split, nt * 4 * K2, float(inv)], early)
     return out

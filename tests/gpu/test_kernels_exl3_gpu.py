@@ -283,20 +283,17 @@ def test_the_early_launch_gives_plain_orders_bits_eager_and_graphed(cuda, monkey
     assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
 
 
-@pytest.mark.parametrize("fold", [True, False])
 @pytest.mark.parametrize("K,codebook", [(2, "mul1"), (2.5, "mul1"), (3, "mcg"), (3.5, "mul1"),
                                         (4, "3inst"), (4, "mul1")])
-def test_the_mma_kernel_gives_the_triton_kernels_bits(cuda, monkeypatch, K, codebook, fold):
-    """strata.kernels.exl3_mma (the CUDA kernel, fragments decoded in registers) against
-    rotate_in + the Triton fused kernel, bit for bit, computing x' itself (exl3_mma.FOLD: all
-    four shapes here have short splits) or after rotate_in: four shapes at 1, 6, 9 and 16
-    rows — the last of one split (S = 1, which 8 warps a program finish from shared memory);
-    on the first, bf16, fp32 and fp16 inputs, fp32 / bf16 / fp16 outputs, a bias, a trimmed
-    output and a column slice with the whole weight's split schedule (tensor parallelism);
-    eager and replayed from a CUDA graph."""
+def test_the_mma_kernel_gives_the_triton_kernels_bits(cuda, monkeypatch, K, codebook):
+    """strata.kernels.exl3_mma (the CUDA kernel, fragments decoded in registers, after
+    rotate_in) against the Triton fused kernel, bit for bit: four shapes at 1, 6, 9 and 16
+    rows — three of several splits (4 warps a program), the last of one (S = 1: 8 warps a
+    program, which finish their block from shared memory); on the first, bf16 and fp32 inputs, fp32 / bf16 / fp16
+    outputs, a bias, a trimmed output and a column slice with the whole weight's split
+    schedule (tensor parallelism); eager and replayed from a CUDA graph."""
     from strata.kernels import exl3_mma
     from strata.quant.exl3 import bits_per_weight
-    monkeypatch.setattr(exl3_mma, "FOLD", fold)
     cases = [((5120, 2304), 70), ((2304, 5120), 71), ((1280, 4096), 72), ((256, 32768), 74)]
     assert X.split_schedule(256, 32768)[1] == 1
     g = torch.Generator().manual_seed(73)
@@ -315,20 +312,18 @@ def test_the_mma_kernel_gives_the_triton_kernels_bits(cuda, monkeypatch, K, code
         for M in (1, 6, 9, 16):
             x = torch.randn(M, k, generator=g).to(cuda)
             monkeypatch.setattr(exl3_mma, "ENABLED", True)
-            per, S = X.split_schedule(k, n)
-            assert exl3_mma.folds(x.bfloat16(), per) == fold
             why = exl3_mma.why_not(x.bfloat16(), K2, X.CODEBOOK_IDS[codebook], n,
-                                   torch.float32, None, tr, per, S)
+                                   torch.float32, None, tr, X.split_schedule(k, n)[1])
             assert why is None, why
             got, ref = both(x.bfloat16(), tr, suh, svh, codebook)
             assert torch.equal(got, ref), ((k, n), M)
             if c or M != 6:
                 continue
             bias = scales(n, seed + 3, cuda, scale=0.1).to(torch.bfloat16)
-            for xx, kw in ((x, dict(out_dtype=torch.bfloat16, bias=bias, out_features=n - 100)),
-                           (x, dict(out_dtype=torch.float16)), (x.half(), {})):
-                got, ref = both(xx, tr, suh, svh, codebook, **kw)
-                assert torch.equal(got, ref), ((k, n), M, xx.dtype, kw.keys())
+            for kw in (dict(out_dtype=torch.bfloat16, bias=bias, out_features=n - 100),
+                       dict(out_dtype=torch.float16)):
+                got, ref = both(x, tr, suh, svh, codebook, **kw)
+                assert torch.equal(got, ref), ((k, n), M, kw.keys())
             cols = slice(n // 2, n // 2 + 1024)  # a column slice, the whole weight's schedule
             tr_s = tr[:, cols.start // 16:cols.stop // 16].contiguous()
             got, ref = both(x.bfloat16(), tr_s, suh, svh[cols], codebook, sched_cols=n)
@@ -353,17 +348,13 @@ def test_the_mma_kernel_gives_the_triton_kernels_bits(cuda, monkeypatch, K, code
         assert torch.equal(static, eager)
 
 
-@pytest.mark.parametrize("fold", [True, False])
 @pytest.mark.parametrize("K,codebook", [(2, "3inst"), (2.5, "mul1"), (3, "mcg"), (4, "mul1")])
-def test_the_mma_kernels_moe_gives_the_triton_kernels_bits(cuda, monkeypatch, K, codebook, fold):
+def test_the_mma_kernels_moe_gives_the_triton_kernels_bits(cuda, monkeypatch, K, codebook):
     """exl3_moe_linear on the CUDA kernel (tiles of MOE_TILE_M pairs) against the Triton
     grouped kernel (tiles of BLOCK_M), bit for bit: gate + up (two sets, one input per token)
     and down (one input per pair) for a 6-token verify window × 6 slots over 12 experts —
-    several pairs per expert, all experts' tiles, fp32 and bf16 outputs — then one token;
-    the kernel computing each pair's x' itself (exl3_mma.FOLD) or after the grouped
-    rotate_in."""
+    several pairs per expert, all experts' tiles, fp32 and bf16 outputs — then one token."""
     from strata.kernels import exl3_mma
-    monkeypatch.setattr(exl3_mma, "FOLD", fold)
     E, T, k = 12, 6, 6
     sets = [(trellis_of(5120, 2304, K, seed=90 + w, device=cuda, E=E),
              scales(5120, 92 + w, cuda, E, 5120 ** -0.5), scales(2304, 94 + w, cuda, E, 0.05))
@@ -380,10 +371,9 @@ def test_the_mma_kernels_moe_gives_the_triton_kernels_bits(cuda, monkeypatch, K,
         for on in (True, False):
             monkeypatch.setattr(exl3_mma, "ENABLED", on)
             k_p, n_p = 16 * w[0][0].shape[-3], 16 * w[0][0].shape[-2]
-            per, S = X.split_schedule(k_p, n_p)
-            assert exl3_mma.folds(x, per) == fold
             why = exl3_mma.why_not(x, X.k2_of(w[0][0]), X.CODEBOOK_IDS[codebook], n_p,
-                                   out_dtype, None, w[0][0], per, S, pairs=idx.numel())
+                                   out_dtype, None, w[0][0], X.split_schedule(k_p, n_p)[1],
+                                   pairs=idx.numel())
             assert (why is None) == on, why
             outs.append(X.exl3_moe_linear(x, idx, w, codebook, out_dtype=out_dtype))
         return outs
