@@ -319,6 +319,7 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
     }
     asm volatile("cp.async.wait_all;" ::: "memory");  // (the last step's spare copy)
 
+
     // One split with one program per 128-column block (NW = 8, S = 1): the block's y' goes
     // to shared memory and the program finishes it. Otherwise this split's partial goes to
     // global memory and the last of the block's PER_BLOCK·S programs to arrive finishes it.
@@ -356,7 +357,10 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
             }
         int* const arrivals = cnt + (long long)blockIdx.z * (gridDim.x / PER_BLOCK)
                               + nb / PER_BLOCK;
-        __threadfence();
+        // release (this program's partials before its arrival) and, after the count, acquire
+        // (the others' partials): acq_rel fences — a sequentially consistent one
+        // (__threadfence) orders more than this needs and costs more
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
         __syncthreads();
         if (threadIdx.x == 0) {
             const int prev = atomicAdd(arrivals, 1);
@@ -365,14 +369,27 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
         }
         __syncthreads();
         if (!last) return;
-        __threadfence();
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
     }
     // warp w finishes tile rows w, w + NW, … together, four splits' loads of every row in
     // flight at once (each row still sums its splits in ascending order from zero): the
     // partials come from L2, and the output step's time is their latency, round after round
-    constexpr int RPW = TR / NW;  // rows per warp
+    // this lane's 4 output columns' svh (and bias), loaded before the partials: their latency
+    // passes with the partials' instead of after the output Hadamard (a weight's scales are
+    // rarely still in L2)
     const int c0 = nb / PER_BLOCK * 128 + 4 * lane;
     const unsigned short* const sv = svh + set * ssvh_set + (long long)e * ssvh_e;
+    float scale[4], shift[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        scale[j] = h2f(sv[c0 + j]);
+#if BT >= 0
+        shift[j] = c0 + j < n_out ? load_bias(bias, c0 + j) : 0.f;
+#else
+        shift[j] = 0.f;
+#endif
+    }
+    constexpr int RPW = TR / NW;  // rows per warp
     int rq[RPW];
     float v[RPW][4];
 #pragma unroll
@@ -409,9 +426,9 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
         for (int j = 0; j < 4; ++j) {
             const int c = c0 + j;
             float y = v[q][j] * inv;
-            y = y * h2f(sv[c]);
+            y = y * scale[j];
 #if BT >= 0
-            if (c < n_out) y = y + load_bias(bias, c);
+            y = y + shift[j];
 #endif
             if (c < n_out) store_out(out, set * so_set + (long long)rq[q] * so + c, y);
         }
