@@ -289,9 +289,10 @@ def test_the_mma_kernel_gives_the_triton_kernels_bits(cuda, monkeypatch, K, code
     """strata.kernels.exl3_mma (the CUDA kernel, fragments decoded in registers, after
     rotate_in) against the Triton fused kernel, bit for bit: four shapes at 1, 6, 9 and 16
     rows — three of several splits (4 warps a program), the last of one (S = 1: 8 warps a
-    program, which finish their block from shared memory); on the first, bf16 and fp32 inputs, fp32 / bf16 / fp16
-    outputs, a bias, a trimmed output and a column slice with the whole weight's split
-    schedule (tensor parallelism); eager and replayed from a CUDA graph."""
+    program, which finish their block from shared memory); on the first, bf16 and fp32
+    inputs, fp32 / bf16 / fp16 outputs, a bias, a trimmed output and a column slice with the
+    whole weight's split schedule (tensor parallelism); eager and replayed from a CUDA
+    graph."""
     from strata.kernels import exl3_mma
     from strata.quant.exl3 import bits_per_weight
     cases = [((5120, 2304), 70), ((2304, 5120), 71), ((1280, 4096), 72), ((256, 32768), 74)]
