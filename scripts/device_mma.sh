@@ -7,7 +7,8 @@
 # kernels' early launch (nopdl: STRATA_PDL=0, strata/kernels/pdl.py) and Triton only
 # (--no-mma), each mode twice (the tokens' sha256 must match across variants); (3) the
 # kernels alone: scripts/exl3_variants.py (V4.1 shapes at 1 and 6 rows, the MoE gate + up for
-# 1 and 6 tokens; bits compared). With two GPUs visible the tests run on the second while the
+# 1 and 6 tokens; bits compared), also with fewer and more splits a weight (TARGET_PROGRAMS
+# 256 / 1024 against 512: other summation orders, so other bits). With two GPUs visible the tests run on the second while the
 # A/B times on the first (graph replays: the tests' host work does not reach the timed GPU).
 # STEP=parallel (two GPUs): the two-GPU tests (NO_TESTS=1: not), then the synthetic over both
 # GPUs (PAR: tp and/or layer) with a warm-up and its breakdown.
@@ -47,8 +48,9 @@ if [ "${STEP:-check}" = check ]; then
   fi
   tail -n 4 $OUT/mma_tests.log $OUT/graph_tests.log $OUT/graph_tests_branches.log
   cat $OUT/synthetic_*.log
-  timeout ${T3:-150} python scripts/exl3_variants.py --linear-only \
-      --variants "cuda:;triton:MMA=0" --json $OUT/variants.json > $OUT/variants.log 2>&1
+  timeout ${T3:-200} python scripts/exl3_variants.py --linear-only \
+      --variants "cuda:;t256:TARGET_PROGRAMS=256;t1024:TARGET_PROGRAMS=1024;triton:MMA=0" \
+      --json $OUT/variants.json > $OUT/variants.log 2>&1
   tail -40 $OUT/variants.log
 elif [ "$STEP" = parallel ]; then
   [ -z "$NO_TESTS" ] && timeout ${T4:-200} python -m pytest -q -m gpu -rf --tb=short \
