@@ -11,6 +11,56 @@ import torch
 # is defined, so it must be set before any strata.kernels module is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _faster_interpreter() -> None:
+    """Two costs of Triton's interpreter that change no result (CPU runs of the kernels):
+    - it rebinds triton.language's builtins to interpreted ones when a kernel runs (undone
+      when it ends), and again at every call of a @triton.jit helper from inside it — an
+      inspect.getmembers walk of four modules each time, about half of an EXL3 kernel's
+      interpreted time (its decode calls helpers per tile). A helper whose module the running
+      kernel has already rebound now skips the walk; a module not yet seen is rebound as before;
+    - with `sanitize_overflow` on it computes every 32-bit integer add and multiply again in 64
+      bits and compares, for an assert that only its debug mode keeps (off here): the trellis
+      decode is such arithmetic. Turned off while debug is off.
+    Only where this Triton's interpreter has the names used; elsewhere nothing changes."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    import dataclasses
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if dataclasses.is_dataclass(options) and hasattr(options, "sanitize_overflow") \
+            and not getattr(options, "debug", True):
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
+    patch, empty = (getattr(interpreter, n, None) for n in ("_patch_lang", "_LangPatchScope"))
+    if patch is None or empty is None:
+        return
+    run = {"depth": 0, "modules": set()}  # (one kernel runs at a time: the interpreter is serial)
+
+    def patch_lang(fn):
+        module = id(fn.__globals__)
+        if run["depth"] and module in run["modules"]:
+            return empty()
+        scope = patch(fn)
+        run["modules"].add(module)
+        if run["depth"]:  # (a helper's new module: rebound until the kernel's scope ends)
+            return scope
+        run["depth"] = 1
+        restore = scope.restore
+
+        def restore_and_forget():
+            run["depth"], run["modules"] = 0, set()
+            restore()
+        scope.restore = restore_and_forget
+        return scope
+
+    interpreter._patch_lang = patch_lang
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _faster_interpreter()
 if os.environ.get("STRATA_RECORD_LAUNCHES"):  # scripts/compile_check.py: record each launch
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
