@@ -319,7 +319,6 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
     }
     asm volatile("cp.async.wait_all;" ::: "memory");  // (the last step's spare copy)
 
-
     // One split with one program per 128-column block (NW = 8, S = 1): the block's y' goes
     // to shared memory and the program finishes it. Otherwise this split's partial goes to
     // global memory and the last of the block's PER_BLOCK·S programs to arrive finishes it.
@@ -379,14 +378,15 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
     // rarely still in L2)
     const int c0 = nb / PER_BLOCK * 128 + 4 * lane;
     const unsigned short* const sv = svh + set * ssvh_set + (long long)e * ssvh_e;
-    float scale[4], shift[4];
+    float scale[4];
+#if BT >= 0
+    float shift[4];
+#endif
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         scale[j] = h2f(sv[c0 + j]);
 #if BT >= 0
         shift[j] = c0 + j < n_out ? load_bias(bias, c0 + j) : 0.f;
-#else
-        shift[j] = 0.f;
 #endif
     }
     constexpr int RPW = TR / NW;  // rows per warp

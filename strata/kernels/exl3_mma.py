@@ -63,9 +63,9 @@ def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: tor
     may not (a failed NVRTC compile included: the Triton kernels then run). x: the input,
     [M, k_in] for exl3_linear; trellis: the (contiguous) trellis it reads, whose tiles it copies
     in 16-byte chunks; S: the weight's number of splits (exl3.split_schedule); `pairs`: the
-    (token, slot) pairs of an exl3_moe_linear call (grouped
-    into tiles of MOE_TILE_M rows; x then only gives the device), str_set its words from one
-    weight set's trellis to the next."""
+    (token, slot) pairs of an exl3_moe_linear call (grouped into tiles of MOE_TILE_M rows; x
+    then only gives the device), str_set its words from one weight set's trellis to the
+    next."""
     rows_ok = (0 < pairs <= MAX_PAIRS if pairs is not None
                else x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS)
     # (a tile is 16·K2 bytes: 16-byte aligned wherever the tensor and its sets are)
