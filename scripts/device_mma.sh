@@ -1,17 +1,16 @@
 # Device calls for the CUDA EXL3 kernel (strata/kernels/exl3_mma.cu) after a change to it.
 # STEP=check (default): (1) its GPU tests — bits against the Triton kernels for linears and MoE,
-# the early launch — the CUDA-graph and fused-op tests, the side-stream tests, and the graph
-# tests again with side streams on (STRATA_BRANCHES=1); (2) an A/B of the synthetic V4.1's
-# graphed decode (half the layers): as configured (cuda), with a layer's independent chains on
-# side streams (branches: STRATA_BRANCHES=1, strata/runtime/branches.py), without the small
-# kernels' early launch (nopdl: STRATA_PDL=0, strata/kernels/pdl.py) and Triton only
+# the early launch — and the CUDA-graph and fused-op tests; (2) an A/B of the synthetic
+# V4.1's graphed decode (half the layers): as configured (cuda), without the small kernels'
+# early launch (nopdl: STRATA_PDL=0, strata/kernels/pdl.py) and Triton only
 # (--no-mma), each mode twice (the tokens' sha256 must match across variants); (3) the
 # kernels alone: scripts/exl3_variants.py (V4.1 shapes at 1 and 6 rows, the MoE gate + up for
 # 1 and 6 tokens; bits compared), also with fewer and more splits a weight (TARGET_PROGRAMS
-# 256 / 1024 against 512: other summation orders, so other bits). With two GPUs visible the tests run on the second while the
-# A/B times on the first (graph replays: the tests' host work does not reach the timed GPU).
+# 256 / 1024 against 512: other summation orders, so other bits). With two GPUs visible the
+# tests run on the second while the A/B times on the first (graph replays: the tests' host work does not reach the timed GPU).
 # STEP=parallel (two GPUs): the two-GPU tests (NO_TESTS=1: not), then the synthetic over both
 # GPUs (PAR: tp and/or layer) with a warm-up and its breakdown.
+# AB: the A/B's variants (default all three); NO_VARIANTS=1 skips (3).
 # Every step has its own timeout and writes to $OUT as it runs.
 # On the device: source scripts/device_env.sh && STEP=... bash scripts/device_mma.sh
 set -o pipefail
@@ -24,13 +23,11 @@ tests() {
       > $OUT/mma_tests.log 2>&1
   CUDA_VISIBLE_DEVICES=$second timeout ${T1G:-200} python -m pytest -q -m gpu -rf --tb=short \
       tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_kernels_fused_ops_gpu.py \
-      tests/gpu/test_branches_gpu.py > $OUT/graph_tests.log 2>&1
-  STRATA_BRANCHES=1 CUDA_VISIBLE_DEVICES=$second timeout ${T1G:-200} python -m pytest -q -m gpu \
-      -rf --tb=short tests/gpu/test_cuda_graph_gpu.py > $OUT/graph_tests_branches.log 2>&1
+      > $OUT/graph_tests.log 2>&1
 }
 
-ab() {  # one variant of the synthetic A/B: cuda | branches | nopdl | triton
-  env $([ $1 = branches ] && echo STRATA_BRANCHES=1) $([ $1 = nopdl ] && echo STRATA_PDL=0) \
+ab() {  # one variant of the synthetic A/B: cuda | nopdl | triton
+  env $([ $1 = nopdl ] && echo STRATA_PDL=0) \
       timeout ${T2:-150} python -m strata bench \
       synthetic --device cuda:${2:-0} --layers 0-9,20-29 \
       --modes plain+graphs,oracle+graphs,oracle:2.9+graphs --tokens 24 --runs 2 --warmup 1 \
@@ -41,13 +38,14 @@ ab() {  # one variant of the synthetic A/B: cuda | branches | nopdl | triton
 if [ "${STEP:-check}" = check ]; then
   if [ "$second" = 1 ]; then
     tests &
-    ab cuda; ab branches; ab nopdl; ab triton
+    for v in ${AB:-cuda nopdl triton}; do ab $v; done
     wait
   else
-    tests; ab cuda; ab branches; ab nopdl; ab triton
+    tests; for v in ${AB:-cuda nopdl triton}; do ab $v; done
   fi
-  tail -n 4 $OUT/mma_tests.log $OUT/graph_tests.log $OUT/graph_tests_branches.log
+  tail -n 4 $OUT/mma_tests.log $OUT/graph_tests.log
   cat $OUT/synthetic_*.log
+  [ -n "$NO_VARIANTS" ] && exit 0
   timeout ${T3:-200} python scripts/exl3_variants.py --linear-only \
       --variants "cuda:;t256:TARGET_PROGRAMS=256;t1024:TARGET_PROGRAMS=1024;triton:MMA=0" \
       --json $OUT/variants.json > $OUT/variants.log 2>&1

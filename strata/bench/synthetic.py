@@ -633,7 +633,6 @@ def run(args) -> int:
     cfg = ModelConfig.from_model_dir(Path(args.config)) if args.config else v41_flash_config()
     layers = parse_layers(args.layers, cfg.n_layers)
     from strata.kernels import exl3_mma, pdl
-    from strata.runtime import branches
     if args.no_mma:  # (the environment reaches the ranks of a parallel run)
         os.environ["STRATA_EXL3_MMA"] = "0"
         exl3_mma.ENABLED = False
@@ -735,8 +734,7 @@ def run(args) -> int:
                 "parallel": args.parallel, "devices": args.devices,
                 "layers": layers, "format": args.fmt, "bits_per_weight": w.bits_per_weight(),
                 "stored_bytes": w.stored_bytes, "build_s": build_s,
-                "exl3_mma": exl3_mma.ENABLED, "early_launch": pdl.ENABLED,
-                "side_streams": branches.ENABLED}
+                "exl3_mma": exl3_mma.ENABLED, "early_launch": pdl.ENABLED}
         Path(args.json).write_text(json.dumps(
             {"meta": meta, "results": {m: r.as_dict() for m, r in results.items()},
              "scaled_tok_per_s": scaled, "rates": rates, "roofline": roof,

@@ -19,7 +19,6 @@ from strata.model.numerics import rms_norm, rows_bmm
 from strata.model.rope import apply_rope
 from strata.quant.groups import LinearGroups
 from strata.quant.qdq import fp4_qdq_e4m3_scale, fp8_act_qdq
-from strata.runtime import branches
 from strata.runtime.state import PositionRing, State
 
 # A forward's queries attend in pieces whose fp32 scratch stays under this many bytes.
@@ -78,17 +77,12 @@ class Attention:
     # -- the backbone forward -----------------------------------------------------------------
     def forward(self, u: torch.Tensor, ctx: ForwardContext, state: State) -> torch.Tensor:
         cfg = self.cfg
-        # The query projection, the key/value projection and the compressor's update are
-        # independent chains (side by side on a GPU: runtime.branches); the RoPE table they
-        # share is made before they fork.
-        ctx.rope(self.ratio)
-        chains = [lambda: self.project_q(u, ctx), lambda: self.project_kv(u, ctx)]
-        if self.ratio > 0:
-            chains.append(lambda: self.publish(u, ctx, state))
-        (qr, q), kv, *_ = branches.parallel(u.device, *chains)
+        qr, q = self.project_q(u, ctx)
+        kv = self.project_kv(u, ctx)
 
         cache = sel = None
         if self.ratio > 0:
+            self.publish(u, ctx, state)
             if self.indexer is not None:
                 ctx.sel[self.layer] = self.indexer.select(u, qr, ctx, state)
             sel = ctx.sel[cfg.index_source_of(self.layer)]

@@ -18,7 +18,6 @@ from strata.config import ModelConfig
 from strata.model.numerics import Numerics, ranked_topk, row_matmul, rows_bmm
 from strata.quant.linear import Linear
 from strata.quant.qdq import fp8_act_qdq
-from strata.runtime import branches
 
 # Token-expert pairs up to which a step gathers expert weights instead of grouping tokens.
 GATHER_PAIRS = 16
@@ -221,11 +220,8 @@ class MoE:
         return idx, w
 
     def forward(self, u: torch.Tensor, nx: Numerics) -> torch.Tensor:
-        def routed() -> torch.Tensor:
-            idx, w = self.route(u, nx)
-            return self.experts.forward(u, idx, w, nx)
+        idx, w = self.route(u, nx)
+        y = self.experts.forward(u, idx, w, nx)
         if self.shared is None:
-            return routed().to(nx.act_dtype)
-        # (the shared expert beside the routed ones: independent chains, runtime.branches)
-        y, shared = branches.parallel(u.device, routed, lambda: self.shared.forward(u, nx))
-        return join(y, shared, nx.act_dtype)
+            return y.to(nx.act_dtype)
+        return join(y, self.shared.forward(u, nx), nx.act_dtype)
