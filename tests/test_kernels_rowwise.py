@@ -111,3 +111,39 @@ def test_chunk_sums_add_in_chunk_order(chunks):
     _chunk_sum_kernel[(triton.cdiv(n, 1024),)](part, got, n, chunks, BLOCK=1024, PDL=False)
     assert torch.equal(got, want)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # (signed zeros too)
+
+
+def test_products_follow_dtypes_and_structural_m():
+    from strata.kernels.rowwise import Product, product
+    f32, b16 = torch.zeros(1, 2, 8), torch.zeros(1, 2, 8, dtype=torch.bfloat16)
+    assert product(1, b16, b16) == Product.ROW
+    # (16-bit tiles and the split need the compiled kernel: the interpreter takes fp32 FMAs)
+    assert product(2, b16, b16) == product(2, f32, b16) == Product.FMA
+
+
+def test_row_tiles_give_a_row_alone_its_bits_among_many():
+    """rowwise_rows' fixed row tile (ROWS_TILE) for the rows of a row_matmul: one decode row
+    runs the tile a prefill's rows share, so it gets the same bits alone; K chunked."""
+    from strata.kernels.rowwise import ROWS_TILE
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 200, generator=g)
+    w = torch.randn(24, 200, generator=g)
+    full = rowwise_bmm(x[None], w[None], k_chunk=64, tile=ROWS_TILE)[0]
+    torch.testing.assert_close(full, x @ w.T, rtol=1e-5, atol=1e-4)
+    for t in (0, 16, 36):  # in the first tile, at a tile's start, in the last partial tile
+        assert torch.equal(rowwise_bmm(x[None, t:t + 1], w[None], k_chunk=64,
+                                       tile=ROWS_TILE)[0], full[t:t + 1])
+
+
+def test_dense_linear_16_bit_weight_keeps_no_fp32_copy():
+    """A bf16 weight with a bf16 input and an fp32 output (the router): the widened
+    operands' products without an fp32 copy of the weight — the old path's bits on CPU."""
+    from strata.model.numerics import Numerics, row_matmul
+    from strata.quant.linear import DenseLinear
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(24, 64, generator=g).to(torch.bfloat16)
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    lin = DenseLinear(w)
+    y = lin(x, Numerics(act_dtype=torch.bfloat16), torch.float32)
+    assert y.dtype == torch.float32 and torch.float32 not in lin._dense
+    assert torch.equal(y, row_matmul(x, w.float(), torch.float32))

@@ -5,8 +5,9 @@ Per sublayer the torch code issues ~170 small kernels — Sinkhorn alone is ~6 p
 stream. Here:
 - `hc_mix`: the mixing matmul m = x·fnᵀ and the sum of squares of x = flatten(h) (4·D =
   20,480 long) in one pass over h in its stored dtype: per block of rows and chunk of K, the
-  chunk's partial products (tl.dot, IEEE fp32) and Σx², then the chunks added in order; a
-  prefill's rows share each load of the 24-row weight. `hc_mixed_coeffs` (the model's path)
+  chunk's partial products (tl.dot: a bf16 stream against fn split exactly into three bf16,
+  on tensor cores; else IEEE fp32) and Σx², then the chunks added in order; a prefill's rows
+  share each load of the 24-row weight. `hc_mixed_coeffs` (the model's path)
   lets the coefficients kernel add the chunks and divide by 4·D: mix and coefficients in two
   launches, where the row products, the cast, the square, their chunk sums, the mean and the
   coefficients were eight;
@@ -134,10 +135,12 @@ if triton is not None:
     @triton.jit
     def _hc_mix_kernel(x_ptr, fn_ptr, part_ptr, T, N, K, sx_row, sf_row, sp_chunk, sp_row,
                        BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       CHUNK: tl.constexpr, PDL: tl.constexpr):
+                       CHUNK: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
         wait_then_release(PDL)
         # Rows [BT] × the chunk's K: partial m (columns 0..N-1) and Σx² (column N). Each
-        # output is its own fixed chain over k whatever rows share the program.
+        # output is its own fixed chain over k whatever rows share the program. SPLIT (bf16
+        # rows): fn's fp32 tile as hi + mid + lo in bf16 (exactly), three tensor-core
+        # products each exact in fp32; else IEEE fp32 FMAs.
         rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
         chunk = tl.program_id(1)
         cols = tl.arange(0, BN)
@@ -149,11 +152,21 @@ if triton is not None:
         for step in tl.static_range(CHUNK // BK):
             ks = chunk * CHUNK + step * BK + tl.arange(0, BK)
             kmask = ks < K
-            x = tl.load(x_ptr + rows[:, None] * sx_row + ks[None, :],
-                        mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            xs = tl.load(x_ptr + rows[:, None] * sx_row + ks[None, :],
+                         mask=rmask[:, None] & kmask[None, :], other=0.0)
             f = tl.load(fn_ptr + cols[:, None] * sf_row + ks[None, :],
                         mask=(cols[:, None] < N) & kmask[None, :], other=0.0).to(tl.float32)
-            acc = tl.dot(x, tl.trans(f), acc, input_precision="ieee")
+            x = xs.to(tl.float32)
+            if SPLIT:
+                hi = f.to(tl.bfloat16)
+                rest = f - hi.to(tl.float32)
+                mid = rest.to(tl.bfloat16)
+                lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+                acc = tl.dot(xs, tl.trans(hi), acc)
+                acc = tl.dot(xs, tl.trans(mid), acc)
+                acc = tl.dot(xs, tl.trans(lo), acc)
+            else:
+                acc = tl.dot(x, tl.trans(f), acc, input_precision="ieee")
             sq += tl.sum(x * x, axis=1)
         out = part_ptr + chunk.to(tl.int64) * sp_chunk + rows * sp_row
         tl.store(out[:, None] + cols[None, :], acc, mask=rmask[:, None] & (cols[None, :] < N))
@@ -224,6 +237,13 @@ def hc_coeffs(m: torch.Tensor, ms: torch.Tensor, scale: torch.Tensor, base: torc
     return pre, post, comb
 
 
+def mix_split(h: torch.Tensor) -> bool:
+    """Whether hc_mix runs a bf16 stream's products on tensor cores (fn split exactly into three
+    bf16). The stream's dtype decides, never the batch. (The interpreter multiplies 16-bit
+    tiles as the integers it stores them as: CPU runs take the fp32 FMAs.)"""
+    return h.is_cuda and h.dtype == torch.bfloat16
+
+
 def _mix_partials(h: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
     """hc_mix's per-chunk partials [chunks, T, N + 1] fp32: flatten(h)·fnᵀ over each chunk of
     MIX_CHUNK values of K in columns 0..N−1, that chunk's Σx² in column N."""
@@ -241,7 +261,7 @@ def _mix_partials(h: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
         _hc_mix_kernel[(triton.cdiv(T, MIX_ROWS), chunks)](
             x, fn, part, T, N, K, x.stride(0), fn.stride(0), part.stride(0), part.stride(1),
             BT=MIX_ROWS, BN=max(16, triton.next_power_of_2(N)), BK=MIX_K, CHUNK=MIX_CHUNK,
-            num_warps=4, **pdl.args(h.device))
+            SPLIT=mix_split(h), num_warps=4, **pdl.args(h.device))
     return part
 
 

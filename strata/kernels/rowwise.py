@@ -12,12 +12,14 @@ the batch):
   products summed along BLOCK_K on the CUDA cores — a decode step reads each weight once and
   wastes no lanes.
 - M ≥ 2 (attention: a query's heads against its rows; the indexer's torch path): tiles of
-  rows through tl.dot with one fixed tile, warp count and precision per operand type (fp32
-  operands as IEEE fp32 FMAs, bf16/fp16 pairs on tensor cores with fp32 accumulation). A row's
-  bits depend only on its own operands — an output element is the same chain of MMA steps
-  over k whichever rows share its tile — so a head split (tensor parallelism) or another batch
-  changes none. A long prefill's [query, heads, rows] products are a large part of its time
-  (bench/results/performance.md): one tile holding all of a query's heads reads its rows once.
+  rows through tl.dot with one fixed tile, warp count and product per operand type (`Product`:
+  bf16/fp16 pairs on tensor cores; fp32 rows against bf16 — attention's p·v — as three exact
+  bf16 tensor-core products; other fp32 operands as IEEE fp32 FMAs), all accumulated in fp32.
+  A row's bits depend only on its own operands — an output element is the same chain of MMA
+  steps over k whichever rows share its tile — so a head split (tensor parallelism) or
+  another batch changes none. A long prefill's [query, heads, rows] products are a large part
+  of its time (bench/results/performance.md): one tile holding all of a query's heads reads
+  its rows once.
 
 `rowwise_bmm_reference` is the torch definition it is tested against (under TRITON_INTERPRET=1
 on CPU).
@@ -46,13 +48,12 @@ if triton is not None:
     def _rowwise_kernel(x_ptr, w_ptr, o_ptr, M, N, K, m_blocks, k_chunk,
                         sxb, sxm, sxk, swb, swn, swk, soc, sob, som, son,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        DOT: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+                        PRODUCT: tl.constexpr, PDL: tl.constexpr):
         # A tile of BLOCK_M rows × BLOCK_N outputs of one batch element over one K chunk: the
         # w tile is read once for BLOCK_M rows. Every output is the same fixed-order sum over
         # its chunk whatever the tile holds, BLOCK_K slices added in order; a slice's products
-        # summed along k on the CUDA cores (the M = 1 kernel) or through one tl.dot (DOT, the
-        # M ≥ 2 kernel: NATIVE when both operands are one 16-bit float type — exact products
-        # on tensor cores — else fp32 FMAs).
+        # summed along k on the CUDA cores (ROW, the M = 1 kernel) or through tl.dot (the
+        # M ≥ 2 kernel, PRODUCT as in `Product`).
         wait_then_release(PDL)
         pid = tl.program_id(0)  # b · m_blocks + m_block
         b = (pid // m_blocks).to(tl.int64)  # (offsets past 2³¹ elements: long prefills)
@@ -68,15 +69,23 @@ if triton is not None:
                          mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_end), other=0.0)
             wt = tl.load(w_ptr + b * swb + offs_n[:, None] * swn + offs_k[None, :] * swk,
                          mask=(offs_n[:, None] < N) & (offs_k[None, :] < k_end), other=0.0)
-            if DOT:
-                if NATIVE:
-                    acc = tl.dot(xk, tl.trans(wt), acc)
-                else:
-                    acc = tl.dot(xk.to(tl.float32), tl.trans(wt.to(tl.float32)), acc,
-                                 input_precision="ieee")
-            else:
+            if PRODUCT == 0:  # ROW
                 acc += tl.sum(xk.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :],
                               axis=2)
+            elif PRODUCT == 1:  # PAIR16
+                acc = tl.dot(xk, tl.trans(wt), acc)
+            elif PRODUCT == 2:  # SPLIT: x = hi + mid + lo exactly, each product exact in fp32
+                hi = xk.to(tl.bfloat16)
+                rest = xk - hi.to(tl.float32)
+                mid = rest.to(tl.bfloat16)
+                lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+                wtt = tl.trans(wt)
+                acc = tl.dot(hi, wtt, acc)
+                acc = tl.dot(mid, wtt, acc)
+                acc = tl.dot(lo, wtt, acc)
+            else:  # FMA
+                acc = tl.dot(xk.to(tl.float32), tl.trans(wt.to(tl.float32)), acc,
+                             input_precision="ieee")
         o = o_ptr + chunk.to(tl.int64) * soc + b * sob
         tl.store(o + offs_m[:, None] * som + offs_n[None, :] * son,
                  acc.to(o_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
@@ -114,26 +123,70 @@ TILE_WARPS = 4  # fixed: part of how tl.dot lowers (and the M = 1 kernel's defau
 K_CHUNK = 1024
 
 
-def tile_shape(M: int, native: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) for a call with M rows per batch element; `native`: 16-bit
-    operand pairs on tensor cores. A call site's M is structural (1 for row products, the heads
-    of a layer for attention and the indexer) and every M ≥ 2 gets the same tile, so a row's
-    bits never depend on the batch (decode, verify window, prefill chunk) nor on how tensor
-    parallelism splits the heads. 16-bit pairs: 64 rows, V4.1's 64 attention heads in one
-    tensor-core tile, which reads a query's gathered rows once; 128 columns (H200, session 9:
-    a 4,096-query chunk's q·k 292 µs against 361 at 64, cuBLAS 322). fp32 FMAs (the attention's
-    p·v): 32 rows, as a decode step's p·v has one query and 512 outputs to spread over the
-    SMs (a 64-row tile would leave it 16 programs)."""
+class Product:
+    """How a slice's products are formed and summed (the kernel's PRODUCT). The operand dtypes
+    and the call site's structural M choose it, never the batch."""
+    ROW = 0     # M = 1: one row per program, products summed along k on the CUDA cores
+    PAIR16 = 1  # one 16-bit float type on both sides: tensor cores, exact products
+    SPLIT = 2   # fp32 rows against bf16 (attention's p·v): x split exactly into hi + mid + lo
+    #             bf16 — three tensor-core products, each exact in fp32 (~5× the FMA rate)
+    FMA = 3     # any other pair: IEEE fp32 FMAs
+
+
+def product(M: int, x: torch.Tensor, w: torch.Tensor) -> int:
+    """The Product of a call. (The interpreter multiplies 16-bit tiles as the integers it
+    stores them as: on CPU the tile path takes fp32 FMAs — exact widening, the same products
+    and fp32 accumulation.)"""
+    if M == 1:
+        return Product.ROW
+    if x.is_cuda and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16):
+        return Product.PAIR16
+    if x.is_cuda and x.dtype == torch.float32 and w.dtype == torch.bfloat16:
+        return Product.SPLIT
+    return Product.FMA
+
+
+# row_matmul's 16-bit pairs (the router): a tile of 16 rows (the least tl.dot takes) so a
+# decode step's single row wastes little, 32 columns so the router's 384 outputs × K chunks
+# still spread over the SMs. H200, graphed, past L2 (session 15): 6.3 µs for one row, 167 for
+# a 4,096-row chunk — one row per program on the fp32 weight took 24.2 µs and 12,085.
+ROWS_TILE = (16, 32, 128)
+
+
+def tile_shape(M: int, prod: int = Product.FMA) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) for a call with M rows per batch element and its Product. A
+    call site's M is structural (1 for row products, the heads of a layer for attention and
+    the indexer) and every M ≥ 2 gets one tile per Product, so a row's bits never depend on
+    the batch (decode, verify window, prefill chunk) nor on how tensor parallelism splits the
+    heads. 16-bit pairs: 64 rows, V4.1's 64 attention heads in one tensor-core tile, which
+    reads a query's gathered rows once; 128 columns (H200, session 9: a 4,096-query chunk's q·k
+    292 µs against 361 at 64, cuBLAS 322). The split p·v: 64 × 64 (H200, session 15: a
+    243-query piece 100 µs against the fp32 FMAs' 495 in their 32 × 32 tile; one decode query
+    9.1 µs against 9.2, where a 32 × 64 tile took 14.9). fp32 FMAs: 32 × 32."""
     if M == 1:
         return 1, 32, 64
-    return (64, 128, 64) if native else (32, 32, 32)
+    return {Product.PAIR16: (64, 128, 64), Product.SPLIT: (64, 64, 64)}.get(prod, (32, 32, 32))
+
+
+def rowwise_rows(x: torch.Tensor, w: torch.Tensor,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [T, K] · w [N, K]ᵀ → [T, N], each row independent of the others (row_matmul on
+    CUDA). A 16-bit pair's rows share tensor-core tiles of ROWS_TILE whatever T — a decode
+    step's one row runs the same tile, so it has a prefill's bits — and a prefill reads w once
+    per 16 rows instead of once per row; any other pair runs one row per program (ROW)."""
+    if x.is_cuda and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16):
+        return rowwise_bmm(x.unsqueeze(0), w.unsqueeze(0), out_dtype=out_dtype,
+                           tile=ROWS_TILE).squeeze(0)
+    return rowwise_bmm(x.unsqueeze(1), w.unsqueeze(0), out_dtype=out_dtype).squeeze(1)
 
 
 def rowwise_bmm(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                out_dtype: torch.dtype | None = None,
+                tile: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x [B, M, K], w [B or 1, N, K] (any strides) → [B, M, N] in out_dtype (default x's),
     batch-invariant; fp32 accumulation whatever the operands' dtypes. (`k_chunk`: a multiple
-    of 64; tests lower it to split small shapes.)"""
+    of 64; tests lower it to split small shapes. `tile`: a call site's own fixed tile for the
+    tl.dot path, whatever M — rowwise_rows.)"""
     if triton is None:
         raise RuntimeError("rowwise_bmm needs triton")
     B, M, K = x.shape
@@ -144,10 +197,8 @@ def rowwise_bmm(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
     if B * M == 0 or N == 0:
         return out
     swb = 0 if Bw == 1 else w.stride(0)
-    # (the interpreter multiplies 16-bit tiles as the integers it stores them as: on CPU the
-    # operands go to fp32 first — exact, the same products and fp32 accumulation)
-    native = x.is_cuda and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
-    bm, bn, bk = tile_shape(M, native)
+    prod = product(2 if tile else M, x, w)
+    bm, bn, bk = tile or tile_shape(M, prod)
     m_blocks = triton.cdiv(M, bm)
     chunks = triton.cdiv(K, k_chunk) if K > k_chunk else 1
     dest = out if chunks == 1 else torch.empty((chunks, B, M, N), dtype=torch.float32,
@@ -156,8 +207,8 @@ def rowwise_bmm(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
             x.stride(0), x.stride(1), x.stride(2), swb, w.stride(1), w.stride(2),
             dest.stride(0) if chunks > 1 else 0, *dest.stride()[-3:])
     grid = (B * m_blocks, triton.cdiv(N, bn), chunks)
-    _rowwise_kernel[grid](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT=M > 1,
-                          NATIVE=native, num_warps=TILE_WARPS, **pdl.args(x.device))
+    _rowwise_kernel[grid](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRODUCT=prod,
+                          num_warps=TILE_WARPS, **pdl.args(x.device))
     if chunks > 1:
         n = B * M * N
         _chunk_sum_kernel[(triton.cdiv(n, 1024),)](dest, out, n, chunks, BLOCK=1024,

@@ -84,7 +84,10 @@ def rows_bmm(x: torch.Tensor, w: torch.Tensor,
 def row_matmul(x: torch.Tensor, w: torch.Tensor,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [T, K] · w[N, K]ᵀ → [T, N] in out_dtype (default x's, the operands computed in it),
-    each row by the same [1, K]×[K, N] product."""
+    each row by the same [1, K]×[K, N] product whatever T."""
+    if x.is_cuda:
+        from strata.kernels.rowwise import rowwise_rows
+        return rowwise_rows(x, w, out_dtype)
     return rows_bmm(x.unsqueeze(1), w.unsqueeze(0), out_dtype).squeeze(1)
 
 

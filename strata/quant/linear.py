@@ -20,6 +20,7 @@ class Linear:
     """y = x·Wᵀ for W [out_features, in_features]."""
 
     quantized_activations = False  # vendor mode quantises x to fp8 before this GEMM
+    stored_dtype: torch.dtype | None = None  # a 16-bit float weight stored as is (DenseLinear)
 
     def __init__(self, out_features: int, in_features: int) -> None:
         self.out_features = out_features
@@ -47,6 +48,10 @@ class Linear:
             x = fp8_act_qdq(x)
         # An fp32 output (gate, head, compressor) is also computed in fp32.
         cd = torch.float32 if out_dtype == torch.float32 else nx.act_dtype
+        if cd == torch.float32 and x.dtype == self.stored_dtype:
+            # x and the stored weight one 16-bit type: their fp32 products are the pairs'
+            # exact products, so no fp32 copy of the weight (on CUDA: tensor cores, rowwise)
+            return row_matmul(x, self.materialize(x.dtype), cd).to(out_dtype)
         w = self.materialize(cd)
         if cd == torch.float32 and x.dtype in (torch.bfloat16, torch.float16):
             # widening is exact and the row products read 16-bit operands into fp32
@@ -69,6 +74,8 @@ class DenseLinear(Linear):
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__(*weight.shape)
         self.weight = weight
+        if weight.dtype in (torch.bfloat16, torch.float16):
+            self.stored_dtype = weight.dtype
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.weight.to(dtype)

@@ -83,6 +83,31 @@ def test_rowwise_kernel_compiled(cuda):
     assert torch.equal(rowwise_bmm(s[1:2], rows[1:2].transpose(1, 2)), o[1:2])
 
 
+def test_rowwise_split_and_row_tiles_compiled(cuda):
+    """The tensor-core products added for prefill: attention's p·v (fp32 p against bf16 rows,
+    p split exactly into three bf16) and row_matmul's 16-bit rows sharing row tiles (the
+    router). Within fp32 rounding of the exact sums; a row's bits the same alone, in a batch
+    and across a head split."""
+    from strata.kernels.rowwise import Product, product, rowwise_bmm, rowwise_rows
+    g = torch.Generator().manual_seed(7)
+    p = torch.rand(5, 64, 640, generator=g).to(cuda)
+    p = p / p.sum(-1, keepdim=True)  # softmax-like rows
+    rows = torch.randn(5, 640, 512, generator=g).to(cuda, torch.bfloat16)
+    v = rows.transpose(1, 2)
+    assert product(64, p, v) == Product.SPLIT
+    o = rowwise_bmm(p, v)
+    exact = torch.bmm(p.double(), rows.double())
+    torch.testing.assert_close(o.double(), exact, rtol=1e-5, atol=1e-6)
+    assert torch.equal(torch.cat([rowwise_bmm(p[:, :32], v), rowwise_bmm(p[:, 32:], v)], 1), o)
+    assert torch.equal(torch.cat([rowwise_bmm(p[i:i + 1], v[i:i + 1]) for i in range(5)]), o)
+    x = torch.randn(37, 5120, generator=g).to(cuda, torch.bfloat16)
+    w = (torch.randn(384, 5120, generator=g) * 0.02).to(cuda, torch.bfloat16)
+    y = rowwise_rows(x, w, torch.float32)
+    torch.testing.assert_close(y.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-4)
+    for t in (0, 16, 36):
+        assert torch.equal(rowwise_rows(x[t:t + 1], w, torch.float32), y[t:t + 1])
+
+
 @pytest.mark.parametrize("preset_dir", ["tiny_dir", "real_vocab_dir"])
 def test_cuda_greedy_tokens_match_cpu(cuda, request, preset_dir):
     path = request.getfixturevalue(preset_dir)

@@ -60,6 +60,24 @@ def test_hc_coeffs_near_the_torch_code_and_row_invariant(cuda, monkeypatch):
         assert torch.equal(a[0], full[20])
 
 
+def test_hc_mix_of_a_bf16_stream_on_tensor_cores(cuda):
+    """hc_mix for a bf16 stream: fn split exactly into three bf16, each product exact in fp32
+    — within fp32 rounding of the float64 sums; one decode row has its bits in a prefill's
+    batch (a row crossing the 32-row blocks included)."""
+    T, H, D = 45, 4, 5120
+    g = torch.Generator().manual_seed(12)
+    fn = (torch.randn(24, H * D, generator=g) * (H * D) ** -0.5).to(cuda)
+    h = (torch.randn(T, H, D, generator=g) * 3).to(cuda, torch.bfloat16)
+    assert K.mix_split(h)
+    m, sq = K.hc_mix(h, fn)
+    x = h.double().reshape(T, -1)
+    torch.testing.assert_close(m.double(), x @ fn.double().T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sq.double(), (x * x).sum(-1), rtol=1e-6, atol=0)
+    for t in (0, 33, 44):
+        one = K.hc_mix(h[t:t + 1], fn)
+        assert torch.equal(one[0][0], m[t]) and torch.equal(one[1][0], sq[t])
+
+
 def test_rms_norm_near_the_torch_code_and_row_invariant(cuda, monkeypatch):
     from strata.model.numerics import rms_norm
     g = torch.Generator().manual_seed(6)
@@ -241,18 +259,21 @@ def test_ranked_topk_keys_in_one_launch_pick_as_the_torch_code(cuda, monkeypatch
             assert torch.equal(got, want)
 
 
-def test_a_dense_fp32_linear_reads_bf16_rows_as_their_fp32_values(cuda):
-    """Linear.forward with an fp32 output hands bf16 activations to the row kernel uncast (no
-    cast launch): the bits of casting them first, rows alone as in the batch."""
-    from strata.model.numerics import Numerics, row_matmul
+def test_a_dense_fp32_linear_of_bf16_rows_and_weight(cuda):
+    """Linear.forward with an fp32 output, bf16 activations and a bf16 weight (the router):
+    the pairs' exact products summed in fp32 on tensor cores — no cast launch, no fp32 copy
+    of the weight — within fp32 rounding of the widened product; a row alone has its bits
+    in the batch."""
+    from strata.model.numerics import Numerics
     from strata.quant.linear import DenseLinear
     g = torch.Generator().manual_seed(11)
     lin = DenseLinear((torch.randn(384, 5120, generator=g) * 0.02).to(cuda, torch.bfloat16))
     x = torch.randn(9, 5120, generator=g).to(cuda, torch.bfloat16)
     nx = Numerics(mode="reference", act_dtype=torch.bfloat16)
     got = lin(x, nx, torch.float32)
-    assert got.dtype == torch.float32
-    assert torch.equal(got, row_matmul(x.float(), lin.materialize(torch.float32)))
+    assert got.dtype == torch.float32 and torch.float32 not in lin._dense
+    exact = x.double() @ lin.weight.double().T
+    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
     assert torch.equal(lin(x[4:5], nx, torch.float32), got[4:5])
 
 
