@@ -8,35 +8,13 @@ import os
 
 import torch
 
+from strata.bench.kernels import replay_us
 from strata.kernels import rowwise
 
 dev = "cuda"
 out = {}
 g = torch.Generator(device=dev).manual_seed(0)
 SETS = 16
-
-
-def graphed_us(calls):
-    """µs per call of the calls replayed in one CUDA graph (after a warm-up)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(20):
-        graph.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1000 / 20 / len(calls)
 
 
 def log(k, v):
@@ -70,7 +48,7 @@ for B in (1, 243):
                              ("split 64x64x64", P.SPLIT, (64, 64, 64)),
                              ("split 64x128x64", P.SPLIT, (64, 128, 64))]:
         try:
-            log(f"pv B{B} {name}", with_tile(prod, tile, lambda: graphed_us(calls)))
+            log(f"pv B{B} {name}", with_tile(prod, tile, lambda: replay_us(calls)))
         except Exception as e:  # a tile Triton cannot lower
             print(f"pv B{B} {name} failed: {e!r}"[:300], flush=True)
 
@@ -81,17 +59,17 @@ for T in (1, 6, 4096):
         sets.append((torch.randn(T, 5120, device=dev, generator=g).bfloat16(), w, w.float()))
     old = [lambda x=x, wf=wf: rowwise.rowwise_bmm(x.unsqueeze(1), wf.unsqueeze(0),
                                                   out_dtype=torch.float32) for x, _, wf in sets]
-    log(f"router T{T} row per program, fp32 w (old)", graphed_us(old))
+    log(f"router T{T} row per program, fp32 w (old)", replay_us(old))
     row16 = [lambda x=x, w=w: rowwise.rowwise_bmm(x.unsqueeze(1), w.unsqueeze(0),
                                                   out_dtype=torch.float32) for x, w, _ in sets]
-    log(f"router T{T} row per program, bf16 w", graphed_us(row16))
+    log(f"router T{T} row per program, bf16 w", replay_us(row16))
     for tile in [(16, 32, 64), (16, 64, 64), (16, 32, 128), (16, 16, 64), (32, 32, 64)]:
         orig = rowwise.ROWS_TILE
         rowwise.ROWS_TILE = tile
         try:
             calls = [lambda x=x, w=w: rowwise.rowwise_rows(x, w, torch.float32)
                      for x, w, _ in sets]
-            log(f"router T{T} row tiles {tile}", graphed_us(calls))
+            log(f"router T{T} row tiles {tile}", replay_us(calls))
         except Exception as e:
             print(f"router T{T} {tile} failed: {e!r}"[:300], flush=True)
         finally:

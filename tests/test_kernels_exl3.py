@@ -284,8 +284,8 @@ def test_moe_tiles_cross_the_finish_sub_blocks():
 
 def test_moe_split_loop_and_chunking_keep_the_bits(monkeypatch):
     """Two K splits (256 × 128): the split-parallel launch with the folded output step, the
-    split-loop launch (programs run the splits themselves; for many pairs) and token chunks
-    all give the single linear's bits."""
+    split-loop launch (programs run the splits themselves; for many pairs), in 64- and
+    128-pair tiles, and token chunks all give the single linear's bits."""
     E = 3
     sets = [(trellis_of(16, 8, 2, seed=80 + w, E=E), scales(256, 82 + w, E, 0.1),
              scales(128, 84 + w, E)) for w in range(2)]
@@ -296,6 +296,8 @@ def test_moe_split_loop_and_chunking_keep_the_bits(monkeypatch):
            for tr, suh, svh in sets]
     runs = [X.exl3_moe_linear(x, idx, sets, "mcg")]
     monkeypatch.setattr(X, "MOE_SPLIT_LOOP_PAIRS", 0)
+    runs.append(X.exl3_moe_linear(x, idx, sets, "mcg"))
+    monkeypatch.setattr(X, "MOE_LOOP_BLOCK_M", 128)
     runs.append(X.exl3_moe_linear(x, idx, sets, "mcg"))
     monkeypatch.setattr(X, "MOE_MAX_PAIRS", 4)  # chunks of 2 tokens
     runs.append(X.exl3_moe_linear(x, idx, sets, "mcg"))

@@ -149,6 +149,31 @@ class Timer:
         return 1e6 * statistics.median(runs)
 
 
+def replay_us(calls, reps: int = 20) -> float:
+    """µs per call of `calls` (callables) captured in one CUDA graph and replayed `reps` times
+    after a warm-up (CUDA events around the replays). With each call on its own operands —
+    more than L2 holds — every call reads from memory, as a decode step's layers do."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        graph.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1000 / reps / len(calls)
+
+
 def copy_bandwidth(device: torch.device, timer: Timer, nbytes: int) -> float:
     """GB/s of a device-to-device copy (bytes read + written), launched eagerly: captured in a
     CUDA graph the copy becomes a memcpy node, measured at 2.76 TB/s on the H200, against

@@ -129,6 +129,12 @@ GEMM_SLICE_BYTES = 64 << 20  # reconstructed Ŵ slice size bound (columns chunke
 # second partial wave (bench/results/kernels.md, session 11). None: the compiler's choice.
 FUSED_MAX_REGISTERS = 128
 MOE_SPLIT_LOOP_PAIRS = 64    # MoE: above this many pairs, programs loop over the K splits
+# MoE split loop (many pairs: prefill): pairs per expert tile, with NUM_WARPS per 64 of them.
+# Each expert's weights are decoded once per tile of its pairs: at a 4,096-token chunk the
+# experts average 64 pairs, so 64-pair tiles decode about half of them twice (a second,
+# mostly empty tile); 128 would decode each once. A wgmma's rows do not change its bits (the
+# GEMM kernel's 128-row tiles give the fused kernel's), so any multiple of 64 keeps them.
+MOE_LOOP_BLOCK_M = 64
 # MoE: larger steps run in token chunks (bounded buffers). A 4,096-token prefill chunk's
 # 24,576 pairs (top-6) in one grouped call decode each expert's tiles once per chunk, not
 # once per 1,365 tokens (estimated ~40 % fewer tile decodes: experts average 64 pairs);
@@ -960,7 +966,8 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     per, S = split_schedule(kp, n_p)
     mma = exl3_mma.why_not(x, K2, cb, n_p, out_dtype, None, sets.trellis, S, pairs=P,
                            str_set=sets.str_set) is None
-    block_m = exl3_mma.MOE_TILE_M if mma else BLOCK_M
+    split_loop = P > MOE_SPLIT_LOOP_PAIRS and not mma
+    block_m = (exl3_mma.MOE_TILE_M if mma else MOE_LOOP_BLOCK_M if split_loop else BLOCK_M)
     if routing is None:
         routing = Routing(idx, E)
     elif routing.idx.shape != idx.shape or routing.n_experts != E:
@@ -978,7 +985,6 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     # 1. x' per (set, pair) with the pair's expert's suh
     xr = torch.empty((W, P, kp), dtype=torch.float16, device=dev)
     # 2.'s buffers first: the grouped kernel directly follows this one (early launch)
-    split_loop = P > MOE_SPLIT_LOOP_PAIRS and not mma
     part = torch.empty((W, 1 if split_loop else S, P, n_p), dtype=torch.float32, device=dev)
     out = torch.empty((W, P, n_out), dtype=out_dtype, device=dev)
     n_tiles = groups.tile_expert.numel()
@@ -1007,8 +1013,9 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
         out.stride(0), out.stride(1), INV_SQRT128,
         K2=K2, CB=cb, ASM=_asm(xr), GROUPED=True,
         FUSE_OUT=not split_loop, HAS_BIAS=False, SPLIT_LOOP=split_loop,
-        BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, FR=FINISH_ROWS, PDL=bool(pdl), num_warps=NUM_WARPS,
-        num_stages=1, enable_fp_fusion=False, **pdl, **_regs(xr))
+        BM=block_m, BN=BLOCK_N, BK=BLOCK_K, FR=FINISH_ROWS, PDL=bool(pdl),
+        num_warps=NUM_WARPS * block_m // BLOCK_M, num_stages=1, enable_fp_fusion=False,
+        **pdl, **_regs(xr))
     _check_dot_order(c, "exl3 grouped kernel", x.device)
     if split_loop:
         _rotate_out_kernel[(triton.cdiv(P, ROT_ROWS), triton.cdiv(n_out, 128), W)](

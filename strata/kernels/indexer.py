@@ -39,6 +39,8 @@ def _contig(t: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
+    from strata.kernels.rowwise import split_bf16
+
     @triton.jit
     def _index_scores_kernel(q_ptr, k_ptr, w_ptr, vis_ptr, o_ptr, T, H, N, D,
                              sqt, sqh, sqd, skn, skd, swt, swh, sot,
@@ -70,11 +72,7 @@ if triton is not None:
                 if PRODUCT == 1:  # 16-bit pairs on tensor cores
                     acc = tl.dot(qk, tl.trans(kt), acc)
                 elif PRODUCT == 2:  # fp32 queries as hi + mid + lo in bf16 (exactly): three
-                    q32 = qk.to(tl.float32)  # tensor-core products, each exact in fp32
-                    hi = q32.to(tl.bfloat16)
-                    rest = q32 - hi.to(tl.float32)
-                    mid = rest.to(tl.bfloat16)
-                    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+                    hi, mid, lo = split_bf16(qk.to(tl.float32))  # tensor-core products
                     ktt = tl.trans(kt)
                     acc = tl.dot(hi, ktt, acc)
                     acc = tl.dot(mid, ktt, acc)

@@ -56,6 +56,7 @@ def available(t: torch.Tensor) -> bool:
 if triton is not None:
     from strata.kernels import pdl
     from strata.kernels.pdl import wait_then_release
+    from strata.kernels.rowwise import split_bf16
 
     @triton.jit
     def _round_out(acc, DT: tl.constexpr):
@@ -158,10 +159,7 @@ if triton is not None:
                         mask=(cols[:, None] < N) & kmask[None, :], other=0.0).to(tl.float32)
             x = xs.to(tl.float32)
             if SPLIT:
-                hi = f.to(tl.bfloat16)
-                rest = f - hi.to(tl.float32)
-                mid = rest.to(tl.bfloat16)
-                lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+                hi, mid, lo = split_bf16(f)
                 acc = tl.dot(xs, tl.trans(hi), acc)
                 acc = tl.dot(xs, tl.trans(mid), acc)
                 acc = tl.dot(xs, tl.trans(lo), acc)

@@ -45,6 +45,18 @@ if triton is not None:
     from strata.kernels.pdl import wait_then_release
 
     @triton.jit
+    def split_bf16(v):
+        """An fp32 tile as hi + mid + lo in bf16, exactly (8 significant bits each: the three
+        hold fp32's 24): each one's product with a bf16 value is exact in fp32, so three
+        tensor-core products give fp32 operands' products (Product.SPLIT; the indexer's and
+        mHC's kernels use it too)."""
+        hi = v.to(tl.bfloat16)
+        rest = v - hi.to(tl.float32)
+        mid = rest.to(tl.bfloat16)
+        lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+        return hi, mid, lo
+
+    @triton.jit
     def _rowwise_kernel(x_ptr, w_ptr, o_ptr, M, N, K, m_blocks, k_chunk,
                         sxb, sxm, sxk, swb, swn, swk, soc, sob, som, son,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -74,11 +86,8 @@ if triton is not None:
                               axis=2)
             elif PRODUCT == 1:  # PAIR16
                 acc = tl.dot(xk, tl.trans(wt), acc)
-            elif PRODUCT == 2:  # SPLIT: x = hi + mid + lo exactly, each product exact in fp32
-                hi = xk.to(tl.bfloat16)
-                rest = xk - hi.to(tl.float32)
-                mid = rest.to(tl.bfloat16)
-                lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+            elif PRODUCT == 2:  # SPLIT
+                hi, mid, lo = split_bf16(xk)
                 wtt = tl.trans(wt)
                 acc = tl.dot(hi, wtt, acc)
                 acc = tl.dot(mid, wtt, acc)

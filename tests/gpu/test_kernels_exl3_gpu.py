@@ -153,9 +153,12 @@ def test_moe_grouped_equals_single_linear(cuda):
         assert torch.equal(ref[0], y[t, s])
 
 
-def test_moe_prefill_step_equals_single_linear(cuda):
+@pytest.mark.parametrize("tile", [64, 128])
+def test_moe_prefill_step_equals_single_linear(cuda, monkeypatch, tile):
     """A prefill-sized MoE step (40 tokens × 6 slots = 240 pairs: programs loop over the K
-    splits, several pairs per expert tile) gives each pair the single linear's bits."""
+    splits, several pairs per expert tile of 64 or 128) gives each pair the single linear's
+    bits."""
+    monkeypatch.setattr(X, "MOE_LOOP_BLOCK_M", tile)
     E, T, k = 8, 40, 6
     assert T * k > X.MOE_SPLIT_LOOP_PAIRS
     w = (trellis_of(5120, 2304, 3, seed=60, device=cuda, E=E),
