@@ -7,7 +7,8 @@
 # kernels alone: scripts/exl3_variants.py (V4.1 shapes at 1 and 6 rows, the MoE gate + up for
 # 1 and 6 tokens; bits compared), also with fewer and more splits a weight (TARGET_PROGRAMS
 # 256 / 1024 against 512: other summation orders, so other bits). With two GPUs visible the
-# tests run on the second while the A/B times on the first (graph replays: the tests' host work does not reach the timed GPU).
+# tests run on the second while the A/B times on the first (graph replays: the tests' host
+# work does not reach the timed GPU).
 # STEP=parallel (two GPUs): the two-GPU tests (NO_TESTS=1: not), then the synthetic over both
 # GPUs (PAR: tp and/or layer) with a warm-up and its breakdown.
 # AB: the A/B's variants (default all three); NO_VARIANTS=1 skips (3).
