@@ -183,7 +183,7 @@ def rowwise_rows(x: torch.Tensor, w: torch.Tensor,
     CUDA). A 16-bit pair's rows share tensor-core tiles of ROWS_TILE whatever T — a decode
     step's one row runs the same tile, so it has a prefill's bits — and a prefill reads w once
     per 16 rows instead of once per row; any other pair runs one row per program (ROW)."""
-    if x.is_cuda and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16):
+    if product(2, x, w) == Product.PAIR16:
         return rowwise_bmm(x.unsqueeze(0), w.unsqueeze(0), out_dtype=out_dtype,
                            tile=ROWS_TILE).squeeze(0)
     return rowwise_bmm(x.unsqueeze(1), w.unsqueeze(0), out_dtype=out_dtype).squeeze(1)
@@ -206,7 +206,7 @@ def rowwise_bmm(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
     if B * M == 0 or N == 0:
         return out
     swb = 0 if Bw == 1 else w.stride(0)
-    prod = product(2 if tile else M, x, w)
+    prod = product(2 if tile else M, x, w)  # (a call site's tile: the tl.dot path at any M)
     bm, bn, bk = tile or tile_shape(M, prod)
     m_blocks = triton.cdiv(M, bm)
     chunks = triton.cdiv(K, k_chunk) if K > k_chunk else 1
