@@ -163,13 +163,17 @@ def compile_cuda(nvrtc: str, arch: int, sass: bool = False) -> int:
     src = exl3_mma._SOURCE.read_bytes()
     ptxas = os.path.join(os.path.dirname(nv), "bin", "ptxas")
     failures = 0
-    for K2, CB, OT, BT, R16, G, NW in itertools.product((4, 5, 6, 7, 8), (0, 1, 2), (0, 1, 2),
-                                                         (-1, 0, 1, 2), (0, 1), (0, 1), (4, 8)):
+    rg = exl3_mma.PREFILL_TILE_M // 8
+    for K2, CB, OT, BT, R16, G, NW, PF in itertools.product(
+            range(4, 13), (0, 1, 2), (0, 1, 2), (-1, 0, 1, 2), (0, 1), (0, 1), (4, 8), (0, 1)):
         if K2 % 2 and CB != 2:
             continue  # half-integer K exists with MUL1 only
         if G and (BT >= 0 or R16):
             continue  # grouped: no bias, tiles of 8 rows
-        opts = exl3_mma._options(K2, CB, OT, BT, R16, G, NW) \
+        if PF and not (G and NW == 8):
+            continue  # the prefill kernel: grouped, 8 warps
+        opts = exl3_mma._options(K2, CB, OT, BT, R16, G, NW, PF, rg if PF else 0,
+                                 exl3_mma.PREFILL_MIN_BLOCKS if PF else 0) \
             + [f"--gpu-architecture=compute_{arch}"]
         prog = ctypes.c_void_p()
         lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"exl3_mma.cu", 0, None, None)
@@ -196,10 +200,11 @@ def compile_cuda(nvrtc: str, arch: int, sass: bool = False) -> int:
             if sass and out.returncode == 0 and OT == 0 and BT == -1:
                 import collections
                 body, n_mma = _k_loop(os.path.join(tmp, "k.cubin"))
-                per = len(body) * 8 * (2 if R16 else 1) / max(n_mma, 1)
+                groups = rg if PF else 2 if R16 else 1  # MMAs per tile
+                per = len(body) * 8 * groups / max(n_mma, 1)
                 top = collections.Counter(body).most_common(6)
                 loop = (f"; k-loop {per:.0f} instructions per k-step ("
-                        + ", ".join(f"{op} {n * 8 * (2 if R16 else 1) / n_mma:.0f}"
+                        + ", ".join(f"{op} {n * 8 * groups / n_mma:.0f}"
                                     for op, n in top) + ")")
         info = re.findall(r"Used (\d+) registers|(\d+) bytes spill stores", out.stderr)
         if out.returncode != 0:
@@ -208,7 +213,7 @@ def compile_cuda(nvrtc: str, arch: int, sass: bool = False) -> int:
         elif OT == 0 and BT == -1:  # (one line per K, codebook and row class)
             regs = [a for a, _ in info if a]
             spills = [b for _, b in info if b]
-            print(f"exl3_mma K2={K2} CB={CB} OT={OT} BT={BT} R16={R16} G={G} NW={NW}: "
+            print(f"exl3_mma K2={K2} CB={CB} OT={OT} BT={BT} R16={R16} G={G} NW={NW} PF={PF}: "
                   f"{regs[0]} registers, "
                   f"{spills[0] if spills else 0} bytes spilled{loop}", flush=True)
     print(f"exl3_mma.cu compiled for sm_{arch}: {failures} failed")

@@ -5,7 +5,9 @@ moved hc_mix's products to tensor cores; its chunking (MIX_CHUNK: more chunks, m
 for a decode row but more partials for hc_coeffs to add) was tuned in session 9 for fp32
 FMAs. µs per call; JSON to $OUT. (Other chunkings sum in another order: other bits, not a
 correctness issue — the partition is K's alone.)
-On the device: source scripts/device_env.sh && python scripts/probe_mhc_tiles.py"""
+On the device: source scripts/device_env.sh && python scripts/probe_mhc_tiles.py
+(session 16: ROWS=16,32 CHUNKS=256 — session 15's run had T = 1 and part of 6 within its
+limit)"""
 import itertools
 import json
 import os
@@ -22,7 +24,9 @@ H, D, N = 4, 5120, 24
 
 
 defaults = mhc.MIX_ROWS, mhc.MIX_CHUNK
-for T in (1, 6, 4096):
+# (TS / ROWS / CHUNKS in the environment: a subset, e.g. ROWS=16,32 CHUNKS=256)
+env = lambda name, default: [int(v) for v in os.environ.get(name, default).split(",")]
+for T in env("TS", "1,6,4096"):
     sets = []
     for _ in range(16 if T < 100 else 2):
         fn = torch.randn(N, H * D, device=dev, generator=g) * (H * D) ** -0.5
@@ -30,7 +34,8 @@ for T in (1, 6, 4096):
         sets.append((h, fn))
     scale = torch.ones(3, device=dev)
     base = torch.zeros(N, device=dev)
-    for rows, chunk in itertools.product((16, 32, 64), (256, 512, 1024, 2048)):
+    for rows, chunk in itertools.product(env("ROWS", "16,32,64"),
+                                         env("CHUNKS", "256,512,1024,2048")):
         mhc.MIX_ROWS, mhc.MIX_CHUNK = rows, chunk
         try:
             us = replay_us([lambda h=h, fn=fn: mhc.hc_mixed_coeffs(h, fn, scale, base, H, 1e-6,

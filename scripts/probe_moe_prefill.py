@@ -1,9 +1,11 @@
 """The grouped EXL3 MoE linears at a prefill chunk's size (4,096 tokens × 6 of 384 experts,
 random routing; V4.1's expert shapes at the synthetic mix: gate + up K 2.5 mul1, down K 3
-3inst), with the split loop's expert tiles of 64 and 128 pairs (exl3.MOE_LOOP_BLOCK_M), each
-with and without the register cap: ms per call (CUDA events, median of 5 after a warm-up) and
-whether they all give the same bits. Session 15's prefill profile put 39 % of a chunk in
-these calls.
+3inst): the CUDA prefill kernel (exl3_mma.moe_prefill, tiles of PREFILL_TILE_M pairs) against
+the Triton split loop (tiles of exl3.MOE_LOOP_BLOCK_M, as session 15 measured: 64 with the
+register cap), for tiles of 64–128 pairs and register bounds of 1–2 programs an SM — ms
+per call (CUDA events, median of 5 after a warm-up; the rotate_in and, for Triton, the
+rotate_out launches included; PROFILE=1: also each kernel's time) and whether they give the
+same bits. Session 15's prefill profile put 39 % of a chunk in these calls.
 On the device: source scripts/device_env.sh && python scripts/probe_moe_prefill.py"""
 import json
 import os
@@ -48,20 +50,45 @@ counts = torch.bincount(idx.reshape(-1), minlength=E)
 out = {"pairs_per_expert": {"mean": float(counts.float().mean()), "max": int(counts.max()),
                             "min": int(counts.min())}}
 print(out, flush=True)
+why = X.exl3_mma.why_not(x, 5, X.CODEBOOK_IDS["mul1"], I, torch.bfloat16, None, w1[0],
+                         X.split_schedule(D, I)[1], pairs=T * k, prefill=True)
+out["cuda prefill kernel applies"] = why or "yes"
+print("cuda prefill kernel applies:", why or "yes", flush=True)
+
+
+def kernels(fn) -> dict:
+    """ms per kernel name (the device's own events) over one call."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    by = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            by[ev.name[:60]] = by.get(ev.name[:60], 0.0) + ev.device_time / 1000
+    return {k: round(v, 3) for k, v in sorted(by.items(), key=lambda kv: -kv[1])[:6]}
+
+
 results = {}
-cap = X.FUSED_MAX_REGISTERS
-for tile, regs in ((64, cap), (64, 0), (128, cap), (128, 0)):
-    # (regs 0: no register cap — the cap is chosen for decode's occupancy; compiled here the
-    # split-loop kernel spills under it)
-    X.MOE_LOOP_BLOCK_M, X.FUSED_MAX_REGISTERS = tile, regs
+# (name, CUDA kernels on, prefill tile, programs an SM); ONLY=substring to run a subset
+# (session 16 also measured tiles of 32 pairs with 2 and 3 programs an SM: slower than 64)
+variants = [("triton split loop", False, 64, 2), ("cuda prefill tm64 minb2", True, 64, 2),
+            ("cuda prefill tm96 minb1", True, 96, 1), ("cuda prefill tm128 minb1", True, 128, 1)]
+for name, cuda, tm, minb in variants:
+    if os.environ.get("ONLY", "") not in name:
+        continue
+    X.exl3_mma.ENABLED = cuda
+    X.exl3_mma.PREFILL_TILE_M, X.exl3_mma.PREFILL_MIN_BLOCKS = tm, minb
     up = lambda: X.exl3_moe_linear(x, idx, [w1, w3], "mul1", I, torch.bfloat16)
     down = lambda: X.exl3_moe_linear(a, idx, [w2], "3inst", D, torch.bfloat16)
-    name = f"tile{tile} cap{regs}"
     results[name] = up() + down()
     out[f"{name} gate+up ms"] = ms(up)
     out[f"{name} down ms"] = ms(down)
     print(name, out[f"{name} gate+up ms"], out[f"{name} down ms"], flush=True)
-X.MOE_LOOP_BLOCK_M, X.FUSED_MAX_REGISTERS = 64, cap
+    if os.environ.get("PROFILE"):
+        out[f"{name} gate+up kernels"] = kernels(up)
+        print("  ", out[f"{name} gate+up kernels"], flush=True)
+X.exl3_mma.ENABLED = True
+X.exl3_mma.PREFILL_TILE_M, X.exl3_mma.PREFILL_MIN_BLOCKS = 64, 2
 first = next(iter(results.values()))
 same = all(torch.equal(p, q) for r in results.values() for p, q in zip(first, r))
 out["every variant bit-identical"] = same

@@ -3,8 +3,9 @@
 The kernel itself needs an H200 (tests/gpu/test_kernels_exl3_gpu.py compares it bit for bit
 with the Triton kernels). Here: the lane arithmetic it rests on — each MMA lane decodes ring
 positions 8·lane … 8·lane + 7 of a tile from a window of three words — transcribed from
-decode_tile / the kernel's prologue into Python and checked against the torch decoder; when it
-declines to run and why; and the driver structures its launcher hands to cuLaunchKernelEx.
+decode_tile / the kernel's prologue into Python and checked against the torch decoder; the
+prefill kernel's shared-memory addressing (staging and ldmatrix); when it declines to run and
+why; and the driver structures its launcher hands to cuLaunchKernelEx.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ FRAGMENT = {0: (0, 1), 1: (4, 5), 2: (2, 3), 3: (6, 7)}
 
 
 @pytest.mark.parametrize("K2,codebook", [(4, "mul1"), (5, "mul1"), (6, "mcg"), (7, "mul1"),
-                                         (8, "3inst")])
+                                         (8, "3inst"), (11, "mul1"), (12, "3inst")])
 def test_lane_windows_are_the_mma_fragments(K2, codebook):
     """Lane l = 4g + t: register a[r], half h holds, by the m16n8k16 A-operand layout (PTX
     ISA: row g + 8·(r & 1), column 2t + h + 8·(r >> 1)), element [n, k] of Ŵᵀ — exactly
@@ -82,12 +83,17 @@ def test_it_declines_off_hopper_and_says_why(monkeypatch):
     # (shape reasons first: they hold on any device)
     assert why(torch.zeros(17, 256)) == "rows not in 1…16"
     assert why(x, pairs=65) == "pairs not in 1…64"
-    assert why(x, K2=12) == "K > 4"
+    assert why(x, K2=13) == "K > 6"
     assert why(x, n_p=192) == "output not 128-aligned"
     # the kernel copies 16-byte chunks of tiles: a view 4 bytes in, or sets 3 words apart, not
     assert why(x, trellis=tr.view(-1)[2:]) == "trellis not 16-byte aligned"
     assert why(x, pairs=36, str_set=3) == "trellis not 16-byte aligned"
     assert why(x, pairs=36, str_set=4) == "not on CUDA"
+    # the prefill kernel: any number of pairs, no bias
+    assert why(x, pairs=5000, prefill=True) == "not on CUDA"
+    assert why(x, pairs=0, prefill=True) == "no pairs"
+    assert exl3_mma.why_not(x, 5, 2, 256, torch.float32, torch.zeros(256), tr, 8, pairs=100,
+                            prefill=True) == "a bias (the prefill kernel has none)"
     monkeypatch.setattr(exl3_mma, "ENABLED", False)
     assert "switched off" in why(x)
 
@@ -97,9 +103,41 @@ def test_a_one_split_weight_gets_eight_warps_a_program():
     shared memory — for a weight of one split, else 4 (two programs a block, partials)."""
     def nw(S):
         key = exl3_mma._key(5, 2, torch.float32, None, 6, False, S, 0)
-        return key[6], exl3_mma._options(*key[:-1])[-2]
-    assert nw(1) == (8, "-DNW=8")
-    assert nw(2) == nw(14) == (4, "-DNW=4")
+        opts = exl3_mma._options(*key[:-1])
+        return key[6], [o for o in opts if o.startswith("-DNW")], "-DPF=0" in opts
+    assert nw(1) == (8, ["-DNW=8"], True)
+    assert nw(2) == nw(14) == (4, ["-DNW=4"], True)
+    # the prefill kernel: 8 warps, RG groups of 8 pairs, its register bound
+    opts = exl3_mma._options(*exl3_mma._prefill_key(5, 2, torch.bfloat16, 0)[:-1])
+    assert {"-DNW=8", "-DPF=1", f"-DRG={exl3_mma.PREFILL_TILE_M // 8}",
+            f"-DMINB={exl3_mma.PREFILL_MIN_BLOCKS}"} <= set(opts)
+
+
+def test_prefill_staging_and_ldmatrix_addresses():
+    """exl3_mma_prefill's shared-memory x' tile, transcribed: thread chunk c = tid + 256j is
+    row c / 16, 16-byte column c % 16, stored at column (c % 16) ^ (row % 8); lane l's
+    ldmatrix.x4 address for row pair qp and k16 step i. Every chunk of the tile is staged once;
+    each lane's address is matrix l / 8's row l % 8 — group 2qp + (l / 16), k half (l / 8) % 2,
+    the m16n8k16 B fragment's (rows of x' = the MMA's n, 8 k values a row); and the 8 rows of
+    one matrix fall in 8 distinct 16-byte columns of a 128-byte line (no bank conflict)."""
+    TM = exl3_mma.PREFILL_TILE_M
+    staged = {}
+    for tid in range(256):
+        for j in range(TM // 16):
+            c = tid + 256 * j
+            r, cc = c >> 4, c & 15
+            staged[r * 256 + ((cc ^ (r & 7)) << 4)] = (r, cc)
+    assert sorted(staged.values()) == [(r, cc) for r in range(TM) for cc in range(16)]
+    for qp in range(TM // 16):
+        for i in range(8):
+            banks = {}
+            for lane in range(32):
+                lrow, half = 8 * (lane >> 4) + (lane & 7), (lane >> 3) & 1
+                addr = (qp * 16 + lrow) * 256 + (((2 * i + half) ^ (lane & 7)) << 4)
+                m = lane // 8
+                assert staged[addr] == (8 * (2 * qp + m // 2) + lane % 8, 2 * i + m % 2)
+                banks.setdefault(m, set()).add(addr % 128 // 16)
+            assert all(len(b) == 8 for b in banks.values())
 
 
 def test_launch_structures_match_the_driver_abi():

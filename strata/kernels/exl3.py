@@ -129,11 +129,12 @@ GEMM_SLICE_BYTES = 64 << 20  # reconstructed Ŵ slice size bound (columns chunke
 # second partial wave (bench/results/kernels.md, session 11). None: the compiler's choice.
 FUSED_MAX_REGISTERS = 128
 MOE_SPLIT_LOOP_PAIRS = 64    # MoE: above this many pairs, programs loop over the K splits
-# MoE split loop (many pairs: prefill): pairs per expert tile, with NUM_WARPS per 64 of them.
-# Each expert's weights are decoded once per tile of its pairs: at a 4,096-token chunk the
-# experts average 64 pairs, so 64-pair tiles decode about half of them twice (a second,
-# mostly empty tile); 128 would decode each once. A wgmma's rows do not change its bits (the
-# GEMM kernel's 128-row tiles give the fused kernel's), so any multiple of 64 keeps them.
+# MoE split loop (many pairs: prefill, where the CUDA prefill kernel does not apply): pairs per
+# expert tile, with NUM_WARPS per 64 of them. Each expert's weights are decoded once per tile
+# of its pairs; 128 would decode each once at a 4,096-token chunk (experts average 64 pairs)
+# but measured 2.7× slower than 64 (session 16: 25.0 against 9.2 ms for gate + up; the
+# compiled loop spills). A wgmma's rows do not change its bits (the GEMM kernel's 128-row
+# tiles give the fused kernel's), so any multiple of 64 keeps them.
 MOE_LOOP_BLOCK_M = 64
 # MoE: larger steps run in token chunks (bounded buffers). A 4,096-token prefill chunk's
 # 24,576 pairs (top-6) in one grouped call decode each expert's tiles once per chunk, not
@@ -929,8 +930,9 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     Cost: two launches (the grouped Hadamard-in for all sets and pairs, then the grouped decode
     kernel, which also finishes the output Hadamard·svh); each selected expert's tiles are
     decoded once per tile of pairs routed to it, for every set: tiles of BLOCK_M (64) on the
-    Triton kernel, of exl3_mma.MOE_TILE_M (8) on the CUDA one (up to exl3_mma.MAX_PAIRS pairs
-    on Hopper, where it applies: the same bits). Everything stays on the
+    Triton kernel, on Hopper (where they apply: the same bits) of exl3_mma.MOE_TILE_M (8) on
+    the CUDA kernel up to exl3_mma.MAX_PAIRS pairs and of exl3_mma.PREFILL_TILE_M (64) on its
+    prefill kernel above. Everything stays on the
     device with static shapes (group_by_expert included), so the call can be captured in a
     CUDA graph.
     """
@@ -966,8 +968,12 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     per, S = split_schedule(kp, n_p)
     mma = exl3_mma.why_not(x, K2, cb, n_p, out_dtype, None, sets.trellis, S, pairs=P,
                            str_set=sets.str_set) is None
+    mma_prefill = (not mma and P > exl3_mma.MAX_PAIRS
+                   and exl3_mma.why_not(x, K2, cb, n_p, out_dtype, None, sets.trellis, S,
+                                        pairs=P, str_set=sets.str_set, prefill=True) is None)
     split_loop = P > MOE_SPLIT_LOOP_PAIRS and not mma
-    block_m = (exl3_mma.MOE_TILE_M if mma else MOE_LOOP_BLOCK_M if split_loop else BLOCK_M)
+    block_m = (exl3_mma.MOE_TILE_M if mma else exl3_mma.PREFILL_TILE_M if mma_prefill
+               else MOE_LOOP_BLOCK_M if split_loop else BLOCK_M)
     if routing is None:
         routing = Routing(idx, E)
     elif routing.idx.shape != idx.shape or routing.n_experts != E:
@@ -985,11 +991,12 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     # 1. x' per (set, pair) with the pair's expert's suh
     xr = torch.empty((W, P, kp), dtype=torch.float16, device=dev)
     # 2.'s buffers first: the grouped kernel directly follows this one (early launch)
-    part = torch.empty((W, 1 if split_loop else S, P, n_p), dtype=torch.float32, device=dev)
+    part = (None if mma_prefill else
+            torch.empty((W, 1 if split_loop else S, P, n_p), dtype=torch.float32, device=dev))
     out = torch.empty((W, P, n_out), dtype=out_dtype, device=dev)
     n_tiles = groups.tile_expert.numel()
     grid = (n_p // BLOCK_N, 1 if split_loop else S, W * n_tiles)
-    cnt = part if split_loop else _counters(dev, grid[2] * (grid[0] // 2))
+    cnt = part if split_loop or mma_prefill else _counters(dev, grid[2] * (grid[0] // 2))
     pdl = _pdl(dev)
     _rotate_in_kernel[(triton.cdiv(P, ROT_ROWS), kp // 128, W)](
         xin, sets.suh, xr, eidx, P, x_per, k_in, xin.stride(0),
@@ -998,6 +1005,11 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     if mma:  # 2. the CUDA kernel over tiles of ≤ MOE_TILE_M pairs: decode's few pairs
         exl3_mma.moe(xr, sets.trellis, sets.str_set, sets.svh, sets.ssvh_set, cb, K2, out, part,
                      cnt, per, groups.tile_rows, groups.tile_expert, INV_SQRT128, bool(pdl))
+        return [out[w].view(T, k, n_out) for w in range(W)]
+    if mma_prefill:  # 2. the CUDA kernel over tiles of ≤ PREFILL_TILE_M pairs: many pairs
+        exl3_mma.moe_prefill(xr, sets.trellis, sets.str_set, sets.svh, sets.ssvh_set, cb, K2,
+                             out, per, groups.tile_rows, groups.tile_expert, INV_SQRT128,
+                             bool(pdl))
         return [out[w].view(T, k, n_out) for w in range(W)]
     # 2. the grouped kernel over tiles of ≤ BLOCK_M pairs sharing an expert. Few pairs
     #    (decode): one program per split, the last of each (tile, 128 columns) finishing

@@ -9,6 +9,8 @@
 // Compile-time constants (-D): K2 = 2K (bits per weight × 2), CB (0 3INST, 1 MCG, 2 MUL1),
 // OT (out: 0 fp32, 1 bf16, 2 fp16), BT (bias: -1 none, else as OT),
 // R16 (1: up to 16 rows; 0: up to 8 — one n8 group of x' rows),
+// PF (1: the prefill kernel exl3_mma_prefill below, with RG groups of 8 rows and at least MINB
+// programs an SM — its register bound; 0: exl3_mma_linear),
 // G (1: grouped — the rows of a program are a tile of (token, slot) pairs sharing one expert,
 // from strata.kernels.moe_grouping, for W weight sets at once: exl3.exl3_moe_linear),
 // NW (warps per program, 4 or 8: a program covers 16·NW columns; with 8 — chosen for a weight
@@ -33,12 +35,14 @@
 #if NW != 4 && NW != 8
 #error "exl3_mma: NW is 4 or 8"
 #endif
+#if !PF
 #define RG (R16 ? 2 : 1)   // groups of 8 rows (an MMA's n8)
+#endif
 // A lane's window (16 bits before its 8 positions, then 8·K bits) starts anywhere in a word:
-// three words hold it and, shifted to start at bit 0, two words (8K + 16 ≤ 64) for K ≤ 4. Larger
-// K (EXL3 allows up to 8; V4.1 quants use 6 for the head) stays on the Triton kernel.
-#if K2 > 8
-#error "exl3_mma: K > 4"
+// three words hold it and, shifted to start at bit 0, two words (8K + 16 ≤ 64) for K ≤ 6 (V4.1
+// quants' head). Larger K (EXL3 allows up to 8) stays on the Triton kernel.
+#if K2 > 12
+#error "exl3_mma: K > 6"
 #endif
 
 typedef unsigned int u32;
@@ -162,6 +166,61 @@ __device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u3
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Each warp stages its tile column's k-steps in shared memory, two buffers of 8 tiles (8·WT
+// words, in the trellis's own order) filled by cp.async in 16-byte chunks: the global address
+// of a chunk is a per-lane offset plus one step per k-step, and a lane's three words of tile i
+// are then shared loads at i·WT past three per-lane addresses — no 64-bit address arithmetic
+// per tile and word, which the loads straight from global memory cost (~9 instructions a tile,
+// the trellis's k-stride being known only at run time).
+#define CHUNKS (8 * K2)  // 16-byte chunks of a k-step's 8 tiles: 8 · WT / 4 (≤ 96)
+#define LANE_CHUNKS ((CHUNKS + 31) / 32)
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// this lane's chunks (lane, lane + 32, …) of k-step ks into the buffer at shared address dst
+// (the caller commits the group)
+__device__ __forceinline__ void stage_w(const u32* __restrict__ col, long long step_words,
+                                        int ks, const long long (&goff)[LANE_CHUNKS], u32 dst,
+                                        int lane) {
+    const u32* base = col + ks * step_words;
+#pragma unroll
+    for (int c = 0; c < LANE_CHUNKS; ++c)
+        if (lane + 32 * c < CHUNKS)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                         :: "r"(dst + 16 * (lane + 32 * c)), "l"(base + goff[c]) : "memory");
+}
+
+__device__ __forceinline__ void commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// this lane's chunks of every k-step, relative to the k-step's first tile: chunk lane + 32c is
+// part (lane + 32c) % K2 of tile (lane + 32c) / K2 of the 8 (a k-step is 8 tiles down the column)
+__device__ __forceinline__ void chunk_offsets(int lane, int row_words,
+                                              long long (&goff)[LANE_CHUNKS]) {
+#pragma unroll
+    for (int c = 0; c < LANE_CHUNKS; ++c)
+        goff[c] = (long long)((lane + 32 * c) / K2) * row_words + 4 * ((lane + 32 * c) % K2);
+}
+
+// The three words holding this lane's window of every tile (bits [4·lane·K2 − 16, …),
+// wrapping for lane 0): their indexes within a tile, and the window's bit offset in the first
+struct Window {
+    int wa, wb, wc;
+    u32 o;
+};
+
+__device__ __forceinline__ Window lane_window(int lane) {
+    const int b0 = 4 * lane * K2 - 16;
+    const int w0 = b0 >> 5;
+    return {(w0 + WT) % WT, (w0 + 1 + WT) % WT, (w0 + 2 + WT) % WT, (u32)(b0 & 31)};
+}
+
+#if !PF
 // this lane's B fragments (x'ᵀ: k × 8 rows) of the 8 k16 steps of k-step ks for each group of
 // 8 tile rows: x' row xq[q] (row 8q + g of the tile), k 2t, 2t + 1 and 2t + 8, 2t + 9.
 // (A row the tile lacks reads some valid row: an MMA's output column depends on its own B
@@ -176,32 +235,6 @@ __device__ __forceinline__ void load_x(const unsigned short* const (&xq)[RG], in
             x[q][i][0] = *(const u32*)(xq[q] + k);
             x[q][i][1] = *(const u32*)(xq[q] + k + 8);
         }
-}
-
-// Each warp stages its tile column's k-steps in shared memory, two buffers of 8 tiles (8·WT
-// words, in the trellis's own order) filled by cp.async in 16-byte chunks: the global address
-// of a chunk is a per-lane offset plus one step per k-step, and a lane's three words of tile i
-// are then shared loads at i·WT past three per-lane addresses — no 64-bit address arithmetic
-// per tile and word, which the loads straight from global memory cost (~9 instructions a tile,
-// the trellis's k-stride being known only at run time).
-#define CHUNKS (8 * K2)  // 16-byte chunks of a k-step's 8 tiles: 8 · WT / 4 (≤ 64)
-
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-// this lane's chunks (lane, lane + 32) of k-step ks into the buffer at shared address dst
-__device__ __forceinline__ void stage_w(const u32* __restrict__ col, long long step_words,
-                                        int ks, const long long (&goff)[2], u32 dst, int lane) {
-    const u32* base = col + ks * step_words;
-#pragma unroll
-    for (int c = 0; c < 2; ++c)
-        if (lane + 32 * c < CHUNKS)
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-                         :: "r"(dst + 16 * (lane + 32 * c)), "l"(base + goff[c]) : "memory");
-    asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
 // Row r (0 ≤ r < 16) of this program's row tile: its row of x', the partials and the output
@@ -257,17 +290,9 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
         xq[q] = r >= 0 ? x0 + (long long)r * sxr : x0;
     }
 
-    // this lane's window of every tile: bits [4·lane·K2 − 16, …), wrapping for lane 0
-    const int b0 = 4 * lane * K2 - 16;
-    const int w0 = b0 >> 5;
-    const u32 o = b0 & 31;
-    const int wa = (w0 + WT) % WT, wb = (w0 + 1 + WT) % WT, wc = (w0 + 2 + WT) % WT;
-    // this lane's chunks of a k-step (tile (lane + 32c) / K2 of the 8, its part (lane + 32c)
-    // % K2), relative to the k-step's first tile; a k-step is 8 tiles down the column
-    long long goff[2];
-#pragma unroll
-    for (int c = 0; c < 2; ++c)
-        goff[c] = (long long)((lane + 32 * c) / K2) * row_words + 4 * ((lane + 32 * c) % K2);
+    const Window win = lane_window(lane);
+    long long goff[LANE_CHUNKS];
+    chunk_offsets(lane, row_words, goff);
     const long long step_words = 8LL * row_words;
     __shared__ __align__(16) u32 stage[NW][2][8 * WT];
     const u32 sbuf[2] = {smem_addr(&stage[warp][0][0]), smem_addr(&stage[warp][1][0])};
@@ -283,6 +308,7 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
     asm volatile("mov.b32 %0, 0x3B603B60;" : "=r"(xc));
     u32 x[RG][8][2];
     stage_w(col, step_words, k_lo, goff, sbuf[0], lane);
+    commit();
     // x' comes from the rotate_in launched just before (a no-op without an early launch)
     asm volatile("griddepcontrol.wait;" ::: "memory");
     load_x(xq, k_lo, t, x);
@@ -295,6 +321,7 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
         const int kn = min(ks + 1, k_hi - 1);
         __syncwarp();
         stage_w(col, step_words, kn, goff, sbuf[cur ^ 1], lane);
+        commit();
         u32 xn[RG][8][2];
         load_x(xq, kn, t, xn);
         asm volatile("cp.async.wait_group 1;" ::: "memory");  // this step's chunks (own)
@@ -302,9 +329,9 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
         const u32* const sw = &stage[warp][cur][0];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            const u32 w[3] = {sw[i * WT + wa], sw[i * WT + wb], sw[i * WT + wc]};
+            const u32 w[3] = {sw[i * WT + win.wa], sw[i * WT + win.wb], sw[i * WT + win.wc]};
             u32 a[4];
-            decode_tile(w, o, xc, a);
+            decode_tile(w, win.o, xc, a);
 #pragma unroll
             for (int q = 0; q < RG; ++q) mma(acc[q], a, x[q][i][0], x[q][i][1]);
         }
@@ -434,3 +461,175 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
         }
     }
 }
+#endif  // !PF
+
+#if PF
+// ------------------------------------------------------------------------------------------
+// exl3_moe_linear's grouped step for many (token, slot) pairs — a prefill chunk's — on row
+// tiles of TM = 8·RG pairs sharing an expert (strata.kernels.moe_grouping, block TM). A program
+// is one 128-column block (NW = 8 warps, a tile column each) of one tile: it runs the splits of
+// the whole k range itself, each an MMA chain from zero, adding them in ascending order from
+// zero (the Triton split loop's arithmetic, so its bits), and finishes the block in shared
+// memory (output Hadamard, ·svh) as the decode kernel's one-split path does. The tile's x' rows
+// are staged per k-step in shared memory for all 8 warps (cp.async, 16-byte chunks, swizzled
+// so that ldmatrix reads 8 rows without bank conflicts): each Ŵᵀ tile a lane decodes meets all
+// TM rows (RG MMAs), so an expert's weights are decoded once per TM of its pairs.
+// Three stages of x' and trellis words (one barrier a k-step: the stage a step fills was last
+// read two steps before, which every warp finished before the previous step's barrier), and
+// the splits' sum kept in shared memory, not registers: the registers left let the compiler
+// overlap the tiles' decode chains (measured: the decode's latency, not a pipe, bound it).
+#define TM (8 * RG)
+#define XS_BYTES (TM * 256)  // a k-step of the tile's x': TM rows × 128 fp16
+#define YS_STRIDE 132        // fp32 y' row (padded: conflict-free accesses)
+#define STAGES 3
+#if NW != 8 || RG % 2 || RG < 2
+#error "exl3_mma_prefill: NW = 8 and an even RG"
+#endif
+
+// B fragments of two groups of 8 rows for one k16 step: lanes 8m … 8m + 7 address the 8 rows
+// of matrix m (group 2·qp + m / 2, k half m % 2)
+__device__ __forceinline__ void ldsm4(u32 addr, u32 (&b)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "r"(addr));
+}
+
+// Grid (n_p / 128, W · n_tiles), 256 threads. Dynamic shared memory: STAGES x' stages
+// (STAGES·XS_BYTES), the warps' trellis stages (NW·STAGES·8·WT words), y' [TM][YS_STRIDE]
+// fp32 — moe_prefill's `shared`. Strides in elements of what they step through (32-bit words
+// for the trellis).
+extern "C" __global__ void __launch_bounds__(256, MINB)
+exl3_mma_prefill(const unsigned short* __restrict__ xr, const u32* __restrict__ trellis,
+                 const unsigned short* __restrict__ svh, void* __restrict__ out,
+                 const int* __restrict__ rows, const int* __restrict__ texp, int n_tiles,
+                 int sxr, long long sx_set, long long str_exp, long long str_set,
+                 long long ssvh_e, long long ssvh_set, int so, long long so_set,
+                 int n_out, int k_steps, int per_split, int row_words, double inv_d) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const float inv = (float)inv_d;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int nb = blockIdx.x;
+    const int tile = blockIdx.y % n_tiles;
+    const long long set = blockIdx.y / n_tiles;
+    // (the groups were written before the rotate_in this launch may overlap: readable now)
+    const int e = texp[tile];
+    if (e < 0) return;  // an unused tile
+    const int* const trow = rows + (long long)tile * TM;
+    const u32* col = trellis + set * str_set + e * str_exp + (long long)(nb * NW + warp) * WT;
+    const unsigned short* const x0 = xr + set * sx_set;
+
+    const u32 xs = smem_addr(smem);  // x' stage b at xs + b·XS_BYTES
+    u32* const stage = (u32*)(smem + STAGES * XS_BYTES) + warp * STAGES * 8 * WT;
+    const u32 sbuf0 = smem_addr(stage);  // this warp's trellis stage b at sbuf0 + b·32·WT bytes
+    float* const ys = (float*)(smem + STAGES * XS_BYTES) + NW * STAGES * 8 * WT;
+    const Window win = lane_window(lane);
+    long long goff[LANE_CHUNKS];
+    chunk_offsets(lane, row_words, goff);
+    const long long step_words = 8LL * row_words;
+
+    // this thread's x' chunks of a k-step: chunk c = threadIdx.x + 256j is row c / 16 (a pair's
+    // x' row; a row the tile lacks reads row 0: never stored), 16-byte column c % 16, stored at
+    // column (c % 16) ^ (row % 8)
+    constexpr int XC = TM / 16;
+    const char* xsrc[XC];
+    u32 xdst[XC];
+#pragma unroll
+    for (int j = 0; j < XC; ++j) {
+        const int c = threadIdx.x + 256 * j, r = c >> 4, cc = c & 15;
+        const int pr = trow[r];
+        xsrc[j] = (const char*)(x0 + (pr >= 0 ? (long long)pr * sxr : 0LL)) + 16 * cc;
+        xdst[j] = r * 256 + ((cc ^ (r & 7)) << 4);
+    }
+    // this lane's ldmatrix row: tile row 16·qp + lrow, 16-byte column (2i + half) ^ (lrow % 8)
+    const int lrow = 8 * (lane >> 4) + (lane & 7), half = (lane >> 3) & 1;
+    // this lane's y' elements: rows 8q + 2t + j, columns 16·warp + g (+ 8)
+    float* const yl = ys + 2 * t * YS_STRIDE + warp * 16 + g;
+
+    float acc[RG][4];  // this split's chain
+#pragma unroll
+    for (int q = 0; q < RG; ++q)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[q][j] = 0.f;
+    u32 xc;  // (a constant kept in a register: see codebook2)
+    asm volatile("mov.b32 %0, 0x3B603B60;" : "=r"(xc));
+
+    stage_w(col, step_words, 0, goff, sbuf0, lane);
+    commit();
+    // x' comes from the rotate_in launched just before (a no-op without an early launch)
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#pragma unroll
+    for (int j = 0; j < XC; ++j)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                     :: "r"(xs + xdst[j]), "l"(xsrc[j]) : "memory");
+    commit();
+    bool first = true;  // the first split: y' = 0 + its chain
+    int cur = 0;
+    for (int ks = 0; ks < k_steps; ++ks) {
+        // the next k-step (the last re-stages its own: no branch) into the next stage
+        const int kn = min(ks + 1, k_steps - 1), nx = cur == STAGES - 1 ? 0 : cur + 1;
+        stage_w(col, step_words, kn, goff, sbuf0 + nx * 32 * WT, lane);
+#pragma unroll
+        for (int j = 0; j < XC; ++j)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                         :: "r"(xs + nx * XS_BYTES + xdst[j]), "l"(xsrc[j] + 256LL * kn)
+                         : "memory");
+        commit();
+        asm volatile("cp.async.wait_group 1;" ::: "memory");  // this step's (own) chunks
+        __syncthreads();                                       // … and every thread's
+        const u32* const sw = stage + cur * 8 * WT;
+        const u32 xb = xs + cur * XS_BYTES + lrow * 256;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const u32 w[3] = {sw[i * WT + win.wa], sw[i * WT + win.wb], sw[i * WT + win.wc]};
+            u32 a[4];
+            decode_tile(w, win.o, xc, a);
+            const u32 xo = xb + (((2 * i + half) ^ (lane & 7)) << 4);
+#pragma unroll
+            for (int qp = 0; qp < RG / 2; ++qp) {
+                u32 b[4];
+                ldsm4(xo + qp * 16 * 256, b);
+                mma(acc[2 * qp], a, b[0], b[1]);
+                mma(acc[2 * qp + 1], a, b[2], b[3]);
+            }
+        }
+        if ((ks + 1) % per_split == 0 || ks + 1 == k_steps) {  // a split ends (uniform)
+            // (each lane adds to its own elements only: no barrier)
+#pragma unroll
+            for (int q = 0; q < RG; ++q)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    float* y = yl + (8 * q + j) * YS_STRIDE;
+                    y[0] = (first ? 0.f : y[0]) + acc[q][j];
+                    y[8] = (first ? 0.f : y[8]) + acc[q][2 + j];
+                    acc[q][j] = acc[q][2 + j] = 0.f;
+                }
+            first = false;
+        }
+        cur = nx;
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");  // (the last step's spare copies)
+    __syncthreads();  // every warp's y' columns
+    // warp w finishes tile rows w, w + 8, …: (0 + y'), Hadamard, ·inv, ·svh — the decode
+    // kernel's one-split output step
+    const int c0 = nb * 128 + 4 * lane;
+    const unsigned short* const sv = svh + set * ssvh_set + (long long)e * ssvh_e;
+    float scale[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) scale[j] = h2f(sv[c0 + j]);
+    for (int r = warp; r < TM; r += NW) {
+        const int pr = trow[r];
+        if (pr < 0) break;  // (the valid rows are a prefix; uniform across the warp)
+        float v[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[j] = 0.f + ys[r * YS_STRIDE + 4 * lane + j];
+        fwht128(v, lane);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int c = c0 + j;
+            float y = v[j] * inv;
+            y = y * scale[j];
+            if (c < n_out) store_out(out, set * so_set + (long long)pr * so + c, y);
+        }
+    }
+}
+#endif  // PF

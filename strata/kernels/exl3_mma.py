@@ -8,7 +8,10 @@ its window straight into registers and 8 rows of x' as the MMA's n8, and finishe
 128-column block in the last program to arrive, like the Triton kernel. It follows
 exl3.rotate_in and is launched early after it (programmatic dependent launch, through the
 driver's cuLaunchKernelEx), as the Triton fused kernel is. `linear` serves exl3_linear, `moe`
-exl3_moe_linear (rows: tiles of MOE_TILE_M pairs sharing an expert, for W weight sets).
+exl3_moe_linear (rows: tiles of MOE_TILE_M pairs sharing an expert, for W weight sets) up to
+MAX_PAIRS pairs, `moe_prefill` (a second kernel of the same source, exl3_mma_prefill) above:
+tiles of PREFILL_TILE_M pairs whose x' rows are staged in shared memory for all of a
+program's warps, each program running every split of its 128-column block and finishing it.
 The decode is integer work on the SM's ALU pipe (shifts, masks, byte permutes), which bounds
 it: the k-loop is written for few such instructions (the compiled loop: 387–448 per k-step at
 K = 2–4, from 598–614 in session 11; bench/results/kernels.md records what each version
@@ -19,8 +22,8 @@ k16 MMA chain per split — what wgmma computes — same Hadamard butterflies, n
 multiply-add: `--fmad=false`); GPU tests compare them, linear and grouped (the transposed
 product included: the same products summed in the same k order). Used only where that holds
 and the kernel applies (`why_not` is None): compute capability 9.0, M ≤ 16 rows (or ≤
-MAX_PAIRS grouped pairs), K ≤ 4, a 128-aligned output; everything else stays on the Triton
-kernels. Compiled by torch's NVRTC wrapper (`torch.cuda._compile_kernel`, torch ≥ 2.8): no
+MAX_PAIRS grouped pairs; any number for the prefill kernel), K ≤ 6, a 128-aligned output;
+everything else stays on the Triton kernels. Compiled by torch's NVRTC wrapper (`torch.cuda._compile_kernel`, torch ≥ 2.8): no
 build step and no extra dependency.
 """
 from __future__ import annotations
@@ -43,6 +46,11 @@ MAX_ROWS = 16  # two n8 groups of rows
 # row tiles of MOE_TILE_M pairs sharing an expert (a decode window routes ≤ 6 to one expert)
 MAX_PAIRS = 64
 MOE_TILE_M = 8
+# exl3_moe_linear above MAX_PAIRS: tiles of this many pairs (8 · the prefill kernel's RG: its
+# accumulators, two per pair and column pair, bound it; a 4,096-token chunk gives each of 384
+# experts ~64)
+PREFILL_TILE_M = 64
+PREFILL_MIN_BLOCKS = 2  # programs (of 8 warps) an SM must hold: registers ≤ 65536 / (256 · this)
 _SOURCE = Path(__file__).with_name("exl3_mma.cu")
 _OT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -58,23 +66,25 @@ def _hopper(index: int | None) -> bool:
 
 def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: torch.dtype,
             bias: torch.Tensor | None, trellis: torch.Tensor, S: int,
-            pairs: int | None = None, str_set: int = 0) -> str | None:
+            pairs: int | None = None, str_set: int = 0, prefill: bool = False) -> str | None:
     """None where the kernel may run here with the Triton kernels' bits, else the reason it
     may not (a failed NVRTC compile included: the Triton kernels then run). x: the input,
     [M, k_in] for exl3_linear; trellis: the (contiguous) trellis it reads, whose tiles it copies
     in 16-byte chunks; S: the weight's number of splits (exl3.split_schedule); `pairs`: the
     (token, slot) pairs of an exl3_moe_linear call (grouped into tiles of MOE_TILE_M rows; x
     then only gives the device), str_set its words from one weight set's trellis to the
-    next."""
-    rows_ok = (0 < pairs <= MAX_PAIRS if pairs is not None
+    next; prefill: for moe_prefill (tiles of PREFILL_TILE_M pairs, any number of them)."""
+    rows_ok = (pairs is not None and pairs > 0 if prefill
+               else 0 < pairs <= MAX_PAIRS if pairs is not None
                else x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS)
     # (a tile is 16·K2 bytes: 16-byte aligned wherever the tensor and its sets are)
     aligned = trellis.data_ptr() % 16 == 0 and str_set % 4 == 0
     checks = (
         (ENABLED, "switched off (exl3_mma.ENABLED)"),
-        (rows_ok, f"pairs not in 1…{MAX_PAIRS}" if pairs is not None
-         else f"rows not in 1…{MAX_ROWS}"),
-        (K2 <= 8, "K > 4"),
+        (rows_ok, "no pairs" if prefill else f"pairs not in 1…{MAX_PAIRS}"
+         if pairs is not None else f"rows not in 1…{MAX_ROWS}"),
+        (K2 <= 12, "K > 6"),
+        (bias is None or not prefill, "a bias (the prefill kernel has none)"),
         (aligned, "trellis not 16-byte aligned"),
         (n_p % 128 == 0, "output not 128-aligned"),
         (out_dtype in _OT, f"output dtype {out_dtype}"),
@@ -88,14 +98,16 @@ def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: tor
             return reason
     if not _hopper(x.device.index):
         return "not compute capability 9.0 (elsewhere the Triton kernels use mma.sync kWidth 4)"
-    key = _key(K2, codebook_id, out_dtype, bias,
-               MOE_TILE_M if pairs is not None else x.shape[0], pairs is not None, S,
-               x.device.index)
+    key = (_prefill_key(K2, codebook_id, out_dtype, x.device.index) if prefill else
+           _key(K2, codebook_id, out_dtype, bias,
+                MOE_TILE_M if pairs is not None else x.shape[0], pairs is not None, S,
+                x.device.index))
     if key not in _KERNELS:
         try:
             with torch.cuda.device(x.device.index):
-                _KERNELS[key] = _compiler()(_SOURCE.read_text(), "exl3_mma_linear",
-                                            nvcc_options=_options(*key[:7]))
+                _KERNELS[key] = _compiler()(
+                    _SOURCE.read_text(), "exl3_mma_prefill" if prefill else "exl3_mma_linear",
+                    nvcc_options=_options(*key[:-1]))
         except Exception as e:  # NVRTC missing or refusing: remembered, Triton runs instead
             _KERNELS[key] = f"NVRTC: {type(e).__name__}: {e}".splitlines()[0][:300]
             warnings.warn(f"strata: EXL3 CUDA kernel unavailable ({_KERNELS[key]}); "
@@ -104,20 +116,29 @@ def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: tor
     return k if isinstance(k, str) else None
 
 
-_KERNELS: dict = {}  # (K2, CB, OT, BT, R16, G, NW, device index) → compiled kernel or why not
+# (K2, CB, OT, BT, R16, G, NW, PF, RG, MINB, device index) → compiled kernel or why not
+_KERNELS: dict = {}
 
 
 def _key(K2: int, codebook_id: int, out_dtype: torch.dtype, bias: torch.Tensor | None,
          tile_rows: int, grouped: bool, S: int, index: int | None) -> tuple:
-    """The compiled variant; NW: 8 warps a program for a weight of one split (a program a
-    128-column block, finished in shared memory), else 4 (two programs a block)."""
+    """exl3_mma_linear's compiled variant; NW: 8 warps a program for a weight of one split (a
+    program a 128-column block, finished in shared memory), else 4 (two programs a block)."""
     return (K2, codebook_id, _OT[out_dtype], -1 if bias is None else _OT[bias.dtype],
-            int(tile_rows > 8), int(grouped), 8 if S == 1 else 4, index)
+            int(tile_rows > 8), int(grouped), 8 if S == 1 else 4, 0, 0, 0, index)
 
 
-def _options(K2: int, CB: int, OT: int, BT: int, R16: int, G: int, NW: int) -> list[str]:
+def _prefill_key(K2: int, codebook_id: int, out_dtype: torch.dtype, index: int | None) -> tuple:
+    """exl3_mma_prefill's compiled variant: 8 warps, RG groups of 8 pairs."""
+    return (K2, codebook_id, _OT[out_dtype], -1, 0, 1, 8, 1, PREFILL_TILE_M // 8,
+            PREFILL_MIN_BLOCKS, index)
+
+
+def _options(K2: int, CB: int, OT: int, BT: int, R16: int, G: int, NW: int, PF: int,
+             RG: int, MINB: int) -> list[str]:
     return [f"-DK2={K2}", f"-DCB={CB}", f"-DOT={OT}", f"-DBT={BT}", f"-DR16={R16}", f"-DG={G}",
-            f"-DNW={NW}", "--fmad=false"]
+            f"-DNW={NW}", f"-DPF={PF}"] + ([f"-DRG={RG}", f"-DMINB={MINB}"] if PF else []) \
+        + ["--fmad=false"]
 
 
 class _Attr(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
@@ -133,11 +154,23 @@ class _Config(ctypes.Structure):  # CUlaunchConfig
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
-def _launch(kernel, grid, block, args, early: bool) -> None:
+_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_SHARED_SET: set = set()  # (kernel id, bytes) whose opt-in is made
+
+
+def _launch(kernel, grid, block, args, early: bool, shared: int = 0) -> None:
     """cuLaunchKernelEx on the current stream (captured by CUDA graphs like any launch);
     early: the kernel may start before the previous one ends (it waits in griddepcontrol).
-    args: tensors (their addresses), floats (double), ctypes values as they are, ints (int)."""
+    args: tensors (their addresses), floats (double), ctypes values as they are, ints (int).
+    shared: dynamic shared memory bytes (above 48 KiB the function opts in first)."""
     from torch.cuda._utils import _get_gpu_runtime_library
+    lib = _get_gpu_runtime_library()
+    if shared > 48 << 10 and (id(kernel), shared) not in _SHARED_SET:
+        rc = lib.cuFuncSetAttribute(kernel.func, _MAX_DYNAMIC_SHARED_SIZE_BYTES, shared)
+        if rc != 0:
+            raise RuntimeError(f"exl3_mma: cuFuncSetAttribute({shared} B shared) failed with "
+                               f"CUDA error {rc}")
+        _SHARED_SET.add((id(kernel), shared))
     keep, params = [], []  # (keep: the ctypes values stay alive through the call)
     for a in args:
         v = (ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
@@ -147,10 +180,11 @@ def _launch(kernel, grid, block, args, early: bool) -> None:
         params.append(ctypes.cast(ctypes.byref(v), ctypes.c_void_p))
     attr = _Attr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
     attr.value[0] = 1
-    cfg = _Config(grid=(ctypes.c_uint * 3)(*grid), block=(ctypes.c_uint * 3)(*block), shared=0,
+    cfg = _Config(grid=(ctypes.c_uint * 3)(*grid), block=(ctypes.c_uint * 3)(*block),
+                  shared=shared,
                   stream=ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
                   attrs=ctypes.pointer(attr) if early else None, n_attrs=1 if early else 0)
-    rc = _get_gpu_runtime_library().cuLaunchKernelEx(
+    rc = lib.cuLaunchKernelEx(
         ctypes.byref(cfg), kernel.func, (ctypes.c_void_p * len(params))(*params), None)
     if rc != 0:
         raise RuntimeError(f"exl3_mma: cuLaunchKernelEx failed with CUDA error {rc}")
@@ -203,4 +237,31 @@ def moe(xr: torch.Tensor, words: torch.Tensor, str_set: int, svh: torch.Tensor,
              _L(str_set), part.stride(2), _L(part.stride(1)), _L(part.stride(0)),
              _L(svh.stride(0)), _L(ssvh_set), out.stride(1), _L(out.stride(0)),
              n_p, out.shape[2], kt * 16 // 128, per_split, nt * 4 * K2, float(inv)], early)
+    return out
+
+
+def moe_prefill(xr: torch.Tensor, words: torch.Tensor, str_set: int, svh: torch.Tensor,
+                ssvh_set: int, codebook_id: int, K2: int, out: torch.Tensor, per_split: int,
+                tile_rows: torch.Tensor, tile_expert: torch.Tensor, inv: float,
+                early: bool) -> torch.Tensor:
+    """exl3_moe_linear's grouped step for many pairs on exl3_mma_prefill: out[w, p] =
+    H128(x'[w, p]·Ŵ_e)·svh_e as `moe` computes it, from the same arguments but tile_rows
+    [n_tiles, PREFILL_TILE_M] (moe_grouping, block PREFILL_TILE_M) and no partials or
+    counters: a program sums its block's splits itself. The caller checked why_not(…,
+    pairs=P, prefill=True)."""
+    W, P, _ = xr.shape
+    kt, nt = words.shape[-3], words.shape[-2]
+    n_p, n_tiles = 16 * nt, tile_expert.numel()
+    if tile_rows.shape != (n_tiles, PREFILL_TILE_M) or not tile_rows.is_contiguous():
+        raise ValueError(f"exl3_mma.moe_prefill: tile_rows must be [n_tiles, {PREFILL_TILE_M}] "
+                         "contiguous")
+    key = _prefill_key(K2, codebook_id, out.dtype, xr.device.index)
+    # three x' stages (TM rows × 256 B), the 8 warps' three trellis stages (8 tiles of 16·K2
+    # bytes), y' (TM rows of 132 fp32)
+    shared = 3 * PREFILL_TILE_M * 256 + 8 * 3 * 8 * 16 * K2 + PREFILL_TILE_M * 132 * 4
+    _launch(_KERNELS[key], (n_p // 128, W * n_tiles, 1), (256, 1, 1),
+            [xr, words, svh, out, tile_rows, tile_expert, n_tiles,
+             xr.stride(1), _L(xr.stride(0)), _L(words.stride(0)), _L(str_set),
+             _L(svh.stride(0)), _L(ssvh_set), out.stride(1), _L(out.stride(0)),
+             out.shape[2], kt * 16 // 128, per_split, nt * 4 * K2, float(inv)], early, shared)
     return out

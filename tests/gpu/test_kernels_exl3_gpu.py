@@ -156,8 +156,11 @@ def test_moe_grouped_equals_single_linear(cuda):
 @pytest.mark.parametrize("tile", [64, 128])
 def test_moe_prefill_step_equals_single_linear(cuda, monkeypatch, tile):
     """A prefill-sized MoE step (40 tokens × 6 slots = 240 pairs: programs loop over the K
-    splits, several pairs per expert tile of 64 or 128) gives each pair the single linear's
-    bits."""
+    splits, several pairs per expert tile of 64 or 128) on the Triton kernel gives each pair
+    the single linear's bits. (On Hopper the CUDA prefill kernel takes such steps:
+    test_the_prefill_kernel_gives_the_triton_split_loops_bits compares it with this path.)"""
+    from strata.kernels import exl3_mma
+    monkeypatch.setattr(exl3_mma, "ENABLED", False)
     monkeypatch.setattr(X, "MOE_LOOP_BLOCK_M", tile)
     E, T, k = 8, 40, 6
     assert T * k > X.MOE_SPLIT_LOOP_PAIRS
@@ -287,7 +290,7 @@ def test_the_early_launch_gives_plain_orders_bits_eager_and_graphed(cuda, monkey
 
 
 @pytest.mark.parametrize("K,codebook", [(2, "mul1"), (2.5, "mul1"), (3, "mcg"), (3.5, "mul1"),
-                                        (4, "3inst"), (4, "mul1")])
+                                        (4, "3inst"), (4, "mul1"), (5.5, "mul1"), (6, "3inst")])
 def test_the_mma_kernel_gives_the_triton_kernels_bits(cuda, monkeypatch, K, codebook):
     """strata.kernels.exl3_mma (the CUDA kernel, fragments decoded in registers, after
     rotate_in) against the Triton fused kernel, bit for bit: four shapes at 1, 6, 9 and 16
@@ -389,3 +392,54 @@ def test_the_mma_kernels_moe_gives_the_triton_kernels_bits(cuda, monkeypatch, K,
         assert torch.equal(got[0], ref[0]), out_dtype
     got, ref = both(x[2:3], idx[2:3], sets, torch.float32)
     assert all(torch.equal(p, q) for p, q in zip(got, ref))
+
+
+@pytest.mark.parametrize("K,codebook", [(2, "3inst"), (2.5, "mul1"), (3, "mcg"), (4, "mul1"),
+                                        (6, "mul1")])
+def test_the_prefill_kernel_gives_the_triton_split_loops_bits(cuda, monkeypatch, K, codebook):
+    """exl3_moe_linear above exl3_mma.MAX_PAIRS pairs on the CUDA prefill kernel (tiles of
+    PREFILL_TILE_M pairs, x' staged in shared memory, each program running all splits of its
+    block) against the Triton split loop, bit for bit: gate + up (two sets, one input per
+    token) and down (one input per pair), fp32 and bf16 outputs, over 5 experts with ~50–90
+    pairs each — full and partial tiles, two for one expert — and against each pair's own
+    single linear."""
+    from strata.kernels import exl3_mma
+    E, T, k = 5, 100, 3
+    sets = [(trellis_of(5120, 2304, K, seed=190 + w, device=cuda, E=E),
+             scales(5120, 192 + w, cuda, E, 5120 ** -0.5), scales(2304, 194 + w, cuda, E, 0.05))
+            for w in range(2)]
+    down = [(trellis_of(2304, 5120, K, seed=196, device=cuda, E=E),
+             scales(2304, 197, cuda, E, 2304 ** -0.5), scales(5120, 198, cuda, E, 0.05))]
+    g = torch.Generator().manual_seed(199)
+    # expert 0 takes slot 0 of 90 tokens (two tiles: 64 and 26 pairs), experts 1–4 the rest
+    idx = torch.stack([1 + torch.randperm(E - 1, generator=g)[:k] for _ in range(T)])
+    idx[:90, 0] = 0
+    idx = idx.to(cuda)
+    counts = torch.bincount(idx.reshape(-1), minlength=E)
+    assert int(counts.max()) > exl3_mma.PREFILL_TILE_M and T * k > exl3_mma.MAX_PAIRS
+    x = torch.randn(T, 5120, generator=g).to(cuda, torch.bfloat16)
+    a = torch.randn(T, k, 2304, generator=g).to(cuda, torch.bfloat16)
+
+    def both(x, idx, w, out_dtype):
+        outs = []
+        for on in (True, False):
+            monkeypatch.setattr(exl3_mma, "ENABLED", on)
+            k_p, n_p = 16 * w[0][0].shape[-3], 16 * w[0][0].shape[-2]
+            why = exl3_mma.why_not(x, X.k2_of(w[0][0]), X.CODEBOOK_IDS[codebook], n_p,
+                                   out_dtype, None, w[0][0], X.split_schedule(k_p, n_p)[1],
+                                   pairs=idx.numel(), prefill=True)
+            assert (why is None) == on, why
+            outs.append(X.exl3_moe_linear(x, idx, w, codebook, out_dtype=out_dtype))
+        return outs
+
+    for out_dtype in (torch.float32, torch.bfloat16):
+        got, ref = both(x, idx, sets, out_dtype)
+        assert all(torch.equal(i16(p), i16(q)) for p, q in zip(got, ref)), out_dtype
+        got_down, ref_down = both(a, idx, down, out_dtype)
+        assert torch.equal(i16(got_down[0]), i16(ref_down[0])), out_dtype
+    monkeypatch.setattr(exl3_mma, "ENABLED", True)
+    for t, s in ((0, 0), (57, 1), (99, 2)):
+        e = int(idx[t, s])
+        one = X.exl3_linear(x[t:t + 1], sets[1][0][e], sets[1][1][e], sets[1][2][e], codebook,
+                            out_dtype=torch.bfloat16)
+        assert torch.equal(i16(one[0]), i16(got[1][t, s])), (t, s)
