@@ -481,3 +481,34 @@ def test_linear_groups_run_as_one_grouped_launch(kernels_on_cpu):
                                                 scales(128, 73, scale=0.2), scales(128, 74),
                                                 "mcg", out_features=120, in_features=128)])
     assert mixed(x[:2], nx).shape == (2, G * 120) and mixed._stack is False
+
+
+def test_a_linear_set_runs_as_one_grouped_launch(kernels_on_cpu, monkeypatch):
+    """Linears of one shape on one input (the shared expert's w1 and w3): a decode-sized call
+    runs them as one grouped launch — each a weight set of one expert — giving each linear's
+    own output bit for bit, in the asked dtype, for a flat and a batched input; a set whose
+    codebooks differ, and a prefill-sized call, run the linears one by one."""
+    from strata.model.numerics import Numerics
+    from strata.quant.groups import LinearSet
+    calls = []
+    grouped = X.exl3_moe_linear
+    monkeypatch.setattr(X, "exl3_moe_linear", lambda *a, **k: calls.append(1) or grouped(*a, **k))
+    nx = Numerics("vendor", torch.bfloat16)
+    w1, w3 = (Exl3Linear(trellis_of(8, 8, 3, seed=s), scales(128, s + 1, scale=0.2),
+                         scales(128, s + 2), "mul1", out_features=120, in_features=100)
+              for s in (170, 180))
+    x = torch.randn(5, 100, generator=torch.Generator().manual_seed(171)).bfloat16()
+    pair = LinearSet([w1, w3])
+    for xs, dt in ((x[:1], None), (x, torch.float32), (x[:4].view(2, 2, 100), None)):
+        got = pair(xs, nx, dt)
+        want = [w1(xs, nx, dt), w3(xs, nx, dt)]
+        assert all(g.shape == w.shape and g.dtype == w.dtype and torch.equal(bits(g), bits(w))
+                   for g, w in zip(got, want))
+    assert len(calls) == 3
+    other = Exl3Linear(trellis_of(8, 8, 3, seed=190), scales(128, 191, scale=0.2),
+                       scales(128, 192), "mcg", out_features=120, in_features=100)
+    mixed = LinearSet([w1, other])
+    got = mixed(x, nx)
+    assert torch.equal(bits(got[1]), bits(other(x, nx))) and mixed._one_launch is False
+    monkeypatch.setattr(X, "FUSED_MAX_ROWS", 4)
+    assert torch.equal(bits(pair(x, nx)[0]), bits(w1(x, nx))) and len(calls) == 3

@@ -40,3 +40,22 @@ def test_no_entries_or_no_rows_give_empty_keys():
     for shape in [(3, 0), (0, 7), (2, 0, 5)]:
         keys = rank_keys(torch.zeros(shape))
         assert keys.shape == shape and keys.dtype == torch.int64
+
+
+def test_sorted_picks_are_the_indexers_torch_ops():
+    """topk_lowest_index's picks in one launch (strata.kernels.ranking.sorted_picks) against
+    its torch ops (the CPU path): finite picks ascending, then −1 — with fewer finite scores
+    than picks, ties, a selection wider than the entries (m < k) and non-power-of-2 widths."""
+    from strata.kernels.ranking import sorted_picks
+    from strata.model.indexer import topk_lowest_index
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randn(4, 300, generator=g)
+    scores[0, 40:] = float("-inf")  # 40 finite entries
+    scores[1, 100:180] = 0.5        # ties
+    scores[2, ::3] = float("-inf")
+    for k in (16, 100, 300, 512):
+        m = min(k, scores.shape[1])
+        idx = torch.topk(torch_keys(scores), m, dim=-1, sorted=False).indices
+        want = topk_lowest_index(scores, k)
+        got = sorted_picks(idx, scores, k)
+        assert got.dtype == torch.int64 and got.shape == (4, k) and torch.equal(got, want), k

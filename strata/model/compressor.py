@@ -14,6 +14,7 @@ from strata.config import ModelConfig
 from strata.checkpoint.weights import WeightReader
 from strata.model.context import ForwardContext
 from strata.model.numerics import rms_norm
+from strata.quant.groups import LinearSet
 from strata.runtime.state import State
 
 
@@ -38,6 +39,8 @@ class Compressor:
         D, hd = cfg.hidden_size, cfg.head_dim
         self.wkv = w.linear(f"{prefix}.wkv", hd, D)
         self.wgate = w.linear(f"{prefix}.wgate", hd, D) if self.ratio > 1 else None
+        # (the two projections of u: one launch where they can)
+        self.wkv_gate = LinearSet([self.wkv, self.wgate]) if self.wgate is not None else None
         self.norm = w.float_tensor(f"{prefix}.norm.weight", (hd,))
 
     def forward(self, u: torch.Tensor, ctx: ForwardContext,
@@ -54,10 +57,10 @@ class Compressor:
         r, start, T = self.ratio, ctx.start, ctx.T
         nx = ctx.numerics
         n = (start + T) // r - start // r
-        k = self.wkv(u, nx, torch.float32)
         if r == 1:
+            k = self.wkv(u, nx, torch.float32)
             return rms_norm(k, self.norm, self.cfg.rms_norm_eps), entry_indices(r, ctx.positions), n
-        g = self.wgate(u, nx, torch.float32)
+        k, g = self.wkv_gate(u, nx, torch.float32)
         kg = torch.stack((k, g), dim=1)  # [T, 2, hd]
         ring = state.comp_tail[self.layer]
         first = ctx.positions[:1]

@@ -35,9 +35,12 @@ def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices [T, k] of the k largest finite scores per row, ties to the lowest index,
     sorted ascending; slots with no finite score left are −1. Always k wide, so the
     attention that consumes it has the same shape whatever the number of entries."""
+    from strata.kernels import ranking
     T, n = scores.shape
     m = min(k, n)
     idx = ranked_topk(scores, m, sorted=False)  # (a radix select, not a sort of the row)
+    if ranking.available(scores) and n and scores.stride(1) == 1 and k <= ranking.MAX_PICKS:
+        return ranking.sorted_picks(idx, scores, k)  # (the ops below in one launch)
     val = scores.gather(1, idx)
     idx = torch.where(val > float("-inf"), idx, torch.full_like(idx, n))
     idx = torch.sort(idx, dim=-1).values

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from strata.checkpoint.weights import WeightReader
 from strata.config import ModelConfig
 from strata.model.numerics import Numerics, ranked_topk, row_matmul, rows_bmm
+from strata.quant.groups import LinearSet
 from strata.quant.linear import Linear
 from strata.quant.qdq import fp8_act_qdq
 
@@ -180,10 +181,12 @@ class SharedExpert:
         self.w1 = w.linear(f"{prefix}.w1", I, D)
         self.w3 = w.linear(f"{prefix}.w3", I, D)
         self.w2 = w.linear(f"{prefix}.w2", D, I)
+        self.w13 = LinearSet([self.w1, self.w3])  # (gate and up: one launch where they can)
         self.limit = cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor, nx: Numerics) -> torch.Tensor:
-        a = swiglu_to(self.w1(x, nx), self.w3(x, nx), self.limit, nx.act_dtype)
+        g, v = self.w13(x, nx)
+        a = swiglu_to(g, v, self.limit, nx.act_dtype)
         return self.w2(a, nx, torch.float32)
 
 

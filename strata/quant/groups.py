@@ -1,5 +1,6 @@
-"""A row-grouped linear (attention's wo_a): group g's own linear applied to group g's own input
-slice, outputs side by side.
+"""Linears run together: a row-grouped linear (attention's wo_a: group g's own linear applied to
+group g's own input slice, outputs side by side), and a set of linears on one input (the shared
+expert's w1 and w3, the compressor's wkv and wgate).
 
 V4.1 has 8 groups per layer: called one by one, a decode step pays 8 small launch-bound
 linears per layer (in EXL3 two kernels each). When the groups are EXL3 slices of one shape and
@@ -7,7 +8,8 @@ codebook, a decode-sized forward runs them as one grouped launch instead — the
 EXL3 linear with group g in the place of expert g, whose every (row, group) output is bit for
 bit the group's own linear on that row (strata.kernels.exl3.exl3_moe_linear's contract), so
 the choice changes no bit. Prefill-sized forwards keep one call per group (each then takes the
-tensor-core GEMM path).
+tensor-core GEMM path). A set of linears on one input is the same launch with each linear a
+weight set of one "expert" (gate and up of the routed experts run this way).
 """
 from __future__ import annotations
 
@@ -77,4 +79,63 @@ class LinearGroups:
             G = len(self.linears)
             ids = torch.arange(G, device=device).expand(T, G).contiguous()
             self._routes[key] = Routing(ids, G)
+        return self._routes[key]
+
+
+class LinearSet:
+    """Linears of one shape applied to the same input, e.g. the shared expert's w1 and w3.
+    Called one by one a decode step pays two launch-bound linears (in EXL3 two kernels each);
+    EXL3 linears of one shape and codebook run a decode-sized call as one grouped launch —
+    exl3_moe_linear with each linear a weight set of a single expert, one rotate_in for all
+    of them — whose outputs are bit for bit each linear's own (its contract), so the choice
+    changes no bit. Anything else, and prefill-sized calls, run each linear."""
+
+    def __init__(self, linears: list[Linear]) -> None:
+        self.linears = list(linears)
+        self._one_launch: bool | None = None  # whether the linears qualify (checked once)
+        self._routes: dict = {}               # (T, device) -> Routing of ids [T, 1] = 0
+
+    def __call__(self, x: torch.Tensor, nx: Numerics,
+                 out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """[lin(x, nx, out_dtype) for each linear]; x [..., in]."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        if not self._grouped_exl3(x2):
+            return [lin(x, nx, out_dtype) for lin in self.linears]
+        from strata.kernels.exl3 import exl3_moe_linear
+        first = self.linears[0]
+        routing = self._route(x2.shape[0], x.device)
+        # (views of each linear's tensors as a one-expert stack: nothing copied, and a linear
+        # rebound later, e.g. by a pack loader, is read as it is then)
+        sets = [(lin.trellis.unsqueeze(0), lin.suh.unsqueeze(0), lin.svh.unsqueeze(0))
+                for lin in self.linears]
+        ys = exl3_moe_linear(x2, routing.idx, sets, first.codebook, first.out_features,
+                             out_dtype or nx.act_dtype, routing)
+        return [y.reshape(*lead, first.out_features) for y in ys]
+
+    def _grouped_exl3(self, x: torch.Tensor) -> bool:
+        """Whether one grouped EXL3 launch runs this call."""
+        from strata.quant import exl3 as qexl3
+        if not qexl3._use_kernels(x):
+            return False
+        from strata.kernels.exl3 import FUSED_MAX_ROWS
+        if x.shape[0] > FUSED_MAX_ROWS:
+            return False
+        if self._one_launch is None:
+            lins = self.linears
+            first = lins[0]
+            self._one_launch = (
+                len(lins) > 1 and all(isinstance(lin, qexl3.Exl3Linear) for lin in lins)
+                and all(lin.codebook == first.codebook and lin.bias is None
+                        and lin.sched_cols is None and lin.trellis.shape == first.trellis.shape
+                        and lin.out_features == first.out_features for lin in lins))
+        return self._one_launch
+
+    def _route(self, T: int, device: torch.device):
+        """Every row's one pair is expert 0: fixed for a given T, so built once per T (on a
+        graph's warm-up, before the capture)."""
+        key = (T, device)
+        if key not in self._routes:
+            from strata.kernels.moe_grouping import Routing
+            self._routes[key] = Routing(torch.zeros((T, 1), dtype=torch.long, device=device), 1)
         return self._routes[key]

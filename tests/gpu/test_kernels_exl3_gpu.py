@@ -443,3 +443,29 @@ def test_the_prefill_kernel_gives_the_triton_split_loops_bits(cuda, monkeypatch,
         one = X.exl3_linear(x[t:t + 1], sets[1][0][e], sets[1][1][e], sets[1][2][e], codebook,
                             out_dtype=torch.bfloat16)
         assert torch.equal(i16(one[0]), i16(got[1][t, s])), (t, s)
+
+
+def test_a_linear_set_gives_each_linears_bits(cuda):
+    """The shared expert's w1 and w3 (5120 → 2304, K 4) through LinearSet: a decode step's
+    and a verify window's one grouped launch — on the CUDA kernel, their trellises' distance
+    being 16-byte aligned — give each linear's own output bit for bit."""
+    import strata.quant.exl3 as qexl3
+    from strata.kernels import exl3_mma
+    from strata.model.numerics import Numerics
+    from strata.quant.groups import LinearSet
+    nx = Numerics("vendor", torch.bfloat16)
+    lins = [Exl3Linear(trellis_of(5120, 2304, 4, 600 + i, cuda),
+                       scales(5120, 610 + i, cuda, scale=5120 ** -0.5),
+                       scales(2304, 620 + i, cuda, scale=0.05), "mul1", 2304, 5120)
+            for i in range(2)]
+    pair = LinearSet(lins)
+    x = torch.randn(6, 5120, generator=torch.Generator().manual_seed(9)).to(cuda, torch.bfloat16)
+    assert qexl3._use_kernels(x) and pair._grouped_exl3(x)
+    d = lins[1].trellis.data_ptr() - lins[0].trellis.data_ptr()
+    assert exl3_mma.why_not(x, 8, X.CODEBOOK_IDS["mul1"], 2304, torch.bfloat16, None,
+                            lins[0].trellis, X.split_schedule(5120, 2304)[1], pairs=6,
+                            str_set=d // 4) is None
+    for T in (1, 6):
+        got = pair(x[:T], nx)
+        for g, lin in zip(got, lins):
+            assert torch.equal(i16(g), i16(lin(x[:T], nx))), T

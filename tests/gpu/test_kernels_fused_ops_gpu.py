@@ -259,6 +259,23 @@ def test_ranked_topk_keys_in_one_launch_pick_as_the_torch_code(cuda, monkeypatch
             assert torch.equal(got, want)
 
 
+def test_the_indexers_picks_in_one_launch_equal_the_torch_code(cuda, monkeypatch):
+    """topk_lowest_index with its picks ordered in one launch (ranking.sorted_picks): the
+    torch code's [T, k] at an indexer piece's shape and a candidate-block shape (fewer entries
+    than picks), infinities and ties included."""
+    from strata.model.indexer import topk_lowest_index
+    g = torch.Generator().manual_seed(11)
+    scores = torch.randn(64, 20000, generator=g)
+    scores[0, 300:] = float("-inf")
+    scores[1, 100:900] = 0.5
+    scores[2, ::2] = float("-inf")
+    scores = scores.to(cuda)
+    for s, k in ((scores, 512), (scores[:, :200].contiguous(), 512), (scores[:, :700], 64)):
+        got = topk_lowest_index(s, k)
+        want = torch_path(monkeypatch, topk_lowest_index, s, k)
+        assert torch.equal(got, want), (s.shape, k)
+
+
 def test_a_dense_fp32_linear_of_bf16_rows_and_weight(cuda):
     """Linear.forward with an fp32 output, bf16 activations and a bf16 weight (the router):
     the pairs' exact products summed in fp32 on tensor cores — no cast launch, no fp32 copy
