@@ -487,7 +487,8 @@ def test_a_linear_set_runs_as_one_grouped_launch(kernels_on_cpu, monkeypatch):
     """Linears of one shape on one input (the shared expert's w1 and w3): a decode-sized call
     runs them as one grouped launch — each a weight set of one expert — giving each linear's
     own output bit for bit, in the asked dtype, for a flat and a batched input; a set whose
-    codebooks differ, and a prefill-sized call, run the linears one by one."""
+    codebooks differ, a prefill-sized call, and any with the switch off, run the linears one
+    by one."""
     from strata.model.numerics import Numerics
     from strata.quant.groups import LinearSet
     calls = []
@@ -512,3 +513,6 @@ def test_a_linear_set_runs_as_one_grouped_launch(kernels_on_cpu, monkeypatch):
     assert torch.equal(bits(got[1]), bits(other(x, nx))) and mixed._one_launch is False
     monkeypatch.setattr(X, "FUSED_MAX_ROWS", 4)
     assert torch.equal(bits(pair(x, nx)[0]), bits(w1(x, nx))) and len(calls) == 3
+    import strata.quant.groups as groups
+    monkeypatch.setattr(groups, "SETS_ENABLED", False)  # (the A/B switch: one by one)
+    assert torch.equal(bits(pair(x[:1], nx)[1]), bits(w3(x[:1], nx))) and len(calls) == 3
