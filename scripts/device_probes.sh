@@ -4,7 +4,8 @@
 # K 5.5 / 6 (the head), the grouped decode kernel and the prefill step against single
 # linears; (2) scripts/probe_moe_prefill.py (the prefill kernel against the split loop at a
 # 4,096-token chunk, bits compared); (3) scripts/probe_mhc_tiles.py for hc_mix's row blocks
-# of 16 and 32 at decode and prefill sizes. Then measure the model (`bash scripts/device_perf.sh`).
+# of 16 and 32 at decode and prefill sizes. Then measure the model
+# (`bash scripts/device_perf.sh`).
 # On the device: source scripts/device_env.sh && bash scripts/device_probes.sh
 set -o pipefail
 timeout ${T1:-240} python -m pytest -q -m gpu -rf --tb=short tests/gpu/test_kernels_exl3_gpu.py \

@@ -23,8 +23,8 @@ multiply-add: `--fmad=false`); GPU tests compare them, linear and grouped (the t
 product included: the same products summed in the same k order). Used only where that holds
 and the kernel applies (`why_not` is None): compute capability 9.0, M ≤ 16 rows (or ≤
 MAX_PAIRS grouped pairs; any number for the prefill kernel), K ≤ 6, a 128-aligned output;
-everything else stays on the Triton kernels. Compiled by torch's NVRTC wrapper (`torch.cuda._compile_kernel`, torch ≥ 2.8): no
-build step and no extra dependency.
+everything else stays on the Triton kernels. Compiled by torch's NVRTC wrapper
+(`torch.cuda._compile_kernel`, torch ≥ 2.8): no build step and no extra dependency.
 """
 from __future__ import annotations
 
@@ -46,9 +46,9 @@ MAX_ROWS = 16  # two n8 groups of rows
 # row tiles of MOE_TILE_M pairs sharing an expert (a decode window routes ≤ 6 to one expert)
 MAX_PAIRS = 64
 MOE_TILE_M = 8
-# exl3_moe_linear above MAX_PAIRS: tiles of this many pairs (8 · the prefill kernel's RG: its
-# accumulators, two per pair and column pair, bound it; a 4,096-token chunk gives each of 384
-# experts ~64)
+# exl3_moe_linear above MAX_PAIRS: tiles of this many pairs (8 · the prefill kernel's RG; a
+# 4,096-token chunk gives each of 384 experts ~64). Session 16: tiles of 32 slower (each
+# expert decoded twice as often), of 96 and 128 no faster (one program an SM)
 PREFILL_TILE_M = 64
 PREFILL_MIN_BLOCKS = 2  # programs (of 8 warps) an SM must hold: registers ≤ 65536 / (256 · this)
 _SOURCE = Path(__file__).with_name("exl3_mma.cu")

@@ -40,10 +40,10 @@ BLOCK_D = 512  # hidden columns per program in collapse / hc_update
 # hc_mixed_coeffs by graph replay: 12.1 µs a decode row against 16.0 at 32, 254 µs a
 # 4,096-row chunk against 335; with fp32 FMAs, session 9, 32 had halved the chunk's time).
 # A decode row's call is a chain of K steps per program, so shorter chunks mean more
-# programs and a shorter chain: in graphed decode steps 13 µs a call at chunks of 256 (session 9), 24 µs at 512 (session 10); the
-# coefficients kernel adds the 80 partials in order (unrolled: their loads issued ahead,
-# where a loop of four loads at a time took 16.6 µs in session 13). The partition is K's
-# alone, so rows never depend on the batch.
+# programs and a shorter chain: in graphed decode steps 13 µs a call at chunks of 256
+# (session 9), 24 µs at 512 (session 10); the coefficients kernel adds the 80 partials in
+# order (unrolled: their loads issued ahead, where a loop of four loads at a time took
+# 16.6 µs in session 13). The partition is K's alone, so rows never depend on the batch.
 MIX_ROWS = 16
 MIX_K = 64     # K per tl.dot step
 MIX_CHUNK = 256  # K per program; the chunks' partials are summed in order

@@ -38,7 +38,6 @@ if triton is not None:
         key = (ordered << 32) + (n - 1 - cols).to(tl.int64)
         tl.store(o_ptr + row * n + cols, key, mask=live)
 
-
     @triton.jit
     def _sorted_picks_kernel(idx_ptr, s_ptr, o_ptr, n, m, k, s_idx, s_row, s_out,
                              B: tl.constexpr):

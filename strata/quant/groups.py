@@ -60,28 +60,39 @@ class LinearGroups:
         if x.shape[0] > FUSED_MAX_ROWS:
             return None
         if self._stack is None:
-            lins = self.linears
-            first = lins[0]
-            if not (all(isinstance(lin, qexl3.Exl3Linear) for lin in lins)
-                    and all(lin.codebook == first.codebook and lin.bias is None
-                            and lin.sched_cols is None and lin.trellis.shape == first.trellis.shape
-                            and lin.out_features == first.out_features for lin in lins)):
+            if not _one_exl3_shape(self.linears):
                 self._stack = False
                 return None
             from strata.kernels.moe import stack_exl3
-            self._stack = stack_exl3(lins)  # (each group's linear then views its slice)
+            self._stack = stack_exl3(self.linears)  # (each group's linear then views its slice)
         return self._stack or None
 
     def _route(self, T: int, device: torch.device):
-        """Row t's group g is "expert" g: fixed for a given T, so built once per T (on a
-        graph's warm-up, before the capture)."""
-        key = (T, device)
-        if key not in self._routes:
-            from strata.kernels.moe_grouping import Routing
-            G = len(self.linears)
-            ids = torch.arange(G, device=device).expand(T, G).contiguous()
-            self._routes[key] = Routing(ids, G)
-        return self._routes[key]
+        """Row t's group g is "expert" g."""
+        return _fixed_routing(self._routes, T, device, len(self.linears))
+
+
+def _one_exl3_shape(lins: list[Linear]) -> bool:
+    """Whether the linears are EXL3 of one trellis shape, codebook and output width, with no
+    bias and no column-slice schedule: exl3_moe_linear's weight sets."""
+    from strata.quant import exl3 as qexl3
+    first = lins[0]
+    return (all(isinstance(lin, qexl3.Exl3Linear) for lin in lins)
+            and all(lin.codebook == first.codebook and lin.bias is None
+                    and lin.sched_cols is None and lin.trellis.shape == first.trellis.shape
+                    and lin.out_features == first.out_features for lin in lins))
+
+
+def _fixed_routing(cache: dict, T: int, device: torch.device, n: int):
+    """The Routing of ids [T, n] = 0 … n − 1 in every row (row t's j-th pair is "expert" j),
+    over n experts: fixed for a given T, so built once per T (on a graph's warm-up, before
+    the capture) and kept in `cache`."""
+    key = (T, device)
+    if key not in cache:
+        from strata.kernels.moe_grouping import Routing
+        ids = torch.arange(n, device=device).expand(T, n).contiguous()
+        cache[key] = Routing(ids, n)
+    return cache[key]
 
 
 # False: LinearSet runs its linears one by one (A/B measurements; STRATA_LINEAR_SETS=0 in the
@@ -131,20 +142,9 @@ class LinearSet:
         if x.shape[0] > FUSED_MAX_ROWS:
             return False
         if self._one_launch is None:
-            lins = self.linears
-            first = lins[0]
-            self._one_launch = (
-                len(lins) > 1 and all(isinstance(lin, qexl3.Exl3Linear) for lin in lins)
-                and all(lin.codebook == first.codebook and lin.bias is None
-                        and lin.sched_cols is None and lin.trellis.shape == first.trellis.shape
-                        and lin.out_features == first.out_features for lin in lins))
+            self._one_launch = len(self.linears) > 1 and _one_exl3_shape(self.linears)
         return self._one_launch
 
     def _route(self, T: int, device: torch.device):
-        """Every row's one pair is expert 0: fixed for a given T, so built once per T (on a
-        graph's warm-up, before the capture)."""
-        key = (T, device)
-        if key not in self._routes:
-            from strata.kernels.moe_grouping import Routing
-            self._routes[key] = Routing(torch.zeros((T, 1), dtype=torch.long, device=device), 1)
-        return self._routes[key]
+        """Every row's one pair is expert 0."""
+        return _fixed_routing(self._routes, T, device, 1)

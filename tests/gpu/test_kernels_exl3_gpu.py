@@ -355,35 +355,49 @@ def test_the_mma_kernel_gives_the_triton_kernels_bits(cuda, monkeypatch, K, code
         assert torch.equal(static, eager)
 
 
+def expert_sets(K, E, seed, device):
+    """E random experts at V4.1's shapes: [w1, w3] (5120 → 2304) and [w2] (2304 → 5120) as
+    exl3_moe_linear's weight sets."""
+    up = [(trellis_of(5120, 2304, K, seed=seed + w, device=device, E=E),
+           scales(5120, seed + 2 + w, device, E, 5120 ** -0.5),
+           scales(2304, seed + 4 + w, device, E, 0.05)) for w in range(2)]
+    down = [(trellis_of(2304, 5120, K, seed=seed + 6, device=device, E=E),
+             scales(2304, seed + 7, device, E, 2304 ** -0.5),
+             scales(5120, seed + 8, device, E, 0.05))]
+    return up, down
+
+
+def cuda_and_triton(monkeypatch, x, idx, w, codebook, out_dtype, prefill=False):
+    """exl3_moe_linear's outputs on the CUDA kernel (checked to apply: the decode one, or the
+    prefill one) and on the Triton kernels."""
+    from strata.kernels import exl3_mma
+    outs = []
+    for on in (True, False):
+        monkeypatch.setattr(exl3_mma, "ENABLED", on)
+        k_p, n_p = 16 * w[0][0].shape[-3], 16 * w[0][0].shape[-2]
+        why = exl3_mma.why_not(x, X.k2_of(w[0][0]), X.CODEBOOK_IDS[codebook], n_p, out_dtype,
+                               None, w[0][0], X.split_schedule(k_p, n_p)[1], pairs=idx.numel(),
+                               prefill=prefill)
+        assert (why is None) == on, why
+        outs.append(X.exl3_moe_linear(x, idx, w, codebook, out_dtype=out_dtype))
+    return outs
+
+
 @pytest.mark.parametrize("K,codebook", [(2, "3inst"), (2.5, "mul1"), (3, "mcg"), (4, "mul1")])
 def test_the_mma_kernels_moe_gives_the_triton_kernels_bits(cuda, monkeypatch, K, codebook):
     """exl3_moe_linear on the CUDA kernel (tiles of MOE_TILE_M pairs) against the Triton
     grouped kernel (tiles of BLOCK_M), bit for bit: gate + up (two sets, one input per token)
     and down (one input per pair) for a 6-token verify window × 6 slots over 12 experts —
     several pairs per expert, all experts' tiles, fp32 and bf16 outputs — then one token."""
-    from strata.kernels import exl3_mma
     E, T, k = 12, 6, 6
-    sets = [(trellis_of(5120, 2304, K, seed=90 + w, device=cuda, E=E),
-             scales(5120, 92 + w, cuda, E, 5120 ** -0.5), scales(2304, 94 + w, cuda, E, 0.05))
-            for w in range(2)]
-    down = [(trellis_of(2304, 5120, K, seed=96, device=cuda, E=E),
-             scales(2304, 97, cuda, E, 2304 ** -0.5), scales(5120, 98, cuda, E, 0.05))]
+    sets, down = expert_sets(K, E, 90, cuda)
     g = torch.Generator().manual_seed(99)
     idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(cuda)
     x = torch.randn(T, 5120, generator=g).to(cuda, torch.bfloat16)
     a = torch.randn(T, k, 2304, generator=g).to(cuda, torch.bfloat16)
 
     def both(x, idx, w, out_dtype):
-        outs = []
-        for on in (True, False):
-            monkeypatch.setattr(exl3_mma, "ENABLED", on)
-            k_p, n_p = 16 * w[0][0].shape[-3], 16 * w[0][0].shape[-2]
-            why = exl3_mma.why_not(x, X.k2_of(w[0][0]), X.CODEBOOK_IDS[codebook], n_p,
-                                   out_dtype, None, w[0][0], X.split_schedule(k_p, n_p)[1],
-                                   pairs=idx.numel())
-            assert (why is None) == on, why
-            outs.append(X.exl3_moe_linear(x, idx, w, codebook, out_dtype=out_dtype))
-        return outs
+        return cuda_and_triton(monkeypatch, x, idx, w, codebook, out_dtype)
 
     for out_dtype in (torch.float32, torch.bfloat16):
         got, ref = both(x, idx, sets, out_dtype)
@@ -405,11 +419,7 @@ def test_the_prefill_kernel_gives_the_triton_split_loops_bits(cuda, monkeypatch,
     single linear."""
     from strata.kernels import exl3_mma
     E, T, k = 5, 100, 3
-    sets = [(trellis_of(5120, 2304, K, seed=190 + w, device=cuda, E=E),
-             scales(5120, 192 + w, cuda, E, 5120 ** -0.5), scales(2304, 194 + w, cuda, E, 0.05))
-            for w in range(2)]
-    down = [(trellis_of(2304, 5120, K, seed=196, device=cuda, E=E),
-             scales(2304, 197, cuda, E, 2304 ** -0.5), scales(5120, 198, cuda, E, 0.05))]
+    sets, down = expert_sets(K, E, 190, cuda)
     g = torch.Generator().manual_seed(199)
     # expert 0 takes slot 0 of 90 tokens (two tiles: 64 and 26 pairs), experts 1–4 the rest
     idx = torch.stack([1 + torch.randperm(E - 1, generator=g)[:k] for _ in range(T)])
@@ -421,16 +431,7 @@ def test_the_prefill_kernel_gives_the_triton_split_loops_bits(cuda, monkeypatch,
     a = torch.randn(T, k, 2304, generator=g).to(cuda, torch.bfloat16)
 
     def both(x, idx, w, out_dtype):
-        outs = []
-        for on in (True, False):
-            monkeypatch.setattr(exl3_mma, "ENABLED", on)
-            k_p, n_p = 16 * w[0][0].shape[-3], 16 * w[0][0].shape[-2]
-            why = exl3_mma.why_not(x, X.k2_of(w[0][0]), X.CODEBOOK_IDS[codebook], n_p,
-                                   out_dtype, None, w[0][0], X.split_schedule(k_p, n_p)[1],
-                                   pairs=idx.numel(), prefill=True)
-            assert (why is None) == on, why
-            outs.append(X.exl3_moe_linear(x, idx, w, codebook, out_dtype=out_dtype))
-        return outs
+        return cuda_and_triton(monkeypatch, x, idx, w, codebook, out_dtype, prefill=True)
 
     for out_dtype in (torch.float32, torch.bfloat16):
         got, ref = both(x, idx, sets, out_dtype)
