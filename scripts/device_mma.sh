@@ -3,8 +3,9 @@
 # the early launch — and the CUDA-graph and fused-op tests; (2) an A/B of the synthetic
 # V4.1's graphed decode (half the layers): as configured (cuda), without the small kernels'
 # early launch (nopdl: STRATA_PDL=0, strata/kernels/pdl.py), without the grouped launch of
-# linears on one input (nosets: STRATA_LINEAR_SETS=0, strata/quant/groups.py) and Triton only
-# (--no-mma), each mode twice (the tokens' sha256 must match across variants); (3) the
+# linears on one input (nosets: STRATA_LINEAR_SETS=0, strata/quant/groups.py), without the
+# indexer's one-launch picks (nopicks: STRATA_SORTED_PICKS=0, strata/kernels/ranking.py) and
+# Triton only (--no-mma), each mode twice (the tokens' sha256 must match across variants); (3) the
 # kernels alone: scripts/exl3_variants.py (V4.1 shapes at 1 and 6 rows, the MoE gate + up for
 # 1 and 6 tokens; bits compared), also with fewer and more splits a weight (TARGET_PROGRAMS
 # 256 / 1024 against 512: other summation orders, so other bits). With two GPUs visible the
@@ -12,7 +13,7 @@
 # work does not reach the timed GPU).
 # STEP=parallel (two GPUs): the two-GPU tests (NO_TESTS=1: not), then the synthetic over both
 # GPUs (PAR: tp and/or layer) with a warm-up and its breakdown.
-# AB: the A/B's variants (default all three); NO_VARIANTS=1 skips (3).
+# AB: the A/B's variants (default cuda nopdl triton); NO_VARIANTS=1 skips (3), NO_TESTS=1 (1).
 # Every step has its own timeout and writes to $OUT as it runs.
 # On the device: source scripts/device_env.sh && STEP=... bash scripts/device_mma.sh
 set -o pipefail
@@ -28,8 +29,9 @@ tests() {
       > $OUT/graph_tests.log 2>&1
 }
 
-ab() {  # one variant of the synthetic A/B: cuda | nopdl | nosets | triton
+ab() {  # one variant of the synthetic A/B: cuda | nopdl | nosets | nopicks | triton
   env $([ $1 = nopdl ] && echo STRATA_PDL=0) $([ $1 = nosets ] && echo STRATA_LINEAR_SETS=0) \
+      $([ $1 = nopicks ] && echo STRATA_SORTED_PICKS=0) \
       timeout ${T2:-150} python -m strata bench \
       synthetic --device cuda:${2:-0} --layers 0-9,20-29 \
       --modes plain+graphs,oracle+graphs,oracle:2.9+graphs --tokens 24 --runs 2 --warmup 1 \
@@ -38,14 +40,16 @@ ab() {  # one variant of the synthetic A/B: cuda | nopdl | nosets | triton
 }
 
 if [ "${STEP:-check}" = check ]; then
-  if [ "$second" = 1 ]; then
+  if [ -n "$NO_TESTS" ]; then
+    for v in ${AB:-cuda nopdl triton}; do ab $v; done
+  elif [ "$second" = 1 ]; then
     tests &
     for v in ${AB:-cuda nopdl triton}; do ab $v; done
     wait
   else
     tests; for v in ${AB:-cuda nopdl triton}; do ab $v; done
   fi
-  tail -n 4 $OUT/mma_tests.log $OUT/graph_tests.log
+  [ -n "$NO_TESTS" ] || tail -n 4 $OUT/mma_tests.log $OUT/graph_tests.log
   cat $OUT/synthetic_*.log
   [ -n "$NO_VARIANTS" ] && exit 0
   timeout ${T3:-200} python scripts/exl3_variants.py --linear-only \

@@ -98,7 +98,7 @@ def _fixed_routing(cache: dict, T: int, device: torch.device, n: int):
 # False: LinearSet runs its linears one by one (A/B measurements; STRATA_LINEAR_SETS=0 in the
 # environment does it in every process). Session 16 measured plain decode faster with the
 # grouped launch but DSpark windows slower, cause not isolated: scripts/device_mma.sh's A/B
-# (variant `nosets`) settles it.
+# (variants `nosets`, `nopicks`) settles it.
 SETS_ENABLED = os.environ.get("STRATA_LINEAR_SETS", "1") != "0"
 
 
