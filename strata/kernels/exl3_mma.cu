@@ -129,6 +129,22 @@ __device__ __forceinline__ u32 codebook2(u32 s0, u32 s1, u32 xc) {
 #endif
 }
 
+// codebook2's xc: the constant in a register (an asm move the compiler does not fold back
+// into immediates)
+__device__ __forceinline__ u32 xor_constant() {
+    u32 xc;
+    asm volatile("mov.b32 %0, 0x3B603B60;" : "=r"(xc));
+    return xc;
+}
+
+// a zeroed accumulator of RG row groups
+__device__ __forceinline__ void zero(float (&acc)[RG][4]) {
+#pragma unroll
+    for (int q = 0; q < RG; ++q)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[q][j] = 0.f;
+}
+
 // upper 32 bits of the 64-bit hi:lo shifted left by n (0 ≤ n ≤ 32)
 __device__ __forceinline__ u32 funnel(u32 lo, u32 hi, u32 n) {
     u32 d;
@@ -299,13 +315,8 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
 
     // y'ᵀ of this warp's 16 columns × each row group: columns g, g + 8 × rows 8q + 2t, + 1
     float acc[RG][4];
-#pragma unroll
-    for (int q = 0; q < RG; ++q)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[q][j] = 0.f;
-
-    u32 xc;  // (a constant kept in a register: see codebook2)
-    asm volatile("mov.b32 %0, 0x3B603B60;" : "=r"(xc));
+    zero(acc);
+    const u32 xc = xor_constant();
     u32 x[RG][8][2];
     stage_w(col, step_words, k_lo, goff, sbuf[0], lane);
     commit();
@@ -546,12 +557,8 @@ exl3_mma_prefill(const unsigned short* __restrict__ xr, const u32* __restrict__ 
     float* const yl = ys + 2 * t * YS_STRIDE + warp * 16 + g;
 
     float acc[RG][4];  // this split's chain
-#pragma unroll
-    for (int q = 0; q < RG; ++q)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[q][j] = 0.f;
-    u32 xc;  // (a constant kept in a register: see codebook2)
-    asm volatile("mov.b32 %0, 0x3B603B60;" : "=r"(xc));
+    zero(acc);
+    const u32 xc = xor_constant();
 
     stage_w(col, step_words, 0, goff, sbuf0, lane);
     commit();
