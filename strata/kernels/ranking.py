@@ -8,8 +8,6 @@ six launches over the [rows, n] scores, each writing int64 — at long context t
 operations (the same bits: the selection cannot differ)."""
 from __future__ import annotations
 
-import os
-
 import torch
 
 try:
@@ -22,9 +20,6 @@ BLOCK = 1024
 # sorted_picks sorts a row of up to this many picks in registers (the indexer's 512); wider
 # selections keep the torch ops
 MAX_PICKS = 4096
-# False: the indexer keeps the torch ops after its top-k (A/B measurements, pending since
-# session 16; STRATA_SORTED_PICKS=0 in the environment does it in every process)
-PICKS_ENABLED = os.environ.get("STRATA_SORTED_PICKS", "1") != "0"
 
 
 def available(t: torch.Tensor) -> bool:

@@ -39,7 +39,7 @@ def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     T, n = scores.shape
     m = min(k, n)
     idx = ranked_topk(scores, m, sorted=False)  # (a radix select, not a sort of the row)
-    if (ranking.PICKS_ENABLED and ranking.available(scores) and n and scores.stride(1) == 1
+    if (ranking.available(scores) and n and scores.stride(1) == 1
             and k <= ranking.MAX_PICKS):
         return ranking.sorted_picks(idx, scores, k)  # (the ops below in one launch)
     val = scores.gather(1, idx)

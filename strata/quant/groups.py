@@ -13,8 +13,6 @@ weight set of one "expert" (gate and up of the routed experts run this way).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from strata.model.numerics import Numerics
@@ -95,13 +93,6 @@ def _fixed_routing(cache: dict, T: int, device: torch.device, n: int):
     return cache[key]
 
 
-# False: LinearSet runs its linears one by one (A/B measurements; STRATA_LINEAR_SETS=0 in the
-# environment does it in every process). Session 16 measured plain decode faster with the
-# grouped launch but DSpark windows slower, cause not isolated: scripts/device_mma.sh's A/B
-# (variants `nosets`, `nopicks`) settles it.
-SETS_ENABLED = os.environ.get("STRATA_LINEAR_SETS", "1") != "0"
-
-
 class LinearSet:
     """Linears of one shape applied to the same input, e.g. the shared expert's w1 and w3.
     Called one by one a decode step pays two launch-bound linears (in EXL3 two kernels each);
@@ -136,7 +127,7 @@ class LinearSet:
     def _grouped_exl3(self, x: torch.Tensor) -> bool:
         """Whether one grouped EXL3 launch runs this call."""
         from strata.quant import exl3 as qexl3
-        if not SETS_ENABLED or not qexl3._use_kernels(x):
+        if not qexl3._use_kernels(x):
             return False
         from strata.kernels.exl3 import FUSED_MAX_ROWS
         if x.shape[0] > FUSED_MAX_ROWS:
