@@ -23,6 +23,7 @@ pytest.importorskip("triton")
 
 import strata.quant.exl3 as qexl3  # noqa: E402
 from strata.kernels import exl3 as X  # noqa: E402
+from strata.kernels import exl3_mma  # noqa: E402
 from strata.kernels.moe_grouping import Routing, group_by_expert  # noqa: E402
 from strata.model.numerics import Numerics  # noqa: E402
 from strata.quant.exl3 import Exl3Linear, _rotate, decode_trellis  # noqa: E402
@@ -159,6 +160,9 @@ def test_rotate_in_matches_the_reference():
     narrow = X.rotate_in(x[:, :200], suh)
     xz = torch.nn.functional.pad(x[:, :200], (0, 56))
     assert torch.equal(bits(narrow), bits(X.rotate_in(xz, suh)))
+    # the CUDA decode kernel's input: the same values, each 128-block in fragment order
+    frag = X.rotate_in(x, suh, fragment_order=True)
+    assert torch.equal(bits(frag), bits(exl3_mma.fragment_order(got)))
 
 
 def test_rotate_out_matches_the_reference():
@@ -513,6 +517,3 @@ def test_a_linear_set_runs_as_one_grouped_launch(kernels_on_cpu, monkeypatch):
     assert torch.equal(bits(got[1]), bits(other(x, nx))) and mixed._one_launch is False
     monkeypatch.setattr(X, "FUSED_MAX_ROWS", 4)
     assert torch.equal(bits(pair(x, nx)[0]), bits(w1(x, nx))) and len(calls) == 3
-    import strata.quant.groups as groups
-    monkeypatch.setattr(groups, "SETS_ENABLED", False)  # (the A/B switch: one by one)
-    assert torch.equal(bits(pair(x[:1], nx)[1]), bits(w3(x[:1], nx))) and len(calls) == 3

@@ -113,6 +113,27 @@ def test_a_one_split_weight_gets_eight_warps_a_program():
             f"-DMINB={exl3_mma.PREFILL_MIN_BLOCKS}"} <= set(opts)
 
 
+def test_fragment_order_gives_each_lane_its_b_fragments():
+    """load_x, transcribed: lane l = 4g + t reads 16-byte vectors v = 0…3 at half 32t + 8v of
+    each 128-block of x' in fragment order, words (x, y, z, w) = steps 2v, 2v + 1 × (b0, b1).
+    By the m16n8k16 B-operand layout (PTX ISA) step i's b0 holds k 16i + 2t, + 1 and b1 k
+    16i + 2t + 8, + 9 (low half first) — of the natural x' row, for every block and lane."""
+    g = torch.Generator().manual_seed(3)
+    xr = torch.randint(-2**15, 2**15, (3, 256), generator=g, dtype=torch.int32).to(torch.int16)
+    frag = exl3_mma.fragment_order(xr.view(torch.float16)).view(torch.int16)
+    for row in range(3):
+        for ks in range(2):
+            nat = xr[row, 128 * ks:128 * ks + 128].tolist()
+            blk = frag[row, 128 * ks:128 * ks + 128].tolist()
+            for t in range(4):
+                lane_halves = blk[32 * t:32 * t + 32]  # four 16-byte vectors
+                words = [lane_halves[2 * w:2 * w + 2] for w in range(16)]
+                for v in range(4):
+                    for dv, i in ((0, 2 * v), (2, 2 * v + 1)):
+                        assert words[4 * v + dv] == nat[16 * i + 2 * t:16 * i + 2 * t + 2]
+                        assert words[4 * v + dv + 1] == nat[16 * i + 2 * t + 8:16 * i + 2 * t + 10]
+
+
 def test_prefill_staging_and_ldmatrix_addresses():
     """exl3_mma_prefill's shared-memory x' tile, transcribed: thread chunk c = tid + 256j is
     row c / 16, 16-byte column c % 16, stored at column (c % 16) ^ (row % 8); lane l's

@@ -507,11 +507,13 @@ if triton is not None:
     @triton.jit
     def _rotate_in_kernel(x_ptr, suh_ptr, out_ptr, eidx_ptr,
                           R, x_per, k_in, sx_row, ssuh_e, ssuh_set, so_set, so_row, inv,
-                          HAS_EIDX: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr):
+                          HAS_EIDX: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr,
+                          FRAG: tl.constexpr):
         """out[set, r, blk] = fp16(H128(fp16(x[r // x_per]·suh[set, e(r)])) · 1/√128)
         (x_per: rows of out per row of x — a token's k expert pairs read its one x row).
-        PDL: the kernel launched after it may start at once (it waits for this one's end
-        before reading out)."""
+        FRAG: each 128-block stored in the CUDA decode kernel's fragment order
+        (exl3_mma.fragment_order). PDL: the kernel launched after it may start at once (it
+        waits for this one's end before reading out)."""
         if PDL:
             gdc_launch_dependents()
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -529,6 +531,10 @@ if triton is not None:
             suh = tl.load(suh_row + cols)[None, :]
         h = (x * suh.to(tl.float32)).to(tl.float16).to(tl.float32)
         h = _fwht128(h, BR) * inv
+        if FRAG:  # column 16i + 8h + 2t + j → 32t + 4i + 2h + j
+            c = tl.arange(0, 128)
+            cols = (tl.program_id(1) * 128 + 32 * ((c % 8) // 2) + 4 * (c // 16)
+                    + 2 * ((c % 16) // 8) + c % 2)
         tl.store(out_ptr + wset * so_set + rows.to(tl.int64)[:, None] * so_row + cols[None, :],
                  h.to(tl.float16), mask=rmask[:, None])
 
@@ -642,8 +648,9 @@ def _contig_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def rotate_in(x: torch.Tensor, suh: torch.Tensor) -> torch.Tensor:
-    """x [M, k_in] (any float dtype, k_in ≤ k_p) → x' = H128(fp16(x·suh)) [M, k_p] fp16."""
+def rotate_in(x: torch.Tensor, suh: torch.Tensor, fragment_order: bool = False) -> torch.Tensor:
+    """x [M, k_in] (any float dtype, k_in ≤ k_p) → x' = H128(fp16(x·suh)) [M, k_p] fp16, each
+    128-block in exl3_mma's fragment order if asked (the CUDA decode kernel's input)."""
     _require_triton()
     x = _contig_rows(x)
     M, k_in = x.shape
@@ -653,8 +660,8 @@ def rotate_in(x: torch.Tensor, suh: torch.Tensor) -> torch.Tensor:
         return out
     grid = (triton.cdiv(M, ROT_ROWS), kp // 128, 1)
     _rotate_in_kernel[grid](x, suh, out, x, M, 1, k_in, x.stride(0), 0, 0, 0, kp, INV_SQRT128,
-                            HAS_EIDX=False, BR=ROT_ROWS, PDL=bool(_pdl(x.device)), num_warps=4,
-                            enable_fp_fusion=False)
+                            HAS_EIDX=False, BR=ROT_ROWS, PDL=bool(_pdl(x.device)),
+                            FRAG=fragment_order, num_warps=4, enable_fp_fusion=False)
     return out
 
 
@@ -839,7 +846,7 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
         if exl3_mma.why_not(x2, K2, cb, 16 * nt, out_dtype, bias, trellis, S) is None:  # same bits
             part = torch.empty((S, M, 16 * nt), dtype=torch.float32, device=x.device)
             words, cnt = _words(trellis), _counters(x.device, 16 * nt // 128)
-            xr = rotate_in(x2, suh)
+            xr = rotate_in(x2, suh, fragment_order=True)
             exl3_mma.linear(xr, words, svh, cb, K2, y, part, cnt, per, bias, INV_SQRT128,
                             early=bool(_pdl(x.device)))
         else:
@@ -1001,7 +1008,8 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     _rotate_in_kernel[(triton.cdiv(P, ROT_ROWS), kp // 128, W)](
         xin, sets.suh, xr, eidx, P, x_per, k_in, xin.stride(0),
         sets.suh.stride(0), sets.ssuh_set, xr.stride(0), xr.stride(1), INV_SQRT128,
-        HAS_EIDX=True, BR=ROT_ROWS, PDL=bool(pdl), num_warps=4, enable_fp_fusion=False)
+        HAS_EIDX=True, BR=ROT_ROWS, PDL=bool(pdl), FRAG=mma, num_warps=4,
+        enable_fp_fusion=False)
     if mma:  # 2. the CUDA kernel over tiles of ≤ MOE_TILE_M pairs: decode's few pairs
         exl3_mma.moe(xr, sets.trellis, sets.str_set, sets.svh, sets.ssvh_set, cb, K2, out, part,
                      cnt, per, groups.tile_rows, groups.tile_expert, INV_SQRT128, bool(pdl))

@@ -238,19 +238,26 @@ __device__ __forceinline__ Window lane_window(int lane) {
 
 #if !PF
 // this lane's B fragments (x'ᵀ: k × 8 rows) of the 8 k16 steps of k-step ks for each group of
-// 8 tile rows: x' row xq[q] (row 8q + g of the tile), k 2t, 2t + 1 and 2t + 8, 2t + 9.
+// 8 tile rows: x' row xq[q] (row 8q + g of the tile), k 2t, 2t + 1 and 2t + 8, 2t + 9. x' comes
+// in fragment order (exl3_mma.fragment_order: within each 128-block, lane t's 16 words for the
+// 8 steps are contiguous at 32·t), so they are four 16-byte loads — with 16 4-byte loads a
+// 6-row step's x' cost 6× the L1 wavefronts of one row's.
 // (A row the tile lacks reads some valid row: an MMA's output column depends on its own B
 // column only, and such rows are never stored.)
 __device__ __forceinline__ void load_x(const unsigned short* const (&xq)[RG], int ks, int t,
                                        u32 (&x)[RG][8][2]) {
 #pragma unroll
-    for (int q = 0; q < RG; ++q)
+    for (int q = 0; q < RG; ++q) {
+        const uint4* const p = (const uint4*)(xq[q] + ks * 128 + 32 * t);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const int k = ks * 128 + 16 * i + 2 * t;
-            x[q][i][0] = *(const u32*)(xq[q] + k);
-            x[q][i][1] = *(const u32*)(xq[q] + k + 8);
+        for (int v = 0; v < 4; ++v) {
+            const uint4 d = p[v];  // steps 2v, 2v + 1: (k 2t…, k 2t + 8…) each
+            x[q][2 * v][0] = d.x;
+            x[q][2 * v][1] = d.y;
+            x[q][2 * v + 1][0] = d.z;
+            x[q][2 * v + 1][1] = d.w;
         }
+    }
 }
 
 // Row r (0 ≤ r < 16) of this program's row tile: its row of x', the partials and the output

@@ -64,6 +64,19 @@ def _hopper(index: int | None) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
+def fragment_order(xr: torch.Tensor) -> torch.Tensor:
+    """x' [..., k_p] (natural order) as the decode kernel reads it: within each 128-block,
+    column 16i + 8h + 2t + j (k16 step i, its half h, lane t's pair, element j) moves to
+    32t + 4i + 2h + j, so lane t's B fragments of a k-step are 64 contiguous bytes (four
+    16-byte loads). exl3.rotate_in(…, fragment_order=True) writes this directly."""
+    c = torch.arange(128)
+    dest = 32 * ((c % 8) // 2) + 4 * (c // 16) + 2 * ((c % 16) // 8) + c % 2
+    blocks = xr.reshape(*xr.shape[:-1], -1, 128)
+    out = torch.empty_like(blocks)
+    out[..., dest.to(xr.device)] = blocks
+    return out.reshape(xr.shape)
+
+
 def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: torch.dtype,
             bias: torch.Tensor | None, trellis: torch.Tensor, S: int,
             pairs: int | None = None, str_set: int = 0, prefill: bool = False) -> str | None:
@@ -196,11 +209,12 @@ _L = ctypes.c_longlong  # (the kernel's 64-bit strides)
 def linear(xr: torch.Tensor, trellis: torch.Tensor, svh: torch.Tensor, codebook_id: int,
            K2: int, out: torch.Tensor, part: torch.Tensor, counters: torch.Tensor,
            per_split: int, bias: torch.Tensor | None, inv: float, early: bool) -> torch.Tensor:
-    """out [M, n_out] = H128(x'·Ŵ)·svh (+ bias) for x' [M, k_p] fp16 (rotate_in's output, rows
-    contiguous), given the int32 word view of the contiguous trellis [kt, nt, 16·K], the split
-    schedule's per_split, a partials buffer part [S, M, n_p] fp32 (S = its first dim) and
-    zeroed arrival counters (left zero). early: launched right after xr's rotate_in. The
-    caller checked why_not (which compiled the kernel) for the same arguments."""
+    """out [M, n_out] = H128(x'·Ŵ)·svh (+ bias) for x' [M, k_p] fp16 in fragment order
+    (rotate_in's output with fragment_order=True, rows contiguous), given the int32 word view
+    of the contiguous trellis [kt, nt, 16·K], the split schedule's per_split, a partials
+    buffer part [S, M, n_p] fp32 (S = its first dim) and zeroed arrival counters (left
+    zero). early: launched right after xr's rotate_in. The caller checked why_not (which
+    compiled the kernel) for the same arguments."""
     M = xr.shape[0]
     kt, nt = trellis.shape[-3], trellis.shape[-2]
     n_p, S = 16 * nt, part.shape[0]
@@ -220,11 +234,11 @@ def moe(xr: torch.Tensor, words: torch.Tensor, str_set: int, svh: torch.Tensor,
         tile_expert: torch.Tensor, inv: float, early: bool) -> torch.Tensor:
     """exl3_moe_linear's grouped step on this kernel: out[w, p] = H128(x'[w, p]·Ŵ_e)·svh_e for
     each weight set w and pair p in a row tile of expert e, from x' [W, P, k_p] fp16 (the
-    grouped rotate_in's output); words: set 0's experts [E, kt, nt, 4K] int32, str_set words
-    to set w's (× w); svh set 0's [E, n_p], ssvh_set likewise; part [W, S, P, n_p] fp32;
-    tile_rows [n_tiles, MOE_TILE_M] / tile_expert [n_tiles] from moe_grouping (block
-    MOE_TILE_M); zeroed counters for W·n_tiles·n_p/128 blocks (left zero). The caller checked
-    why_not(…, pairs=P)."""
+    grouped rotate_in's output, in fragment order); words: set 0's experts [E, kt, nt, 4K]
+    int32, str_set words to set w's (× w); svh set 0's [E, n_p], ssvh_set likewise; part
+    [W, S, P, n_p] fp32; tile_rows [n_tiles, MOE_TILE_M] / tile_expert [n_tiles] from
+    moe_grouping (block MOE_TILE_M); zeroed counters for W·n_tiles·n_p/128 blocks (left
+    zero). The caller checked why_not(…, pairs=P)."""
     W, P, _ = xr.shape
     kt, nt = words.shape[-3], words.shape[-2]
     n_p, S, n_tiles = 16 * nt, part.shape[1], tile_expert.numel()
