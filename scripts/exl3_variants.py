@@ -1,12 +1,13 @@
 """Where an EXL3 decode linear's time goes, and A/B of the fused kernel's switches (GPU).
 
 For each variant (a set of strata.kernels.exl3 module switches: FUSED_MAX_REGISTERS (0: none),
-PDL, TARGET_PROGRAMS; MMA = strata.kernels.exl3_mma.ENABLED) and
+PDL, TARGET_PROGRAMS, EXPERT_TARGET_PROGRAMS (the MoE cases' schedule); MMA =
+strata.kernels.exl3_mma.ENABLED) and
 each V4.1 shape at 1 and 6 rows, times under CUDA-graph replay
 (strata.bench.kernels.Timer: L2 flushed, median): rotate_in alone, the split partials alone
 (the fused kernel without its output step), rotate_out of those partials alone, and the whole
-linear (rotate_in + fused kernel finishing its blocks), plus the grouped MoE gate+up for 1 and
-6 tokens. Every variant's linear and MoE outputs are compared bit for bit with the first
+linear (rotate_in + fused kernel finishing its blocks), plus the grouped MoE gate + up and down
+for 1 and 6 tokens (as the model runs them: on the experts' split schedule). Every variant's linear and MoE outputs are compared bit for bit with the first
 variant's (a switch that only changes scheduling must keep every bit; TARGET_PROGRAMS changes
 the summation order, so it is reported, not required).
 
@@ -104,19 +105,22 @@ def main() -> None:
             x = torch.randn(M, k, generator=torch.Generator().manual_seed(M)).to(dev,
                                                                                torch.bfloat16)
             cases.append((name, M, tr, suh, svh, x))
-    E = 32  # MoE: gate + up stacks of 32 experts (one random expert repeated), 6 slots a token
-    k, n = SHAPES["expert_w13"]
-    stacks = []
-    for w in range(2):
-        tr, suh, svh = random_linear(k, n, a.K, dev, 50 + w)
-        stacks.append((tr.unsqueeze(0).repeat(E, 1, 1, 1).contiguous(),
-                       suh.unsqueeze(0).repeat(E, 1).contiguous(),
-                       svh.unsqueeze(0).repeat(E, 1).contiguous()))
+    E = 32  # MoE: stacks of 32 experts (one random expert repeated), 6 slots a token
+
+    def stack(shape, seed):
+        tr, suh, svh = random_linear(*SHAPES[shape], a.K, dev, seed)
+        return tuple(t.unsqueeze(0).repeat(E, *[1] * t.dim()).contiguous()
+                     for t in (tr, suh, svh))
+    moe_sets = {"gate+up": [stack("expert_w13", 50), stack("expert_w13", 51)],
+                "down": [stack("expert_w2", 52)]}
     moe_cases = []
     for T in (1, 6):
         g = torch.Generator().manual_seed(T)
         idx = torch.stack([torch.randperm(E, generator=g)[:6] for _ in range(T)]).to(dev)
-        moe_cases.append((T, idx, torch.randn(T, k, generator=g).to(dev, torch.bfloat16)))
+        x = torch.randn(T, SHAPES["expert_w13"][0], generator=g).to(dev, torch.bfloat16)
+        moe_cases.append(("gate+up", T, idx, x))
+        x = torch.randn(T, 6, SHAPES["expert_w2"][0], generator=g).to(dev, torch.bfloat16)
+        moe_cases.append(("down", T, idx, x))
     for vname, kv in variants:
         for key, val in defaults.items():
             setattr(*_switch(key), kv.get(key, val))
@@ -151,15 +155,18 @@ def main() -> None:
                   f"{r['chain_partials_us']:5.1f}, linear {r['chain_linear_us']:5.1f} µs "
                   f"(S {r['splits']}, bits = first: {r['bits_equal_first']}, max rel diff "
                   f"{r['max_rel_diff_first']:.1e})", flush=True)
-        for T, idx, x in moe_cases:
-            ys = X.exl3_moe_linear(x, idx, stacks, "mul1")
-            us = timer(lambda: X.exl3_moe_linear(x, idx, stacks, "mul1"))
-            key = ("moe", T)
+        for part, T, idx, x in moe_cases:
+            def call():
+                return X.exl3_moe_linear(x, idx, moe_sets[part], "mul1",
+                                         target_programs=X.EXPERT_TARGET_PROGRAMS)
+            ys = call()
+            us = timer(call)
+            key = (part, T)
             ref.setdefault(key, ys[0])
             same = bool(torch.equal(ref[key], ys[0]))
-            results.append({"variant": vname, "switches": kv, "shape": "moe_gate_up",
+            results.append({"variant": vname, "switches": kv, "shape": f"moe_{part}",
                             "rows": T, "linear_us": us, "bits_equal_first": same})
-            print(f"{vname:10s} moe gate+up tokens {T}: {us:6.1f} µs (bits = first: {same})",
+            print(f"{vname:10s} moe {part:7s} tokens {T}: {us:6.1f} µs (bits = first: {same})",
                   flush=True)
     for line in fused_resources():  # every variant's compiled kernels
         print(f"fused kernel: {line}", flush=True)

@@ -312,6 +312,31 @@ def test_moe_split_loop_and_chunking_keep_the_bits(monkeypatch):
                     assert torch.equal(bits(outs[w][t, s]), bits(ref[w][int(idx[t, s])][t]))
 
 
+def test_moe_with_the_experts_split_schedule(monkeypatch):
+    """target_programs (the routed experts' schedule, exl3.EXPERT_TARGET_PROGRAMS): one split
+    instead of the default two here; each pair equals its expert's linear under the same
+    target, in the split-parallel and split-loop launches and in token chunks."""
+    E = 3
+    sets = [(trellis_of(16, 8, 2, seed=90 + w, E=E), scales(256, 92 + w, E, 0.1),
+             scales(128, 94 + w, E)) for w in range(2)]
+    idx = torch.tensor([[2, 0], [1, 2], [2, 1]])
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(96))
+    assert X.split_schedule(256, 128) == (1, 2) and X.split_schedule(256, 128, 1) == (2, 1)
+    runs = [X.exl3_moe_linear(x, idx, sets, "mcg", target_programs=1)]
+    monkeypatch.setattr(X, "MOE_MAX_PAIRS", 4)  # chunks of 2 tokens
+    runs.append(X.exl3_moe_linear(x, idx, sets, "mcg", target_programs=1))
+    monkeypatch.setattr(X, "MOE_SPLIT_LOOP_PAIRS", 0)
+    runs.append(X.exl3_moe_linear(x, idx, sets, "mcg", target_programs=1))
+    monkeypatch.setattr(X, "TARGET_PROGRAMS", 1)  # the lone linears on the same schedule
+    ref = [{e: X.exl3_linear(x, tr[e], suh[e], svh[e], "mcg") for e in range(E)}
+           for tr, suh, svh in sets]
+    for outs in runs:
+        for w in range(2):
+            for t in range(3):
+                for s in range(2):
+                    assert torch.equal(bits(outs[w][t, s]), bits(ref[w][int(idx[t, s])][t]))
+
+
 def test_moe_per_pair_inputs_and_trim():
     """The down projection's form: one input per pair ([T, k, k_in]), trimmed output."""
     E = 3

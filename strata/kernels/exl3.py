@@ -121,6 +121,12 @@ GEMM_NUM_STAGES = 3
 ROT_ROWS = 16          # rows per program of the Hadamard kernels
 FINISH_ROWS = 16       # fused output step: rows per sub-block (decode fills 1–6 of a tile's 64)
 TARGET_PROGRAMS = 512  # split schedule: aim for this many programs in a single-row launch
+# The routed experts' split schedule (strata.kernels.moe passes it to exl3_moe_linear): one
+# decode step already launches ≥ 6 experts × 2 weight sets, so each weight needs far fewer
+# programs than a lone linear; fewer splits also mean fewer partials to write and sum. 64: 2
+# splits for gate / up (5120 → 2304), 1 for down. Session 17: against 512 (14 and 6 splits)
+# DSpark windows +11–13 %, plain decode +3 %; 128 and 256 in between (kernels.md).
+EXPERT_TARGET_PROGRAMS = 64
 FUSED_MAX_ROWS = 64    # auto path: fused decode up to this many rows, reconstruct + GEMM above
 GEMM_SLICE_BYTES = 64 << 20  # reconstructed Ŵ slice size bound (columns chunked to fit)
 # Fused / grouped kernel: registers per thread. At ≤ 128 an SM holds 4 programs of 4 warps
@@ -159,11 +165,13 @@ def k2_of(trellis: torch.Tensor) -> int:
     return int(round(2 * bits_per_weight(trellis.shape[-1])))
 
 
-def split_schedule(k_p: int, n_p: int) -> tuple[int, int]:
-    """(k-steps per split, number of splits S) for a k_p × n_p weight. A function of the shape
-    only: every path and every M use it, which fixes each output element's summation order."""
+def split_schedule(k_p: int, n_p: int, target: int | None = None) -> tuple[int, int]:
+    """(k-steps per split, number of splits S) for a k_p × n_p weight, aiming at `target`
+    (default TARGET_PROGRAMS) programs for one row. A function of the shape (and the target a
+    weight's caller always passes) only: every path and every M use it, which fixes each
+    output element's summation order."""
     k_steps, n_blocks = k_p // BLOCK_K, max(1, n_p // BLOCK_N)
-    want = max(1, min(k_steps, -(-TARGET_PROGRAMS // n_blocks)))
+    want = max(1, min(k_steps, -(-(target or TARGET_PROGRAMS) // n_blocks)))
     per = -(-k_steps // want)
     return per, -(-k_steps // per)
 
@@ -909,7 +917,8 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
                     weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                     codebook: str, out_features: int | None = None,
                     out_dtype: torch.dtype = torch.float32,
-                    routing: Routing | None = None) -> list[torch.Tensor]:
+                    routing: Routing | None = None,
+                    target_programs: int | None = None) -> list[torch.Tensor]:
     """EXL3 expert linears for a step's (token, slot) pairs, grouped by expert.
 
     Contract (for the MoE wiring, strata.model.moe):
@@ -928,11 +937,14 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     out_dtype: of the outputs (default fp32).
     routing: a strata.kernels.moe_grouping.Routing(idx, E) shared by a step's launches (each
        grouping made once, for the tile size the kernel that runs needs); made here when None.
+    target_programs: the split schedule's target (split_schedule; default TARGET_PROGRAMS, the
+       single linears'); a caller passes the same value for a weight on every call.
     Returns W tensors [T, k, out_features]: y[w][t, s] = x_t·W_{w, idx[t,s]} — no routing
     weight, activation or slot sum is applied here.
 
     Exactness: each pair's row is bit-identical to exl3_linear(x_t, trellis[e], suh[e], svh[e])
-    for its expert e (same rotations, k-steps, split schedule, MMA shape and output step),
+    for its expert e under the same split schedule (TARGET_PROGRAMS = target_programs; same
+    rotations, k-steps, MMA shape and output step),
     whatever other pairs share its tile: batch-invariant, so decode, verify and prefill agree.
     Cost: two launches (the grouped Hadamard-in for all sets and pairs, then the grouped decode
     kernel, which also finishes the output Hadamard·svh); each selected expert's tiles are
@@ -964,7 +976,8 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     chunk = max(1, MOE_MAX_PAIRS // max(k, 1))
     if T > chunk:  # bounded buffers; rows are batch-invariant, so chunking changes no bit
         parts = [exl3_moe_linear(x[t:t + chunk], idx[t:t + chunk], weights, codebook,
-                                 out_features, out_dtype) for t in range(0, T, chunk)]
+                                 out_features, out_dtype, target_programs=target_programs)
+                 for t in range(0, T, chunk)]
         return [torch.cat([p[w] for p in parts]) for w in range(W)]
     P = T * k
     dev = x.device
@@ -972,7 +985,7 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
         return [torch.empty((T, k, n_out), dtype=out_dtype, device=dev) for _ in range(W)]
     cb = CODEBOOK_IDS[codebook]
     sets = _stack_sets(weights)
-    per, S = split_schedule(kp, n_p)
+    per, S = split_schedule(kp, n_p, target_programs)
     mma = exl3_mma.why_not(x, K2, cb, n_p, out_dtype, None, sets.trellis, S, pairs=P,
                            str_set=sets.str_set) is None
     mma_prefill = (not mma and P > exl3_mma.MAX_PAIRS

@@ -153,6 +153,37 @@ def test_moe_grouped_equals_single_linear(cuda):
         assert torch.equal(ref[0], y[t, s])
 
 
+def test_moe_on_the_experts_split_schedule_equals_single_linear(cuda, monkeypatch):
+    """The routed experts' schedule (EXPERT_TARGET_PROGRAMS 64: 2 splits for 5120 → 2304, 1 for
+    2304 → 5120, against 14 and 6) on every kernel that serves them — a decode step (5 tokens,
+    the CUDA decode kernel on Hopper) and a prefill-sized step (40 tokens: the CUDA prefill
+    kernel on Hopper) — gives each pair its lone linear's bits under the same target."""
+    E, k = 8, 6
+    target = X.EXPERT_TARGET_PROGRAMS
+    assert X.split_schedule(5120, 2304, target)[1] < X.split_schedule(5120, 2304)[1]
+    up = (trellis_of(5120, 2304, 2.5, seed=70, device=cuda, E=E),
+          scales(5120, 71, cuda, E, 5120 ** -0.5), scales(2304, 72, cuda, E, 0.05))
+    down = (trellis_of(2304, 5120, 3, seed=73, device=cuda, E=E),
+            scales(2304, 74, cuda, E, 2304 ** -0.5), scales(5120, 75, cuda, E, 0.05))
+    g = torch.Generator().manual_seed(14)
+    cases = []
+    for T in (5, 40):
+        idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(cuda)
+        x = torch.randn(T, 5120, generator=g).to(cuda, torch.bfloat16)
+        a = torch.randn(T, k, 2304, generator=g).to(cuda, torch.bfloat16)
+        (y_up,) = X.exl3_moe_linear(x, idx, [up], "mul1", target_programs=target)
+        (y_down,) = X.exl3_moe_linear(a, idx, [down], "mul1", target_programs=target)
+        cases.append((T, idx, x, a, y_up, y_down))
+    monkeypatch.setattr(X, "TARGET_PROGRAMS", target)
+    for T, idx, x, a, y_up, y_down in cases:
+        for t, s in ((0, 0), (T // 2, 3), (T - 1, 5)):
+            e = int(idx[t, s])
+            ref = X.exl3_linear(x[t:t + 1], up[0][e], up[1][e], up[2][e], "mul1")
+            assert torch.equal(ref[0], y_up[t, s]), (T, t, s)
+            ref = X.exl3_linear(a[t, s:s + 1], down[0][e], down[1][e], down[2][e], "mul1")
+            assert torch.equal(ref[0], y_down[t, s]), (T, t, s)
+
+
 @pytest.mark.parametrize("tile", [64, 128])
 def test_moe_prefill_step_equals_single_linear(cuda, monkeypatch, tile):
     """A prefill-sized MoE step (40 tokens × 6 slots = 240 pairs: programs loop over the K
