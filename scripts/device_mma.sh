@@ -3,8 +3,9 @@
 # the early launch — and the CUDA-graph and fused-op tests; (2) an A/B of the synthetic
 # V4.1's graphed decode (half the layers): as configured (cuda), without the small kernels'
 # early launch (nopdl: STRATA_PDL=0, strata/kernels/pdl.py) and Triton only (--no-mma), each
-# mode twice (the tokens' sha256 must match across variants); (3) the kernels alone: scripts/exl3_variants.py (V4.1 shapes at 1 and 6 rows, the MoE gate + up for
-# 1 and 6 tokens; bits compared), also with fewer and more splits a weight (TARGET_PROGRAMS
+# mode twice (the tokens' sha256 must match across variants); (3) the kernels alone:
+# scripts/exl3_variants.py (V4.1 shapes at 1 and 6 rows, the MoE gate + up and down for 1 and
+# 6 tokens; bits compared), also with fewer and more splits a weight (TARGET_PROGRAMS
 # 256 / 1024 against 512: other summation orders, so other bits). With two GPUs visible the
 # tests run on the second while the A/B times on the first (graph replays: the tests' host
 # work does not reach the timed GPU).

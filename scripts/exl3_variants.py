@@ -2,14 +2,14 @@
 
 For each variant (a set of strata.kernels.exl3 module switches: FUSED_MAX_REGISTERS (0: none),
 PDL, TARGET_PROGRAMS, EXPERT_TARGET_PROGRAMS (the MoE cases' schedule); MMA =
-strata.kernels.exl3_mma.ENABLED) and
-each V4.1 shape at 1 and 6 rows, times under CUDA-graph replay
+strata.kernels.exl3_mma.ENABLED) and each V4.1 shape at 1 and 6 rows, times under CUDA-graph replay
 (strata.bench.kernels.Timer: L2 flushed, median): rotate_in alone, the split partials alone
 (the fused kernel without its output step), rotate_out of those partials alone, and the whole
 linear (rotate_in + fused kernel finishing its blocks), plus the grouped MoE gate + up and down
-for 1 and 6 tokens (as the model runs them: on the experts' split schedule). Every variant's linear and MoE outputs are compared bit for bit with the first
-variant's (a switch that only changes scheduling must keep every bit; TARGET_PROGRAMS changes
-the summation order, so it is reported, not required).
+for 1 and 6 tokens (as the model runs them: on the experts' split schedule). Every variant's
+linear and MoE outputs are compared bit for bit with the first variant's (a switch that only
+changes scheduling must keep every bit; the targets change the summation order, so that is
+reported, not required).
 
     python scripts/exl3_variants.py --json OUT.json [--variants "a:;b:FUSED_MAX_REGISTERS=0"]
 

@@ -944,8 +944,8 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
 
     Exactness: each pair's row is bit-identical to exl3_linear(x_t, trellis[e], suh[e], svh[e])
     for its expert e under the same split schedule (TARGET_PROGRAMS = target_programs; same
-    rotations, k-steps, MMA shape and output step),
-    whatever other pairs share its tile: batch-invariant, so decode, verify and prefill agree.
+    rotations, k-steps, MMA shape and output step), whatever other pairs share its tile:
+    batch-invariant, so decode, verify and prefill agree.
     Cost: two launches (the grouped Hadamard-in for all sets and pairs, then the grouped decode
     kernel, which also finishes the output Hadamard·svh); each selected expert's tiles are
     decoded once per tile of pairs routed to it, for every set: tiles of BLOCK_M (64) on the
