@@ -1,7 +1,7 @@
 """Where an EXL3 decode linear's time goes, and A/B of the fused kernel's switches (GPU).
 
 For each variant (a set of strata.kernels.exl3 module switches: FUSED_MAX_REGISTERS (0: none),
-PDL, TARGET_PROGRAMS, EXPERT_TARGET_PROGRAMS (the MoE cases' schedule); MMA =
+PDL, TARGET_PROGRAMS, GROUPED_TARGET_PROGRAMS (the MoE cases' schedule); MMA =
 strata.kernels.exl3_mma.ENABLED) and each V4.1 shape at 1 and 6 rows, times under CUDA-graph replay
 (strata.bench.kernels.Timer: L2 flushed, median): rotate_in alone, the split partials alone
 (the fused kernel without its output step), rotate_out of those partials alone, and the whole
@@ -158,7 +158,7 @@ def main() -> None:
         for part, T, idx, x in moe_cases:
             def call():
                 return X.exl3_moe_linear(x, idx, moe_sets[part], "mul1",
-                                         target_programs=X.EXPERT_TARGET_PROGRAMS)
+                                         target_programs=X.GROUPED_TARGET_PROGRAMS)
             ys = call()
             us = timer(call)
             key = (part, T)

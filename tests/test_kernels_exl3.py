@@ -313,7 +313,7 @@ def test_moe_split_loop_and_chunking_keep_the_bits(monkeypatch):
 
 
 def test_moe_with_the_experts_split_schedule(monkeypatch):
-    """target_programs (the routed experts' schedule, exl3.EXPERT_TARGET_PROGRAMS): one split
+    """target_programs (the grouped weights' schedule, exl3.GROUPED_TARGET_PROGRAMS): one split
     instead of the default two here; each pair equals its expert's linear under the same
     target, in the split-parallel and split-loop launches and in token chunks."""
     E = 3
@@ -327,9 +327,8 @@ def test_moe_with_the_experts_split_schedule(monkeypatch):
     runs.append(X.exl3_moe_linear(x, idx, sets, "mcg", target_programs=1))
     monkeypatch.setattr(X, "MOE_SPLIT_LOOP_PAIRS", 0)
     runs.append(X.exl3_moe_linear(x, idx, sets, "mcg", target_programs=1))
-    monkeypatch.setattr(X, "TARGET_PROGRAMS", 1)  # the lone linears on the same schedule
-    ref = [{e: X.exl3_linear(x, tr[e], suh[e], svh[e], "mcg") for e in range(E)}
-           for tr, suh, svh in sets]
+    ref = [{e: X.exl3_linear(x, tr[e], suh[e], svh[e], "mcg", target_programs=1)
+            for e in range(E)} for tr, suh, svh in sets]
     for outs in runs:
         for w in range(2):
             for t in range(3):
@@ -488,36 +487,40 @@ def test_column_slices_keep_the_whole_weights_split_order(kernels_on_cpu, monkey
     assert torch.equal(half(x, nx, torch.float32), lin(x, nx, torch.float32)[:, 128:])
 
 
-def test_linear_groups_run_as_one_grouped_launch(kernels_on_cpu):
+def test_linear_groups_run_as_one_grouped_launch(kernels_on_cpu, monkeypatch):
     """wo_a's groups (strata.quant.groups): a decode-sized call runs them as one grouped
-    launch whose every (row, group) output is the group's own linear on that row, bit for bit;
-    the groups' tensors are stacked once, each linear then viewing its slice; groups that do
-    not share a codebook run one by one."""
+    launch whose every (row, group) output is the group's own linear on that row, bit for bit
+    (the groups take the grouped launch's split schedule, alone too); the groups' tensors are
+    stacked once, each linear then viewing its slice; groups that do not share a codebook run
+    one by one, on a lone linear's schedule."""
     from strata.quant.groups import LinearGroups
     G, nx = 3, Numerics("vendor", torch.bfloat16)
-    lins = [Exl3Linear(trellis_of(8, 8, 3, seed=70 + g), scales(128, 80 + g, scale=0.2),
-                       scales(128, 90 + g), "3inst", out_features=120, in_features=128)
+    lins = [Exl3Linear(trellis_of(16, 8, 3, seed=70 + g), scales(256, 80 + g, scale=0.2),
+                       scales(128, 90 + g), "3inst", out_features=120, in_features=256)
             for g in range(G)]
-    x = torch.randn(5, G, 128, generator=torch.Generator().manual_seed(71)).bfloat16()
-    want = torch.cat([lin(x[:, g], nx, act_quant=False) for g, lin in enumerate(lins)], dim=1)
+    x = torch.randn(5, G, 256, generator=torch.Generator().manual_seed(71)).bfloat16()
+    monkeypatch.setattr(X, "GROUPED_TARGET_PROGRAMS", 1)  # (one split here; a lone linear's: 2)
     groups = LinearGroups(lins)
+    assert all(lin.target_programs == 1 for lin in lins)
+    assert X.split_schedule(256, 128, 1)[1] == 1 < X.split_schedule(256, 128)[1]
+    want = torch.cat([lin(x[:, g], nx, act_quant=False) for g, lin in enumerate(lins)], dim=1)
     for T in (1, 5):
         got = groups(x[:T], nx)
         assert got.shape == (T, G * 120) and torch.equal(bits(got), bits(want[:T]))
     assert groups._stack and all(lin.trellis.data_ptr() == groups._stack.trellis[g].data_ptr()
                                  for g, lin in enumerate(lins))
-    mixed = LinearGroups(lins[:2] + [Exl3Linear(trellis_of(8, 8, 3, seed=72),
-                                                scales(128, 73, scale=0.2), scales(128, 74),
-                                                "mcg", out_features=120, in_features=128)])
-    assert mixed(x[:2], nx).shape == (2, G * 120) and mixed._stack is False
+    other = Exl3Linear(trellis_of(16, 8, 3, seed=72), scales(256, 73, scale=0.2),
+                       scales(128, 74), "mcg", out_features=120, in_features=256)
+    mixed = LinearGroups(lins[:2] + [other])
+    assert mixed(x[:2], nx).shape == (2, G * 120) and mixed._stack is None
+    assert other.target_programs is None
 
 
 def test_a_linear_set_runs_as_one_grouped_launch(kernels_on_cpu, monkeypatch):
     """Linears of one shape on one input (the shared expert's w1 and w3): a decode-sized call
     runs them as one grouped launch — each a weight set of one expert — giving each linear's
     own output bit for bit, in the asked dtype, for a flat and a batched input; a set whose
-    codebooks differ, a prefill-sized call, and any with the switch off, run the linears one
-    by one."""
+    codebooks differ and a prefill-sized call run the linears one by one."""
     from strata.model.numerics import Numerics
     from strata.quant.groups import LinearSet
     calls = []

@@ -121,12 +121,14 @@ GEMM_NUM_STAGES = 3
 ROT_ROWS = 16          # rows per program of the Hadamard kernels
 FINISH_ROWS = 16       # fused output step: rows per sub-block (decode fills 1–6 of a tile's 64)
 TARGET_PROGRAMS = 512  # split schedule: aim for this many programs in a single-row launch
-# The routed experts' split schedule (strata.kernels.moe passes it to exl3_moe_linear): one
-# decode step already launches ≥ 6 experts × 2 weight sets, so each weight needs far fewer
-# programs than a lone linear; fewer splits also mean fewer partials to write and sum. 64: 2
-# splits for gate / up (5120 → 2304), 1 for down. Session 17: against 512 (14 and 6 splits)
-# DSpark windows +11–13 %, plain decode +3 %; 128 and 256 in between (kernels.md).
-EXPERT_TARGET_PROGRAMS = 64
+# The split schedule of weights that run many to a grouped launch — the routed experts (≥ 6
+# experts × 2 weight sets a decode step; strata.kernels.moe) and wo_a's 8 groups
+# (strata.quant.groups) — whose every call, grouped or alone, passes it: each weight needs far
+# fewer programs than a lone linear, and fewer splits mean fewer partials to write and sum.
+# 64: experts 2 splits for gate / up (5120 → 2304), 1 for down; wo_a 4 (4096 → 1024) instead
+# of 32. Session 17, routed experts against 512 (14 and 6 splits): DSpark windows +11–13 %,
+# plain decode +3 %; 128 and 256 in between (kernels.md).
+GROUPED_TARGET_PROGRAMS = 64
 FUSED_MAX_ROWS = 64    # auto path: fused decode up to this many rows, reconstruct + GEMM above
 GEMM_SLICE_BYTES = 64 << 20  # reconstructed Ŵ slice size bound (columns chunked to fit)
 # Fused / grouped kernel: registers per thread. At ≤ 128 an SM holds 4 programs of 4 warps
@@ -734,14 +736,14 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 def _fused(xr: torch.Tensor, trellis: torch.Tensor, codebook: str, svh=None, bias=None,
            out: torch.Tensor | None = None, sched_cols: int | None = None,
-           after_rotate: bool = False) -> torch.Tensor:
+           after_rotate: bool = False, target_programs: int | None = None) -> torch.Tensor:
     """The fused kernel for x' [M, k_p]: split partials [S, M, n_p] (out None), or the finished
     linear written into out [M, n_out] (svh, bias) by the last program of each column block.
     `after_rotate`: xr's rotate_in is the last kernel launched before this one (early launch)."""
     kt, nt, K2 = _check_shapes(trellis, codebook)
     M = xr.shape[0]
     kp, n_p = 16 * kt, 16 * nt
-    per, S = split_schedule(kp, sched_cols or n_p)
+    per, S = split_schedule(kp, sched_cols or n_p, target_programs)
     part = torch.empty((S, M, n_p), dtype=torch.float32, device=xr.device)
     if M == 0:
         return part if out is None else out
@@ -764,13 +766,14 @@ def _fused(xr: torch.Tensor, trellis: torch.Tensor, codebook: str, svh=None, bia
 
 
 def _gemm_partials(xr: torch.Tensor, trellis: torch.Tensor, codebook: str,
-                   sched_cols: int | None = None) -> torch.Tensor:
+                   sched_cols: int | None = None,
+                   target_programs: int | None = None) -> torch.Tensor:
     """Reconstruct Ŵ in column slices (≤ GEMM_SLICE_BYTES) and run the fixed-order GEMM; the
     result is the combined y' as one 'split' [1, M, n_p]."""
     kt, nt, K2 = _check_shapes(trellis, codebook)
     M = xr.shape[0]
     kp, n_p = 16 * kt, 16 * nt
-    per, _ = split_schedule(kp, sched_cols or n_p)
+    per, _ = split_schedule(kp, sched_cols or n_p, target_programs)
     y = torch.empty((1, M, n_p), dtype=torch.float32, device=xr.device)
     if M == 0:
         return y
@@ -791,11 +794,14 @@ def _gemm_partials(xr: torch.Tensor, trellis: torch.Tensor, codebook: str,
 
 
 def exl3_partials(xr: torch.Tensor, trellis: torch.Tensor, codebook: str,
-                  path: str = "auto", sched_cols: int | None = None) -> torch.Tensor:
+                  path: str = "auto", sched_cols: int | None = None,
+                  target_programs: int | None = None) -> torch.Tensor:
     """Split partials of y' = x'·Ŵ: [S, M, n_p] fp32 (fused) or [1, M, n_p] (GEMM path, already
-    summed in the same order). `rotate_out` finishes either identically. `sched_cols`: the
-    column count the split schedule is computed for (a column slice of a weight keeps the
-    whole weight's, so its columns sum in the same order: tensor parallelism)."""
+    summed in the same order). `rotate_out` finishes either identically. The split schedule
+    (split_schedule) is the weight's: `sched_cols` the column count it is computed for (a
+    column slice of a weight keeps the whole weight's, so its columns sum in the same order:
+    tensor parallelism), `target_programs` its target (GROUPED_TARGET_PROGRAMS for a weight
+    that also runs grouped)."""
     _require_triton()
     if xr.dtype != torch.float16 or xr.dim() != 2:
         raise ValueError(f"x' must be fp16 [M, k_p], got {xr.dtype} {list(xr.shape)}")
@@ -805,9 +811,10 @@ def exl3_partials(xr: torch.Tensor, trellis: torch.Tensor, codebook: str,
     if path == "auto":
         path = "fused" if xr.shape[0] <= FUSED_MAX_ROWS else "gemm"
     if path == "fused":
-        return _fused(xr, trellis, codebook, sched_cols=sched_cols)
+        return _fused(xr, trellis, codebook, sched_cols=sched_cols,
+                      target_programs=target_programs)
     if path == "gemm":
-        return _gemm_partials(xr, trellis, codebook, sched_cols)
+        return _gemm_partials(xr, trellis, codebook, sched_cols, target_programs)
     raise ValueError(f"path {path!r}: expected auto, fused or gemm")
 
 
@@ -829,9 +836,10 @@ def exl3_matmul(xr: torch.Tensor, trellis: torch.Tensor, codebook: str,
 def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
                 codebook: str, out_features: int | None = None,
                 bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
-                path: str = "auto", sched_cols: int | None = None) -> torch.Tensor:
+                path: str = "auto", sched_cols: int | None = None,
+                target_programs: int | None = None) -> torch.Tensor:
     """The EXL3 linear y = x·W (+ bias) on the kernels: x [..., k_in] → [..., out_features]
-    (`sched_cols`: see exl3_partials).
+    (`sched_cols`, `target_programs`: the weight's split schedule, see exl3_partials).
     Fused path: rotate_in + the fused kernel finishing each column block (2 launches; the
     second the CUDA kernel of exl3_mma where it applies, with the same bits);
     GEMM path: rotate_in + reconstruct + GEMM + rotate_out. Same bits either way."""
@@ -850,7 +858,7 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
         svh = _contig_rows(svh)
         trellis = trellis if trellis.is_contiguous() else trellis.contiguous()
         cb = CODEBOOK_IDS[codebook]
-        per, S = split_schedule(16 * kt, sched_cols or 16 * nt)
+        per, S = split_schedule(16 * kt, sched_cols or 16 * nt, target_programs)
         if exl3_mma.why_not(x2, K2, cb, 16 * nt, out_dtype, bias, trellis, S) is None:  # same bits
             part = torch.empty((S, M, 16 * nt), dtype=torch.float32, device=x.device)
             words, cnt = _words(trellis), _counters(x.device, 16 * nt // 128)
@@ -859,9 +867,11 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
                             early=bool(_pdl(x.device)))
         else:
             xr = rotate_in(x2, suh)
-            _fused(xr, trellis, codebook, svh, bias, y, sched_cols, after_rotate=True)
+            _fused(xr, trellis, codebook, svh, bias, y, sched_cols, after_rotate=True,
+                   target_programs=target_programs)
     else:
-        part = exl3_partials(rotate_in(x2, suh), trellis, codebook, path, sched_cols)
+        part = exl3_partials(rotate_in(x2, suh), trellis, codebook, path, sched_cols,
+                             target_programs)
         y = rotate_out(part, svh, bias, n_out, out_dtype)
     return y.reshape(*lead, n_out)
 
@@ -937,13 +947,14 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     out_dtype: of the outputs (default fp32).
     routing: a strata.kernels.moe_grouping.Routing(idx, E) shared by a step's launches (each
        grouping made once, for the tile size the kernel that runs needs); made here when None.
-    target_programs: the split schedule's target (split_schedule; default TARGET_PROGRAMS, the
-       single linears'); a caller passes the same value for a weight on every call.
+    target_programs: the split schedule's target (split_schedule; default TARGET_PROGRAMS, a
+       lone linear's); the same for a weight on every call, grouped or alone
+       (GROUPED_TARGET_PROGRAMS for the routed experts and wo_a's groups).
     Returns W tensors [T, k, out_features]: y[w][t, s] = x_t·W_{w, idx[t,s]} — no routing
     weight, activation or slot sum is applied here.
 
     Exactness: each pair's row is bit-identical to exl3_linear(x_t, trellis[e], suh[e], svh[e])
-    for its expert e under the same split schedule (TARGET_PROGRAMS = target_programs; same
+    for its expert e under the same split schedule (exl3_linear's target_programs; same
     rotations, k-steps, MMA shape and output step), whatever other pairs share its tile:
     batch-invariant, so decode, verify and prefill agree.
     Cost: two launches (the grouped Hadamard-in for all sets and pairs, then the grouped decode

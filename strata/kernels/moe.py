@@ -123,8 +123,8 @@ def exl3_moe_forward(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
     and routing weight in torch (elementwise: batch-invariant), the grouped down projection,
     and the slot sum in slot order. Per pair the numerics of Exl3Linear's kernel forward (no
     fp8 point: EXL3 linears take unquantized activations) under the experts' own split
-    schedule (exl3.EXPERT_TARGET_PROGRAMS: another summation order than a lone linear's)."""
-    from strata.kernels.exl3 import EXPERT_TARGET_PROGRAMS, exl3_moe_linear
+    schedule (exl3.GROUPED_TARGET_PROGRAMS: another summation order than a lone linear's)."""
+    from strata.kernels.exl3 import GROUPED_TARGET_PROGRAMS, exl3_moe_linear
     from strata.model.moe import slot_sum, swiglu_to
     T, k = idx.shape
     dt = nx.act_dtype
@@ -132,7 +132,7 @@ def exl3_moe_forward(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
     if T == 0:
         return torch.zeros((0, D), dtype=torch.float32, device=x.device)
     routing = Routing(idx, w1.trellis.shape[0])  # (each grouping made once for the 3 launches)
-    sched = {"target_programs": EXPERT_TARGET_PROGRAMS}  # (every call: fixed bits per expert)
+    sched = {"target_programs": GROUPED_TARGET_PROGRAMS}  # (every call: fixed bits per expert)
     xin = x.to(dt)
     if w1.codebook == w3.codebook and w1.trellis.shape == w3.trellis.shape:
         g, v = exl3_moe_linear(xin, idx, [w1.set, w3.set], w1.codebook, w1.out_features, dt,

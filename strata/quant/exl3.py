@@ -179,9 +179,12 @@ class Exl3Linear(Linear):
             raise ValueError(f"trellis {16 * kt}×{16 * nt} is not the 128-padded form of "
                              f"{in_features}×{out_features}")
         self.trellis, self.suh, self.svh, self.codebook, self.bias = trellis, suh, svh, codebook, bias
-        # A column slice of a bigger weight (tensor parallelism) keeps the whole weight's split
-        # schedule, so the kernels sum its columns in the same order (kernels.exl3).
+        # The weight's split schedule (kernels.exl3.split_schedule), which fixes every output's
+        # summation order: a column slice of a bigger weight (tensor parallelism) keeps the
+        # whole weight's columns; a weight that also runs in a grouped launch (wo_a's groups,
+        # quant.groups) aims at that launch's target, alone as well.
         self.sched_cols: int | None = None
+        self.target_programs: int | None = None
         self._w_hat_t: torch.Tensor | None = None
 
     def w_hat(self) -> torch.Tensor:
@@ -208,7 +211,8 @@ class Exl3Linear(Linear):
             from strata.kernels.exl3 import exl3_linear
             return exl3_linear(x, self.trellis, self.suh, self.svh, self.codebook,
                                self.out_features, self.bias, out_dtype or nx.act_dtype,
-                               sched_cols=self.sched_cols)
+                               sched_cols=self.sched_cols,
+                               target_programs=self.target_programs)
         kp = self.suh.numel()  # (EXL3 takes fp16 activations: no fp8 point to skip)
         xf = x.float()
         if xf.shape[-1] < kp:  # zero-extend to the padded input width

@@ -7,9 +7,10 @@ linears per layer (in EXL3 two kernels each). When the groups are EXL3 slices of
 codebook, a decode-sized forward runs them as one grouped launch instead — the MoE's grouped
 EXL3 linear with group g in the place of expert g, whose every (row, group) output is bit for
 bit the group's own linear on that row (strata.kernels.exl3.exl3_moe_linear's contract), so
-the choice changes no bit. Prefill-sized forwards keep one call per group (each then takes the
-tensor-core GEMM path). A set of linears on one input is the same launch with each linear a
-weight set of one "expert" (gate and up of the routed experts run this way).
+the choice changes no bit: such groups take the grouped launch's split schedule
+(GROUPED_TARGET_PROGRAMS) in every call. Prefill-sized forwards keep one call per group (each
+then takes the tensor-core GEMM path). A set of linears on one input is the same launch with
+each linear a weight set of one "expert" (gate and up of the routed experts run this way).
 """
 from __future__ import annotations
 
@@ -24,6 +25,14 @@ class LinearGroups:
         self.linears = list(linears)
         self._stack = None          # the groups' EXL3 tensors stacked (built on first use)
         self._routes: dict = {}     # (T, device) -> Routing of group ids [T, G]
+        # EXL3 groups that can run as one launch take that launch's split schedule, in their
+        # lone calls (prefill) too: the same bits either way, from the first call on
+        self._target = None
+        if _one_exl3_shape(self.linears):
+            from strata.kernels.exl3 import GROUPED_TARGET_PROGRAMS
+            self._target = GROUPED_TARGET_PROGRAMS
+            for lin in self.linears:
+                lin.target_programs = self._target
 
     def __len__(self) -> int:
         return len(self.linears)
@@ -46,7 +55,8 @@ class LinearGroups:
         from strata.kernels.exl3 import exl3_moe_linear
         routing = self._route(T, x.device)
         (y,) = exl3_moe_linear(x, routing.idx, [stack.set], stack.codebook,
-                               stack.out_features, nx.act_dtype, routing)
+                               stack.out_features, nx.act_dtype, routing,
+                               target_programs=self._target)
         return y.reshape(T, -1)
 
     def _grouped_exl3(self, x: torch.Tensor):
@@ -55,15 +65,12 @@ class LinearGroups:
         if not qexl3._use_kernels(x):
             return None
         from strata.kernels.exl3 import FUSED_MAX_ROWS
-        if x.shape[0] > FUSED_MAX_ROWS:
+        if x.shape[0] > FUSED_MAX_ROWS or self._target is None:  # (None: not one EXL3 shape)
             return None
         if self._stack is None:
-            if not _one_exl3_shape(self.linears):
-                self._stack = False
-                return None
             from strata.kernels.moe import stack_exl3
             self._stack = stack_exl3(self.linears)  # (each group's linear then views its slice)
-        return self._stack or None
+        return self._stack
 
     def _route(self, T: int, device: torch.device):
         """Row t's group g is "expert" g."""

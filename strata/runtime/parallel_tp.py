@@ -103,6 +103,7 @@ def slice_out(lin: Linear, lo: int, hi: int) -> Linear:
                  lin.codebook, hi - lo, lin.in_features,
                  None if lin.bias is None else lin.bias[lo:hi].clone())
         part.sched_cols = lin.sched_cols or lin.svh.numel()  # the whole weight's split order
+        part.target_programs = lin.target_programs
         return part
     raise ConfigError(f"cannot shard a {type(lin).__name__} by output rows")
 

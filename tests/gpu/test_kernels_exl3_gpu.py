@@ -153,13 +153,14 @@ def test_moe_grouped_equals_single_linear(cuda):
         assert torch.equal(ref[0], y[t, s])
 
 
-def test_moe_on_the_experts_split_schedule_equals_single_linear(cuda, monkeypatch):
-    """The routed experts' schedule (EXPERT_TARGET_PROGRAMS 64: 2 splits for 5120 → 2304, 1 for
-    2304 → 5120, against 14 and 6) on every kernel that serves them — a decode step (5 tokens,
-    the CUDA decode kernel on Hopper) and a prefill-sized step (40 tokens: the CUDA prefill
-    kernel on Hopper) — gives each pair its lone linear's bits under the same target."""
+def test_moe_on_the_experts_split_schedule_equals_single_linear(cuda):
+    """The routed experts' schedule (GROUPED_TARGET_PROGRAMS 64: 2 splits for 5120 → 2304, 1
+    for 2304 → 5120, against 14 and 6) on every kernel that serves them — a decode step (5
+    tokens, the CUDA decode kernel on Hopper) and a prefill-sized step (40 tokens: the CUDA
+    prefill kernel on Hopper) — gives each pair its lone linear's bits under the same
+    target."""
     E, k = 8, 6
-    target = X.EXPERT_TARGET_PROGRAMS
+    target = X.GROUPED_TARGET_PROGRAMS
     assert X.split_schedule(5120, 2304, target)[1] < X.split_schedule(5120, 2304)[1]
     up = (trellis_of(5120, 2304, 2.5, seed=70, device=cuda, E=E),
           scales(5120, 71, cuda, E, 5120 ** -0.5), scales(2304, 72, cuda, E, 0.05))
@@ -174,13 +175,14 @@ def test_moe_on_the_experts_split_schedule_equals_single_linear(cuda, monkeypatc
         (y_up,) = X.exl3_moe_linear(x, idx, [up], "mul1", target_programs=target)
         (y_down,) = X.exl3_moe_linear(a, idx, [down], "mul1", target_programs=target)
         cases.append((T, idx, x, a, y_up, y_down))
-    monkeypatch.setattr(X, "TARGET_PROGRAMS", target)
     for T, idx, x, a, y_up, y_down in cases:
         for t, s in ((0, 0), (T // 2, 3), (T - 1, 5)):
             e = int(idx[t, s])
-            ref = X.exl3_linear(x[t:t + 1], up[0][e], up[1][e], up[2][e], "mul1")
+            ref = X.exl3_linear(x[t:t + 1], up[0][e], up[1][e], up[2][e], "mul1",
+                                target_programs=target)
             assert torch.equal(ref[0], y_up[t, s]), (T, t, s)
-            ref = X.exl3_linear(a[t, s:s + 1], down[0][e], down[1][e], down[2][e], "mul1")
+            ref = X.exl3_linear(a[t, s:s + 1], down[0][e], down[1][e], down[2][e], "mul1",
+                                target_programs=target)
             assert torch.equal(ref[0], y_down[t, s]), (T, t, s)
 
 
@@ -265,7 +267,8 @@ def test_bench_kernels_harness(cuda, tmp_path):
 
 def test_wo_a_groups_as_one_launch_equal_each_groups_linear(cuda):
     """V4.1's wo_a (8 groups of 4096 → 1024, K = 4) through LinearGroups: a decode step's and
-    a verify window's grouped launch give each group's own linear bit for bit."""
+    a verify window's grouped launch give each group's own linear bit for bit — both on the
+    grouped launch's split schedule (4 splits, a lone linear's 32)."""
     import strata.quant.exl3 as qexl3
     from strata.model.numerics import Numerics
     from strata.quant.groups import LinearGroups
@@ -274,8 +277,9 @@ def test_wo_a_groups_as_one_launch_equal_each_groups_linear(cuda):
                        scales(n, 500 + g, cuda), "3inst", n, k) for g in range(G)]
     x = torch.randn(6, G, k, generator=torch.Generator().manual_seed(7)).to(cuda, torch.bfloat16)
     assert qexl3._use_kernels(x)
-    want = torch.cat([lin(x[:, g], nx, act_quant=False) for g, lin in enumerate(lins)], dim=1)
     groups = LinearGroups(lins)
+    assert X.split_schedule(k, n, lins[0].target_programs)[1] == 4 < X.split_schedule(k, n)[1]
+    want = torch.cat([lin(x[:, g], nx, act_quant=False) for g, lin in enumerate(lins)], dim=1)
     for T in (1, 6):
         assert torch.equal(i16(groups(x[:T], nx)), i16(want[:T]))
     assert groups._stack
