@@ -520,7 +520,8 @@ def test_a_linear_set_runs_as_one_grouped_launch(kernels_on_cpu, monkeypatch):
     """Linears of one shape on one input (the shared expert's w1 and w3): a decode-sized call
     runs them as one grouped launch — each a weight set of one expert — giving each linear's
     own output bit for bit, in the asked dtype, for a flat and a batched input; a set whose
-    codebooks differ and a prefill-sized call run the linears one by one."""
+    codebooks differ and a prefill-sized call run the linears one by one; linears on their own
+    split target run grouped on it, and two different targets one by one."""
     from strata.model.numerics import Numerics
     from strata.quant.groups import LinearSet
     calls = []
@@ -545,3 +546,14 @@ def test_a_linear_set_runs_as_one_grouped_launch(kernels_on_cpu, monkeypatch):
     assert torch.equal(bits(got[1]), bits(other(x, nx))) and mixed._one_launch is False
     monkeypatch.setattr(X, "FUSED_MAX_ROWS", 4)
     assert torch.equal(bits(pair(x, nx)[0]), bits(w1(x, nx))) and len(calls) == 3
+    deep = [Exl3Linear(trellis_of(16, 8, 3, seed=s), scales(256, s + 1, scale=0.2),
+                       scales(128, s + 2), "mul1", out_features=120, in_features=256)
+            for s in (200, 210)]
+    for lin in deep:
+        lin.target_programs = 1  # (one split; a lone linear's schedule has two)
+    xd = torch.randn(2, 256, generator=torch.Generator().manual_seed(201)).bfloat16()
+    got = LinearSet(deep)(xd, nx)
+    assert len(calls) == 4 and all(torch.equal(bits(g), bits(lin(xd, nx)))
+                                   for g, lin in zip(got, deep))
+    deep[1].target_programs = None
+    assert LinearSet(deep)(xd, nx) and len(calls) == 4

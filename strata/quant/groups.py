@@ -78,14 +78,15 @@ class LinearGroups:
 
 
 def _one_exl3_shape(lins: list[Linear]) -> bool:
-    """Whether the linears are EXL3 of one trellis shape, codebook and output width, with no
-    bias and no column-slice schedule: exl3_moe_linear's weight sets."""
+    """Whether the linears are EXL3 of one trellis shape, codebook, output width and split
+    target, with no bias and no column-slice schedule: exl3_moe_linear's weight sets."""
     from strata.quant import exl3 as qexl3
     first = lins[0]
     return (all(isinstance(lin, qexl3.Exl3Linear) for lin in lins)
             and all(lin.codebook == first.codebook and lin.bias is None
                     and lin.sched_cols is None and lin.trellis.shape == first.trellis.shape
-                    and lin.out_features == first.out_features for lin in lins))
+                    and lin.out_features == first.out_features
+                    and lin.target_programs == first.target_programs for lin in lins))
 
 
 def _fixed_routing(cache: dict, T: int, device: torch.device, n: int):
@@ -128,7 +129,8 @@ class LinearSet:
         sets = [(lin.trellis.unsqueeze(0), lin.suh.unsqueeze(0), lin.svh.unsqueeze(0))
                 for lin in self.linears]
         ys = exl3_moe_linear(x2, routing.idx, sets, first.codebook, first.out_features,
-                             out_dtype or nx.act_dtype, routing)
+                             out_dtype or nx.act_dtype, routing,
+                             target_programs=first.target_programs)  # (each linear's schedule)
         return [y.reshape(*lead, first.out_features) for y in ys]
 
     def _grouped_exl3(self, x: torch.Tensor) -> bool:
