@@ -66,3 +66,25 @@ def test_their_launches_pass_the_launch_arguments(name):
     for call in launches:
         assert any(k.arg is None and "pdl.args" in ast.unparse(k.value) for k in call.keywords), \
             f"{name}: {ast.unparse(call)[:80]}"
+
+
+def test_rotate_in_waits_first_and_is_launched_with_its_wait_compiled_in(monkeypatch):
+    """exl3's rotate_in is launched early like the small kernels: its first statement waits
+    for the kernel before it (then lets its matmul launch), and its launch arguments set the
+    PDL constexpr whenever they set the launch option."""
+    from strata.kernels import exl3
+    fn = next(n for n in ast.walk(ast.parse((KERNELS / "exl3.py").read_text()))
+              if isinstance(n, ast.FunctionDef) and n.name == "_rotate_in_kernel")
+    first = [s for s in fn.body
+             if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))][0]
+    assert ast.unparse(first) == "if PDL:\n    gdc_wait()\n    gdc_launch_dependents()"
+    dev = torch.device("cuda", 0)
+    monkeypatch.setattr(pdl, "launch", lambda device, on=None: {"launch_pdl": True})
+    assert exl3._rotate_launch(dev) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setattr(pdl, "launch", lambda device, on=None: {})
+    assert exl3._rotate_launch(dev) == {"PDL": False}
+    # the matmul's early launch alone (small kernels' switched off): it still releases
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    monkeypatch.setattr(pdl, "launch", lambda device, on=None:
+                        {"launch_pdl": True} if (pdl.ENABLED if on is None else on) else {})
+    assert exl3._rotate_launch(dev) == {"PDL": True}

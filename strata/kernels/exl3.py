@@ -522,9 +522,11 @@ if triton is not None:
         """out[set, r, blk] = fp16(H128(fp16(x[r // x_per]·suh[set, e(r)])) · 1/√128)
         (x_per: rows of out per row of x — a token's k expert pairs read its one x row).
         FRAG: each 128-block stored in the CUDA decode kernel's fragment order
-        (exl3_mma.fragment_order). PDL: the kernel launched after it may start at once (it
-        waits for this one's end before reading out)."""
+        (exl3_mma.fragment_order). PDL: it waits for the kernel before it (it may itself be
+        launched early), then lets the kernel after it start (which waits for this one's end
+        before reading out)."""
         if PDL:
+            gdc_wait()
             gdc_launch_dependents()
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         cols = tl.program_id(1) * 128 + tl.arange(0, 128)
@@ -649,6 +651,14 @@ def _pdl(device: torch.device) -> dict:
     return _early.launch(device, on=PDL)
 
 
+def _rotate_launch(device: torch.device) -> dict:
+    """rotate_in's PDL constexpr and launch option. It is launched early like the step's other
+    small kernels (strata.kernels.pdl: it waits first) and lets the matmul after it start
+    early (PDL above); gdc_wait in a kernel not launched early returns at once."""
+    early = _early.launch(device)
+    return {"PDL": bool(early or _pdl(device)), **early}
+
+
 def _regs(t: torch.Tensor) -> dict:
     """The fused kernel's register cap as a launch option (compiled launches only)."""
     return {"maxnreg": FUSED_MAX_REGISTERS} if FUSED_MAX_REGISTERS and _asm(t) else {}
@@ -670,8 +680,8 @@ def rotate_in(x: torch.Tensor, suh: torch.Tensor, fragment_order: bool = False) 
         return out
     grid = (triton.cdiv(M, ROT_ROWS), kp // 128, 1)
     _rotate_in_kernel[grid](x, suh, out, x, M, 1, k_in, x.stride(0), 0, 0, 0, kp, INV_SQRT128,
-                            HAS_EIDX=False, BR=ROT_ROWS, PDL=bool(_pdl(x.device)),
-                            FRAG=fragment_order, num_warps=4, enable_fp_fusion=False)
+                            HAS_EIDX=False, BR=ROT_ROWS, FRAG=fragment_order, num_warps=4,
+                            enable_fp_fusion=False, **_rotate_launch(x.device))
     return out
 
 
@@ -1032,8 +1042,8 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     _rotate_in_kernel[(triton.cdiv(P, ROT_ROWS), kp // 128, W)](
         xin, sets.suh, xr, eidx, P, x_per, k_in, xin.stride(0),
         sets.suh.stride(0), sets.ssuh_set, xr.stride(0), xr.stride(1), INV_SQRT128,
-        HAS_EIDX=True, BR=ROT_ROWS, PDL=bool(pdl), FRAG=mma, num_warps=4,
-        enable_fp_fusion=False)
+        HAS_EIDX=True, BR=ROT_ROWS, FRAG=mma, num_warps=4, enable_fp_fusion=False,
+        **_rotate_launch(dev))
     if mma:  # 2. the CUDA kernel over tiles of ≤ MOE_TILE_M pairs: decode's few pairs
         exl3_mma.moe(xr, sets.trellis, sets.str_set, sets.svh, sets.ssvh_set, cb, K2, out, part,
                      cnt, per, groups.tile_rows, groups.tile_expert, INV_SQRT128, bool(pdl))

@@ -2,7 +2,7 @@
 // x'·Ŵ with Ŵ decoded straight into m16n8k16 MMA fragments → split partials → the last program
 // of each 128-column block sums them, Hadamard, ·svh (+ bias). Launched early (programmatic
 // dependent launch) after rotate_in: each program starts copying its first trellis tiles,
-// then waits for x'.
+// then waits for x'; after its k-loop it lets the next kernel launch early in turn.
 // Compiled at run time with NVRTC (strata/kernels/exl3_mma.py); no header is included, so
 // half-precision work is done on bit patterns with PTX.
 //
@@ -363,6 +363,9 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
         cur ^= 1;
     }
     asm volatile("cp.async.wait_all;" ::: "memory");  // (the last step's spare copy)
+    // the next kernel may launch (it waits for this one's end before it reads or writes
+    // anything: strata.kernels.pdl), its launch overlapping this program's partials and tail
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
     // One split with one program per 128-column block (NW = 8, S = 1): the block's y' goes
     // to shared memory and the program finishes it. Otherwise this split's partial goes to
