@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from strata import trace
-from strata.bench.breakdown import (_category, format_by_part, gpu_parts, graphed_by_part,
-                                    step_breakdown)
+from strata.bench.breakdown import (_category, format_breakdown, format_by_part, gpu_idle,
+                                    gpu_parts, graphed_by_part, step_breakdown)
 
 
 def test_scopes_cost_nothing_when_off():
@@ -123,3 +123,35 @@ def test_a_graphed_steps_communication_is_its_own():
     b = graphed_by_part(eager, graphed)
     assert b["ms"] == {"moe": 7.4, "attention": 7.6, "communication": 1.6}
     assert abs(b["launch_gaps_ms"] - (24.4 - 16.6)) < 1e-9
+
+
+def test_idle_gaps_are_summed_by_what_launched_the_work_around_them():
+    """No CUDA event exists on this CPU: stand-in events as in the test above, with start and
+    end times (µs). Gaps under 2 µs are launch latency, not counted; overlapping activities
+    (early launch) leave no gap; a gap between two kernels of one replay is the graph's own."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def evt(name, id, device=DeviceType.CPU, parent=None, t=(0.0, 0.0)):
+        return SimpleNamespace(name=name, id=id, device_type=device, cpu_parent=parent,
+                               is_user_annotation=False,
+                               time_range=SimpleNamespace(start=t[0], end=t[1]))
+    attention, sampling = evt("strata.attention", 1), evt("strata.sampling", 2)
+    argmax = evt("aten::argmax", 3, parent=sampling)
+    cpu = [attention, sampling, argmax, evt("cuLaunchKernelEx", 10, parent=attention),
+           evt("cudaLaunchKernel", 11, parent=argmax), evt("cudaGraphLaunch", 12),
+           evt("cudaGraphLaunch", 13)]
+    gpu = [evt("_rope_kernel", 10, DeviceType.CUDA, t=(0.0, 5.0)),
+           evt("argmax_kernel", 11, DeviceType.CUDA, t=(6.0, 9.0)),      # 1 µs: latency
+           evt("exl3_mma_linear", 12, DeviceType.CUDA, t=(109.0, 150.0)),  # 100 µs: host
+           evt("_rms_norm_kernel", 12, DeviceType.CUDA, t=(140.0, 160.0)),  # overlaps
+           evt("_rotate_in_kernel", 12, DeviceType.CUDA, t=(165.0, 170.0)),  # 5 µs in replay
+           evt("exl3_mma_linear", 13, DeviceType.CUDA, t=(270.0, 300.0))]  # 100 µs
+    rows = [(r["where"], r["gaps"], round(r["ms"], 6)) for r in gpu_idle(cpu + gpu, 2)]
+    assert rows == [("graph replay ← sampling / aten::argmax", 0.5, 0.05),
+                    ("graph replay ← graph replay", 0.5, 0.05),
+                    ("inside a graph replay", 0.5, 0.0025)]
+    b = {"steps": 2, "device": "cuda:0", "wall_ms": 1.0, "ms": {}, "host_top": [],
+         "idle_top": gpu_idle(cpu + gpu, 2)}
+    assert "graph replay ← sampling / aten::argmax" in format_breakdown(b)

@@ -12,7 +12,8 @@ A CUDA graph's kernels are "unattributed" (one `cudaGraphLaunch` for all of them
 NCCL's, which are communication by name wherever they run: profile an eager step for the parts,
 a graphed one for the gaps and its communication (an NCCL kernel's time includes its wait for
 the other rank; eager, that wait takes in the other rank's host launches too). Every kernel is
-also listed by name. On CPU each op's own CPU time counts."""
+also listed by name, and the device's idle gaps by what launched the work that ended them
+(`gpu_idle`). On CPU each op's own CPU time counts."""
 from __future__ import annotations
 
 import time
@@ -66,6 +67,49 @@ def gpu_parts(events, us: dict[str, float], counts: dict[str, int]) -> dict[str,
         row[0] += 1
         row[1] += t
     return per_kernel
+
+
+def _launcher(launch) -> str:
+    """What launched a kernel, for an idle gap's label: the nearest scope and the nearest op
+    that is not a runtime or driver call ("graph replay" for a graph's kernels)."""
+    if launch is None:
+        return "?"
+    if launch.name == "cudaGraphLaunch":
+        return "graph replay"
+    op, scope, e = None, None, launch.cpu_parent
+    while e is not None and (op is None or scope is None):
+        if e.name.startswith("strata."):
+            scope = scope or e.name[len("strata."):]
+        elif op is None and not e.name.startswith("cu"):
+            op = e.name
+        e = e.cpu_parent
+    return f"{scope or '-'} / {op or launch.name}"
+
+
+def gpu_idle(events, n: int, min_us: float = 2.0, top: int = 15) -> list[dict]:
+    """The device's idle time (no kernel or copy running, gaps of at least `min_us`), summed by
+    what launched the activity after each gap and the one before it (`_launcher`, "next ←
+    previous"; within one graph replay: "inside a graph replay"): where the GPU waited for
+    the host — a launch, a graph replay after host work, a synchronisation — per step."""
+    launches = {e.id: e for e in events
+                if e.device_type == DeviceType.CPU and e.name.startswith("cu")}
+    acts = sorted((e for e in events if e.device_type == DeviceType.CUDA
+                   and not e.is_user_annotation and not e.name.startswith("strata.")),
+                  key=lambda e: e.time_range.start)
+    idle: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    end, prev = None, None
+    for e in acts:
+        if end is not None and e.time_range.start - end >= min_us:
+            after, before = _launcher(launches.get(e.id)), _launcher(launches.get(prev.id))
+            where = ("inside a graph replay" if after == "graph replay" and e.id == prev.id
+                     else f"{after} ← {before}")
+            row = idle[where]
+            row[0] += 1
+            row[1] += e.time_range.start - end
+        if end is None or e.time_range.end >= end:
+            end, prev = e.time_range.end, e
+    return [{"where": k, "gaps": c / n, "ms": t / 1e3 / n}
+            for k, (c, t) in sorted(idle.items(), key=lambda kv: -kv[1][1])[:top]]
 
 
 def _timed(run: Callable[[], None], device: torch.device) -> float:
@@ -140,7 +184,8 @@ def step_breakdown(run: Callable[[], None], steps: int, device: torch.device,
                    # by launches: what a graph's node count (its launch cost) is made of
                    kernel_most_launched=[{"name": k, "calls": c / n, "ms": t / 1e3 / n}
                                          for k, (c, t) in sorted(per_kernel.items(),
-                                                                 key=lambda kv: -kv[1][0])[:40]])
+                                                                 key=lambda kv: -kv[1][0])[:40]],
+                   idle_top=gpu_idle(events, n))
     out["ms"] = {c: us[c] / 1e3 / n for c in CATEGORIES + ("unattributed",) if us.get(c)}
     return out
 
@@ -207,6 +252,11 @@ def format_breakdown(b: dict) -> str:
         lines.append("GPU: kernels by launches per step (time per step), most first:")
         for r in b["kernel_most_launched"]:
             lines.append(f"  {r['name'][:60]:<60}{r['calls']:>8.1f} {r['ms']:>9.3f} ms")
+    if b.get("idle_top"):
+        lines.append("GPU idle per step by what launched the work after and before each gap "
+                     "(scope / op; gaps per step):")
+        for r in b["idle_top"]:
+            lines.append(f"  {r['where'][:60]:<60}{r['ms']:>9.3f} ms {r['gaps']:>8.1f}")
     lines.append("host: own CPU time per step (calls per step), largest first:")
     for r in b["host_top"]:
         lines.append(f"  {r['name'][:48]:<48}{r['self_ms']:>9.3f} ms {r['calls']:>8.1f}")
