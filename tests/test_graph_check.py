@@ -55,7 +55,7 @@ def test_the_captured_region_is_position_independent(tiny_dir):
                 with trace.scope("head"):
                     model.logits(h, pre, "last", nx)
             sigs.append(op_signature(region))
-            model.end_forward(tokens, ctx, s.state)
+            model.end_forward(ctx, s.state)
         assert STATIC <= {sc.split("#")[0] for sc, _, _ in sigs[0]}
         for other in sigs[1:]:
             differing = differing_scopes(sigs[0], other)

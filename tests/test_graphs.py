@@ -32,9 +32,12 @@ def test_plain_decode_captures_once_per_key_and_replays(tiny_dir):
     g = _graphed(model, s)
     assert s.run(prompt, 20, mode="plain").tokens == want
     assert (g.captures, g.replays) == (2, 19 - 2)
-    from strata.runtime.graphs import LAYERS_PER_GRAPH
-    parts = -(-len(model.layers) // LAYERS_PER_GRAPH)
-    assert parts > 1 and all(len(c.graph.graphs) == parts for c in g.captured.values())
+    from strata.runtime.graphs import PART_LAYERS
+    left, parts = len(model.layers), 0  # (parts of PART_LAYERS layers, the last size repeated)
+    while left > 0:
+        left -= PART_LAYERS[min(parts, len(PART_LAYERS) - 1)]
+        parts += 1
+    assert parts > 2 and all(len(c.graph.graphs) == parts for c in g.captured.values())
     live, ref_live = s.state.live_tensors(), ref.state.live_tensors()
     assert live.keys() == ref_live.keys()
     assert all(torch.equal(live[k], ref_live[k]) for k in live)

@@ -20,6 +20,7 @@ class ForwardContext:
     numerics: Numerics
     start: int                      # absolute position of the first new token
     positions: torch.Tensor         # [T] absolute positions
+    tokens: torch.Tensor | None = None  # [T] the token ids, on the host (the state's history)
     engram_ids: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [T, n_ids]
     # layer -> a disk table's raw records of engram_ids, read before the forward (graphs only)
     engram_records: dict[int, torch.Tensor] = field(default_factory=dict)

@@ -150,10 +150,7 @@ class Model:
         tables are in memory. The ids hash exactly as in forward (same token history)."""
         if not self.engram_stores or self.hasher is None:
             return
-        start = state.position
-        hist = state.tokens[max(0, start - self.cfg.engram_max_ngram_size + 1):start]
-        with made_current(self.device):
-            ids = self.hasher.ids(tokens.to(self.device).view(-1).long(), hist)
+        ids = self.hasher.ids(tokens.view(-1).long().cpu(), self._history(state))
         for layer, store in self.engram_stores.items():
             store.prefetch(ids[layer])
 
@@ -236,7 +233,8 @@ class Model:
         return tuple(entry_bucket((start + T) // r) for r in self.index_ratios)
 
     def check_forward(self, tokens: torch.Tensor, state: State, logits: str) -> torch.Tensor:
-        """The forward's arguments checked (before anything runs); tokens as int64 [T]."""
+        """The forward's arguments checked (before anything runs); tokens as int64 [T] on
+        the host."""
         cfg = self.cfg
         if logits not in ("all", "last", "none"):
             raise ValueError(f"logits={logits!r}: expected 'all', 'last' or 'none'")
@@ -246,12 +244,13 @@ class Model:
         T = tokens.numel()
         if T == 0:
             raise ValueError("forward needs at least one token")
-        # Checked where the ids are (the host, for every caller here) before they move: a
-        # check on the device would wait for all the work queued before it.
+        # Checked where the ids are (the host, for every caller here): a check on the device
+        # would wait for all the work queued before it. They stay there (the state's token
+        # history and the Engram hash are host work); the forward moves them to the device.
         if int(tokens.min()) < 0 or int(tokens.max()) >= cfg.vocab_size:
             raise ValueError(f"token ids must be in 0..{cfg.vocab_size - 1}")
         state.check_room(T)
-        return tokens.to(self.device).long()
+        return tokens.cpu().long()
 
     def _forward(self, tokens: torch.Tensor, state: State, logits: str, nx: Numerics,
                  decoder: bool = True, route=None) -> tuple[torch.Tensor | None, ForwardContext]:
@@ -259,11 +258,11 @@ class Model:
         stream comes from and goes to — a multi-device rank's executor receives and sends it."""
         route = route or self
         with scope("embed"):
-            ctx = self.new_context(tokens, state, nx)
-        h, pre = route.enter(tokens, ctx, state, decoder)
+            ctx = self.new_context(tokens.cpu(), state, nx)
+        h, pre = route.enter(tokens.to(self.device), ctx, state, decoder)
         h, pre = self.run_layers(h, pre, ctx, state, decoder)
         out = route.leave(h, pre, ctx, state, logits, decoder)
-        self.end_forward(tokens, ctx, state)
+        self.end_forward(ctx, state)
         return out, ctx
 
     # -- the pieces of a forward: a multi-device group runs them on different ranks --------
@@ -282,21 +281,29 @@ class Model:
             return self.logits(h, pre, logits, ctx.numerics)
 
     def new_context(self, tokens: torch.Tensor, state: State, nx: Numerics) -> ForwardContext:
-        """A fresh context for tokens [T] at state.position (positions, Engram row ids)."""
+        """A fresh context for tokens [T] (on the host) at state.position (positions, Engram
+        row ids)."""
         cfg = self.cfg
         T = tokens.numel()
         start = state.position
         positions = torch.arange(start, start + T, device=self.device)
-        ctx = ForwardContext(cfg, nx, start, positions)
+        ctx = ForwardContext(cfg, nx, start, positions, tokens)
         if self.hasher is not None:
-            hist = state.tokens[max(0, start - cfg.engram_max_ngram_size + 1):start]
-            ctx.engram_ids = self.hasher.ids(tokens, hist)
+            # Hashed on the host, where the tokens and their history are: on the device the
+            # hash is ~40 tiny launches a forward that a decode step's GPU sits idle through.
+            ids = self.hasher.ids(tokens, self._history(state))
             # Disk tables: start every Engram layer's reads now, so a later layer's rows
             # arrive while the layers before it compute (a no-op for rows already cached or
             # in flight from an earlier prefetch_engram).
             for layer, store in self.engram_stores.items():
-                store.prefetch(ctx.engram_ids[layer])
+                store.prefetch(ids[layer])
+            ctx.engram_ids = {layer: v.to(self.device) for layer, v in ids.items()}
         return ctx
+
+    def _history(self, state: State) -> torch.Tensor:
+        """The committed tokens an n-gram at state.position reaches back to (host)."""
+        start = state.position
+        return state.tokens[max(0, start - self.cfg.engram_max_ngram_size + 1):start]
 
     def embed_stream(self, tokens: torch.Tensor, nx: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
         """The initial stream h [T, H, D] (every copy the embedding) and pre = one-hot(0)."""
@@ -322,9 +329,9 @@ class Model:
             h, pre = block.forward(h, pre, ctx, state)
         return h, pre
 
-    def end_forward(self, tokens: torch.Tensor, ctx: ForwardContext, state: State) -> None:
+    def end_forward(self, ctx: ForwardContext, state: State) -> None:
         """Record the forward's tokens in the state (the caller commits or rolls back)."""
-        state.advance(tokens)
+        state.advance(ctx.tokens)
         if ctx.published_keys:
             state.stale_index_source = ctx.published_keys[-1]
 

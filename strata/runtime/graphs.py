@@ -3,8 +3,8 @@
 A decode step launches a few thousand small kernels; eagerly, the host's Python and launch
 cost is most of the step (bench/results/performance.md). Graphs replay the whole region
 (runtime/static_step.StaticStep: embedding → layers → head) in a few launches: a chain of
-graphs of LAYERS_PER_GRAPH layers each, so the GPU runs one part while the host launches the
-next. Its ops depend on
+graphs of PART_LAYERS layers (small first, so the GPU starts soon), so the GPU runs one part
+while the host launches the next. Its ops depend on
 the number of rows, the logits mode, whether a journal is open (then the ring rows a write
 displaces are saved too) and, through the indexer's scored-entry count, on the entry bucket
 of each indexer ratio at the forward's end (Model.graph_key) — never on the position within
@@ -49,10 +49,13 @@ from strata.runtime.state import Journal, RingWrite, State
 from strata.runtime.static_step import StaticStep
 
 
-# A step is captured as a chain of graphs of this many layers each: launching a graph costs
-# host time per kernel node (~1 µs; 4.5 ms for a 20-layer step as one graph, measured), and
-# replayed in order the GPU runs one part while the host launches the next.
-LAYERS_PER_GRAPH = 4
+# A step is captured as a chain of graphs of these many layers (the last count repeated):
+# launching a graph costs host time per kernel node (~1.5 µs; 4.5 ms for a 20-layer step as
+# one graph, measured), and replayed in order the GPU runs one part while the host launches
+# the next. The GPU idles until the first part's launch returns (the host has just read the
+# previous step's token and prepared this one's inputs), so the first parts are small — each
+# launch then takes less time than the part before it runs.
+PART_LAYERS = (1, 2, 4)
 
 
 class Chain:
@@ -324,7 +327,7 @@ class GraphedForward:
             state.journal = Journal(start=live.start)
         try:
             graph = Chain([backend.capture(part, state)
-                           for part in step.parts(LAYERS_PER_GRAPH)])
+                           for part in step.parts(PART_LAYERS)])
         finally:
             writes = state.journal.writes if live is not None else []
             state.journal = live

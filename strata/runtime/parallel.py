@@ -331,8 +331,9 @@ class Follower:
         own = state.journal is None
         if own:
             state.begin()
-        with torch.no_grad():
-            self.executor.forward(tokens, state, logits, nx, decoder)
+        with torch.no_grad():  # (the host's copy where it came inline: no read back)
+            self.executor.forward(host if host is not None else tokens, state, logits, nx,
+                                  decoder)
         if own:
             state.commit()
         st = self.comm.stats

@@ -11,7 +11,7 @@ Everything a forward writes lives here, preallocated on the model's device:
   group's entry too: one spare row);
 - `dspark[k]`: each DSpark stage's window of keys projected from committed main rows (written
   only for committed positions, so verification never has to undo them);
-- `tokens`: the committed token ids (Engram history, prefix matching);
+- `tokens`: the committed token ids, on the host (Engram history, prefix matching);
 - `position`: the number of committed tokens.
 
 Rolling back never copies whole caches: a forward run under `begin()` journals only the ring
@@ -202,7 +202,8 @@ class State:
         # DSpark: each stage's window of target-derived keys, committed positions only.
         self.dspark = [PositionRing(self.ring_size, (hd,), kv_dtype, device, keep=W - 1)
                        for _ in range(cfg.num_nextn_predict_layers if dspark else 0)]
-        self.tokens = torch.zeros(capacity, dtype=torch.long, device=device)
+        # (on the host: only host work reads it — the Engram hash, prefix matching)
+        self.tokens = torch.zeros(capacity, dtype=torch.long)
         self.position = 0
         # vendor_stale_index_k: last kv-source layer that published keys in the last forward
         self.stale_index_source: int | None = None

@@ -64,19 +64,24 @@ class StaticStep:
     def run(self) -> None:
         """The region: embedding, the layers, the head; logits into self.logits. Everything
         derived from the inputs is recomputed inside it (so a capture records it)."""
-        for part in self.parts(len(self.model.layers)):
+        for part in self.parts((len(self.model.layers),)):
             part()
 
-    def parts(self, layers_per_part: int) -> list:
+    def parts(self, sizes: tuple[int, ...]) -> list:
         """The region as consecutive pieces — the stream's entry (the embedding, or a rank's
         receive) with the first layers, the next layers, …, the last ones with its exit (the
         head, or a rank's send) — which run one after another on the stream
-        (h and pre handed on through self). Each can be a graph of its own: replayed in
-        order, the GPU runs one piece while the host launches the next."""
+        (h and pre handed on through self). `sizes`: the pieces' layer counts, the last one
+        repeated. Each can be a graph of its own: replayed in order, the GPU runs one piece
+        while the host launches the next."""
         model = self.model
         blocks = model.layers
-        per = max(1, layers_per_part)
-        groups = [blocks[i:i + per] for i in range(0, len(blocks), per)] or [[]]
+        groups, i, k = [], 0, 0
+        while i < len(blocks):
+            per = max(1, sizes[min(k, len(sizes) - 1)])
+            groups.append(blocks[i:i + per])
+            i, k = i + per, k + 1
+        groups = groups or [[]]
 
         def part(i: int, group: list):
             def run() -> None:
@@ -93,4 +98,4 @@ class StaticStep:
 
     def finish(self, ctx: ForwardContext) -> None:
         """Record the step's tokens in the state (its position advances)."""
-        self.model.end_forward(self.tokens, ctx, self.state)
+        self.model.end_forward(ctx, self.state)
