@@ -213,10 +213,6 @@ class NgramHashConfig:
             raise ConfigError(f"Engram compressed_vocab must be >= 1, got {self.compressed_vocab}")
 
 
-# token map, and per layer (multipliers [max_ngram], primes and offsets [max_ngram-1, n_heads])
-_DeviceConstants = tuple[torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
-
-
 class NgramHasher:
     """Token ids → Engram table row ids, per Engram layer.
 
@@ -265,8 +261,11 @@ class NgramHasher:
             self.offsets[layer_id] = offsets.reshape(primes.shape)
             mult = engram_multipliers(layer_id, config.compressed_vocab, config.max_ngram)
             self.multipliers[layer_id] = torch.from_numpy(mult)
-        # Constants copied per device once, not on every call.
-        self._on_device: dict[torch.device, _DeviceConstants] = {}
+        # numpy views of the constants (shared memory): ids() hashes with numpy on the host,
+        # where a step's few tokens cost a few µs (torch's CPU ops cost ~100 µs a step).
+        self._np = (token_map_t.numpy(), {
+            layer: (self.multipliers[layer].numpy(), self.primes[layer].numpy(),
+                    self.offsets[layer].numpy()) for layer in config.layer_ids})
 
     @property
     def width(self) -> int:
@@ -277,20 +276,6 @@ class NgramHasher:
         """Row count of ``layer``'s table: the sum of its primes (engram_num_embeddings)."""
         return int(self.primes[layer].sum())
 
-    def _constants(self, device: torch.device) -> _DeviceConstants:
-        """The token map and per-layer (multipliers, primes, offsets) on ``device``."""
-        if device not in self._on_device:
-            per_layer = {
-                layer: (
-                    self.multipliers[layer].to(device),
-                    self.primes[layer].to(device),
-                    self.offsets[layer].to(device),
-                )
-                for layer in self.config.layer_ids
-            }
-            self._on_device[device] = (self.token_map.to(device), per_layer)
-        return self._on_device[device]
-
     def ids(
         self,
         tokens: torch.Tensor,
@@ -298,7 +283,8 @@ class NgramHasher:
         dead: torch.Tensor | None = None,
         history_dead: torch.Tensor | None = None,
     ) -> dict[int, torch.Tensor]:
-        """Row ids for each position of ``tokens``: {layer: int64 [T, width]}.
+        """Row ids for each position of ``tokens``: {layer: int64 [T, width]}, on the host
+        (computed there whatever the inputs' device).
 
         tokens: raw token ids [T]. history: the raw ids right before tokens[0], oldest first;
         only the last max_ngram-1 matter, and fewer than that means the sequence starts at the
@@ -309,10 +295,9 @@ class NgramHasher:
         """
         if tokens.ndim != 1:
             raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
-        device = tokens.device
         span = self.config.max_ngram - 1
         if history is None:
-            history = torch.empty(0, dtype=torch.int64, device=device)
+            history = torch.empty(0, dtype=torch.int64)
         if history.ndim != 1:
             raise ValueError(f"history must be 1-D, got shape {tuple(history.shape)}")
         if dead is not None and dead.shape != tokens.shape:
@@ -328,38 +313,34 @@ class NgramHasher:
             history = history[-span:]
             history_dead = None if history_dead is None else history_dead[-span:]
 
-        token_map, per_layer = self._constants(device)
-        n_hist = history.numel()
-        n_tok = tokens.numel()
-        seq = torch.cat([history.to(device, torch.int64), tokens.to(torch.int64)])
+        def host(t: torch.Tensor, dtype) -> np.ndarray:
+            return t.detach().cpu().numpy().astype(dtype, copy=False)
+
+        token_map, per_layer = self._np
+        n_hist, n_tok = history.numel(), tokens.numel()
+        seq = np.concatenate([host(history, np.int64), host(tokens, np.int64)])
         seq_dead = seq < 0
         if history_dead is not None:
-            seq_dead[:n_hist] |= history_dead.to(device, torch.bool)
+            seq_dead[:n_hist] |= host(history_dead, bool)
         if dead is not None:
-            seq_dead[n_hist:] |= dead.to(device, torch.bool)
-        seq_class = token_map[seq.clamp(min=0)]
+            seq_dead[n_hist:] |= host(dead, bool)
+        seq_class = token_map[np.maximum(seq, 0)]
 
         # Class id per (position, shift), with cumulative blocking along the shift axis.
-        pos = torch.arange(n_hist, n_hist + n_tok, device=device)
-        blocked = torch.zeros(n_tok, dtype=torch.bool, device=device)
-        shifted: list[torch.Tensor] = []
+        pos = np.arange(n_hist, n_hist + n_tok)
+        blocked = np.zeros(n_tok, dtype=bool)
+        classes = np.empty((n_tok, self.config.max_ngram), dtype=np.int64)
         for shift in range(self.config.max_ngram):  # loop over shifts (4), not tokens
             src = pos - shift
-            src_ok = src >= 0
-            src_c = src.clamp(min=0)
-            blocked = blocked | ~src_ok | seq_dead[src_c]
-            shifted.append(seq_class[src_c].masked_fill(blocked, self.pad_class))
-        classes = torch.stack(shifted, dim=1)  # [T, max_ngram]
+            src_c = np.maximum(src, 0)
+            blocked = blocked | (src < 0) | seq_dead[src_c]
+            classes[:, shift] = np.where(blocked, self.pad_class, seq_class[src_c])
 
         out: dict[int, torch.Tensor] = {}
         for layer, (mult, primes, offsets) in per_layer.items():
             products = classes * mult  # [T, max_ngram]; cannot overflow by the multiplier bound
-            mixes: list[torch.Tensor] = []
-            mix = products[:, 0]
-            for order in range(1, self.config.max_ngram):
-                mix = torch.bitwise_xor(mix, products[:, order])
-                mixes.append(mix)
-            mixed = torch.stack(mixes, dim=1)  # [T, max_ngram-1], non-negative
-            layer_ids = torch.remainder(mixed[:, :, None], primes[None]) + offsets[None]
-            out[layer] = layer_ids.reshape(n_tok, self.width)
+            # XOR of orders 0..n for n = 1 .. max_ngram-1: [T, max_ngram-1], non-negative
+            mixed = np.bitwise_xor.accumulate(products, axis=1)[:, 1:]
+            layer_ids = mixed[:, :, None] % primes[None] + offsets[None]
+            out[layer] = torch.from_numpy(layer_ids.reshape(n_tok, self.width))
         return out
