@@ -30,6 +30,15 @@ from strata.tokenizer import tokenizer_path
 from strata.trace import scope
 
 
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, the copy queued behind the stream's work: a copy from
+    pageable memory would wait for that work first (a prefill chunk's host, for the chunk
+    before it) — so through pinned memory on CUDA."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class ModelPart:
     """What one process of a multi-device group holds (runtime/parallel.py); the default is
@@ -259,7 +268,7 @@ class Model:
         route = route or self
         with scope("embed"):
             ctx = self.new_context(tokens.cpu(), state, nx)
-        h, pre = route.enter(tokens.to(self.device), ctx, state, decoder)
+        h, pre = route.enter(upload(tokens, self.device), ctx, state, decoder)
         h, pre = self.run_layers(h, pre, ctx, state, decoder)
         out = route.leave(h, pre, ctx, state, logits, decoder)
         self.end_forward(ctx, state)
@@ -297,7 +306,7 @@ class Model:
             # in flight from an earlier prefetch_engram).
             for layer, store in self.engram_stores.items():
                 store.prefetch(ids[layer])
-            ctx.engram_ids = {layer: v.to(self.device) for layer, v in ids.items()}
+            ctx.engram_ids = {layer: upload(v, self.device) for layer, v in ids.items()}
         return ctx
 
     def _history(self, state: State) -> torch.Tensor:
