@@ -28,3 +28,12 @@ def made_current(device: torch.device):
         return torch.cuda.device(device)
     return _NULL
 
+
+
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, the copy queued behind the stream's work: a copy from
+    pageable memory would wait for that work first (a prefill chunk's host, for the chunk
+    before it) — so through pinned memory on CUDA."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -67,7 +67,52 @@ def test_a_mismatched_restore_is_refused():
     rows, tags = torch.zeros(4, 3), torch.zeros(4, dtype=torch.long)
     slots = torch.arange(2)
     with pytest.raises(ValueError, match="ring restore"):
-        ring_restore(rows, tags, slots, slots, torch.zeros(2, 3, dtype=torch.bfloat16),
-                     slots, 1)
+        ring_restore([(rows, tags, slots, slots, torch.zeros(2, 3, dtype=torch.bfloat16),
+                       slots)], 1)
     with pytest.raises(ValueError, match="ring restore"):
-        ring_restore(rows, tags, slots, torch.arange(3), torch.zeros(2, 3), slots, 1)
+        ring_restore([(rows, tags, slots, torch.arange(3), torch.zeros(2, 3), slots)], 1)
+    one = (rows, tags, slots, slots, torch.zeros(2, 3), slots)
+    with pytest.raises(ValueError, match="two undos into one ring"):
+        ring_restore([one, one], 1)
+    other = (torch.zeros(4, 3, dtype=torch.bfloat16), tags.clone(), slots, slots,
+             torch.zeros(2, 3, dtype=torch.bfloat16), slots)
+    with pytest.raises(ValueError, match="in one launch"):
+        ring_restore([one, other], 1)
+
+
+def test_a_rollback_restores_its_rings_in_few_launches_as_the_torch_undo_does(monkeypatch):
+    """A journal as a verify window leaves it — writes into several rings of two dtypes —
+    plus a second forward's writes into the same rings, rolled back to inside the first:
+    the batched kernel leaves every ring as the torch undo does, in one launch per dtype for
+    each forward's writes (a ring met again launches its dtype's batch first, so its undos
+    keep their newest-first order)."""
+    from strata.kernels import ring
+    from strata.runtime import state as state_mod
+    result, launches = [], []
+    real = ring.ring_restore
+
+    def counted(undos, to):
+        launches.append(len(undos))
+        real(undos, to)
+    monkeypatch.setattr(ring, "ring_restore", counted)
+    for fused in (True, False):
+        g = torch.Generator().manual_seed(5)
+        rings = [PositionRing(8, (2, 300), torch.bfloat16, "cpu", keep=3),
+                 PositionRing(8, (2, 300), torch.bfloat16, "cpu", keep=3),
+                 PositionRing(8, (600,), torch.float32, "cpu", keep=1)]
+        for r in rings:
+            r.write(0, torch.arange(0, 6), torch.randn(6, *r.rows.shape[1:], generator=g), None)
+        j = Journal(start=6)
+        for first, n in ((6, 4), (10, 3)):  # two forwards under one journal
+            for r in rings:
+                r.write(first, torch.arange(first, first + n),
+                        torch.randn(n, *r.rows.shape[1:], generator=g), j)
+        launches.clear()
+        with monkeypatch.context() as m:
+            m.setattr(ring, "available", lambda rows, src: fused)
+            state_mod.undo_writes(list(reversed(j.writes)), 8)
+        result.append([(r.rows.clone(), r.tags.clone()) for r in rings])
+        if fused:  # newest first: the second forward's f32 and bf16 ×2, then the first's
+            assert sorted(launches) == [1, 1, 2, 2], launches
+    for (a, ta), (b, tb) in zip(*result):
+        assert torch.equal(a, b) and torch.equal(ta, tb)

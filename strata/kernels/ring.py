@@ -1,5 +1,5 @@
 """A position ring's write, and the undo of a journaled write, in one launch each on CUDA
-(strata.runtime.state.PositionRing.write, RingWrite.undo_from).
+(strata.runtime.state.PositionRing.write, undo_writes).
 
 In torch a write is the slots (positions mod size), the rows' cast, and two indexed stores
 (rows, tags): three or four launches, about 22 of them per layer-wise decode step. Here each
@@ -11,11 +11,18 @@ caller keeps only the last `size` rows), so no two programs store to one slot.
 An undo puts back the journaled rows and tags of the positions ≥ `to` (a DSpark window's
 rejected rows): in torch a compare, two gathers, two selects and two indexed stores per
 write, ~8 launches for each of a window's ~22 ring writes, run by the host while the GPU
-waits for the next draft. Here one launch copies the old values back, bit for bit.
+waits for the next draft. Here one launch copies the old values back, bit for bit, for all
+of a rollback's writes into distinct rings of one dtype (a table of their addresses; one
+launch each cost the host ~45 µs, 0.9 ms a window on the H200: bench/results/performance.md,
+session 18).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+from strata.current_device import upload
 
 try:
     import triton
@@ -55,19 +62,26 @@ if triton is not None:
             tl.store(tags_ptr + slot, pos)
 
     @triton.jit
-    def _ring_restore_kernel(old_ptr, old_tags_ptr, slots_ptr, pos_ptr, rows_ptr, tags_ptr,
-                             to, W, s_old, s_rows, BLOCK: tl.constexpr):
-        i = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        pos = tl.load(pos_ptr + i)
-        undo = pos >= to
-        slot = tl.load(slots_ptr + i)
-        live = (cols < W) & (cols * 0 + pos >= to)  # (the row's test, as a block mask)
-        v = tl.load(old_ptr + i * s_old + cols, mask=live)
-        tl.store(rows_ptr + slot * s_rows + cols, v, mask=live)
-        if tl.program_id(1) == 0:
-            if undo:
-                tl.store(tags_ptr + slot, tl.load(old_tags_ptr + i))
+    def _ring_restore_kernel(table_ptr, like_ptr, to, TABLE: tl.constexpr, BLOCK: tl.constexpr):
+        """Row i = program_id(1) of write program_id(0), whose table entry holds the
+        addresses of its old rows, old tags, slots, positions, ring rows and ring tags, then
+        its row count and row width (`like_ptr`: a pointer of the rows' type)."""
+        e = table_ptr + tl.program_id(0) * TABLE
+        i = tl.program_id(1).to(tl.int64)
+        if i < tl.load(e + 6):
+            W = tl.load(e + 7)
+            old = tl.load(e + 0).to(like_ptr.dtype)
+            rows = tl.load(e + 4).to(like_ptr.dtype)
+            i64 = tl.pointer_type(tl.int64)
+            pos = tl.load(tl.load(e + 3).to(i64) + i)
+            if pos >= to:
+                slot = tl.load(tl.load(e + 2).to(i64) + i)
+                for c in range(0, W, BLOCK):
+                    cols = c + tl.arange(0, BLOCK)
+                    live = cols < W
+                    v = tl.load(old + i * W + cols, mask=live)
+                    tl.store(rows + slot * W + cols, v, mask=live)
+                tl.store(tl.load(e + 5).to(i64) + slot, tl.load(tl.load(e + 1).to(i64) + i))
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -94,22 +108,38 @@ def ring_write(rows: torch.Tensor, tags: torch.Tensor, positions: torch.Tensor,
         num_warps=4, **pdl.args(rows.device))
 
 
-def ring_restore(rows: torch.Tensor, tags: torch.Tensor, slots: torch.Tensor,
-                 positions: torch.Tensor, old_rows: torch.Tensor, old_tags: torch.Tensor,
-                 to: int) -> None:
-    """Where positions ≥ to: rows[slots] = old_rows, tags[slots] = old_tags (a journaled
-    write's undo); rows [size, ...] contiguous, old_rows [n, ...] of its dtype and row shape,
-    slots / positions / old_tags [n] int64, slots distinct."""
-    n = old_rows.shape[0]
-    if (old_rows.shape[1:] != rows.shape[1:] or old_rows.dtype != rows.dtype
-            or slots.shape != (n,) or positions.shape != (n,) or old_tags.shape != (n,)):
-        raise ValueError(f"ring restore: {n} rows of {list(old_rows.shape[1:])} "
-                         f"{old_rows.dtype} into {list(rows.shape)} {rows.dtype}")
-    if n == 0:
+TABLE = 8  # int64 entries a write takes in the restore's table
+
+
+def ring_restore(undos: Sequence[tuple[torch.Tensor, ...]], to: int) -> None:
+    """For each undo (rows, tags, slots, positions, old_rows, old_tags) — a journaled write's
+    — where positions ≥ to: rows[slots] = old_rows, tags[slots] = old_tags; rows [size, ...]
+    contiguous, old_rows [n, ...] of its dtype and row shape, slots / positions / old_tags
+    [n], slots distinct. One launch: the undos' rings are distinct (their order is not kept)
+    and of one dtype, on one device."""
+    entries, keep = [], []
+    for rows, tags, slots, positions, old_rows, old_tags in undos:
+        n = old_rows.shape[0]
+        if (old_rows.shape[1:] != rows.shape[1:] or old_rows.dtype != rows.dtype
+                or slots.shape != (n,) or positions.shape != (n,) or old_tags.shape != (n,)):
+            raise ValueError(f"ring restore: {n} rows of {list(old_rows.shape[1:])} "
+                             f"{old_rows.dtype} into {list(rows.shape)} {rows.dtype}")
+        if rows.dtype != undos[0][0].dtype or rows.device != undos[0][0].device:
+            raise ValueError(f"ring restore: rings of {rows.dtype} on {rows.device} and "
+                             f"{undos[0][0].dtype} on {undos[0][0].device} in one launch")
+        if not rows.is_contiguous():
+            raise ValueError("ring restore: the ring's rows are not contiguous")
+        if n == 0:
+            continue
+        if any(rows.data_ptr() == e[4] for e in entries):
+            raise ValueError("ring restore: two undos into one ring in one launch")
+        parts = [_flat(old_rows), old_tags.long().contiguous(), slots.long().contiguous(),
+                 positions.long().contiguous(), rows, tags]
+        keep += parts  # (alive until launched: the copies the table points to)
+        entries.append([t.data_ptr() for t in parts] + [n, rows[0].numel()])
+    if not entries:
         return
-    W = rows[0].numel()
-    old = _flat(old_rows)
-    _ring_restore_kernel[(n, triton.cdiv(W, BLOCK))](
-        old, old_tags.long().contiguous(), slots.long().contiguous(),
-        positions.long().contiguous(), rows, tags, to, W, old.stride(0), W, BLOCK=BLOCK,
-        num_warps=4)
+    dev = undos[0][0].device
+    table = upload(torch.tensor(entries, dtype=torch.int64), dev)
+    _ring_restore_kernel[(len(entries), max(e[6] for e in entries))](
+        table, undos[0][0], to, TABLE=TABLE, BLOCK=BLOCK, num_warps=4)

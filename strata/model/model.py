@@ -16,7 +16,7 @@ from strata.checkpoint.loader import TensorLoader
 from strata.checkpoint.pack import open_checkpoint
 from strata.checkpoint.weights import WeightReader
 from strata.config import ModelConfig
-from strata.current_device import made_current
+from strata.current_device import made_current, upload
 from strata.engram_store import EngramDiskWeights
 from strata.errors import ConfigError
 from strata.model.block import Block
@@ -28,15 +28,6 @@ from strata.model.numerics import Numerics
 from strata.runtime.state import State, entry_bucket
 from strata.tokenizer import tokenizer_path
 from strata.trace import scope
-
-
-def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`, the copy queued behind the stream's work: a copy from
-    pageable memory would wait for that work first (a prefill chunk's host, for the chunk
-    before it) — so through pinned memory on CUDA."""
-    if device.type != "cuda" or t.device.type != "cpu":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)

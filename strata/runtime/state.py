@@ -101,17 +101,23 @@ class RingWrite:
 
     def undo_from(self, to: int) -> None:
         """Restore the slots of positions ≥ `to`."""
+        undo_writes([self], to)
+
+    def check_undo(self, to: int) -> None:
         kept_from = self.kept_from
         if self.first < to < kept_from + self.ring.keep and kept_from > self.first:
             raise ValueError(f"cannot roll back to position {to}: this write kept only "
                              f"positions ≥ {kept_from} of the {self.ring.keep} it needs before {to}")
-        rows, tags = self.ring.rows, self.ring.tags
-        if ring_kernels.available(rows, self.old_rows):  # (one launch)
-            ring_kernels.ring_restore(rows, tags, self.slots, self.positions, self.old_rows,
-                                      self.old_tags, to)
-            return
+
+    def undo_args(self) -> tuple[torch.Tensor, ...]:
+        """What kernels/ring.ring_restore takes for this write."""
+        return (self.ring.rows, self.ring.tags, self.slots, self.positions, self.old_rows,
+                self.old_tags)
+
+    def undo_torch(self, to: int) -> None:
         # Every slot is rewritten, with its old or its current row: no boolean indexing, so
         # no wait for the device (the undo mask lives there).
+        rows, tags = self.ring.rows, self.ring.tags
         undo = self.positions >= to
         mask = undo.view(-1, *([1] * (self.old_rows.dim() - 1)))
         rows[self.slots] = torch.where(mask, self.old_rows, rows[self.slots])
@@ -122,6 +128,34 @@ class RingWrite:
         recorded write, replayed at another position (runtime/graphs.py)."""
         return RingWrite(self.ring, self.first + delta, self.kept_from + delta, self.slots,
                          self.positions, self.old_rows, self.old_tags)
+
+
+def undo_writes(writes: list[RingWrite], to: int) -> None:
+    """Undo journaled writes in the order given (a rollback's: newest first) from position
+    `to`. Where the kernel runs, the writes into distinct rings of one dtype restore in one
+    launch (kernels/ring.py): one batch per dtype, launched when one of its rings comes again
+    (so each ring's undos keep their order; rings of other dtypes are other rings) and at the
+    end. Every write is checked before any runs."""
+    for w in writes:
+        w.check_undo(to)
+    batches: dict[torch.dtype, list[RingWrite]] = {}
+
+    def flush(dtype: torch.dtype) -> None:
+        batch = batches.pop(dtype, [])
+        if batch:
+            ring_kernels.ring_restore([b.undo_args() for b in batch], to)
+    for w in writes:
+        dtype = w.ring.rows.dtype
+        if not ring_kernels.available(w.ring.rows, w.old_rows):
+            for d in list(batches):
+                flush(d)
+            w.undo_torch(to)
+            continue
+        if any(b.ring is w.ring for b in batches.get(dtype, [])):
+            flush(dtype)
+        batches.setdefault(dtype, []).append(w)
+    for d in list(batches):
+        flush(d)
 
 
 @dataclass
@@ -252,8 +286,7 @@ class State:
         # The undo is a Triton launch (kernels/ring.py), which goes to the current device: a
         # state on another GPU than the current one must make its own current (current_device.py).
         with made_current(self.device):
-            for w in reversed(j.writes):
-                w.undo_from(to)
+            undo_writes(list(reversed(j.writes)), to)
         if to == j.start:
             self.stale_index_source = j.stale_index_source
         self.position = to

@@ -323,3 +323,33 @@ def test_ring_writes_in_one_launch_equal_the_torch_code(cuda, monkeypatch):
         for (first, n), src in zip(writes[:3], srcs[:3]):
             back.write(first, torch.arange(first, first + n, device=cuda), src, None)
     assert torch.equal(rings[0].rows, back.rows) and torch.equal(rings[0].tags, back.tags)
+
+
+def test_a_rollbacks_batched_restores_equal_the_torch_undo(cuda, monkeypatch):
+    """State's rollback on CUDA: a journal's writes into several rings of two dtypes (a
+    window's window and compressor-tail rings), two forwards deep, undone from inside the
+    first by the batched restore (one launch per dtype and forward: kernels/ring.py's
+    address table, compiled) — the rings equal the torch undo's, bit for bit."""
+    from strata.kernels import ring
+    from strata.runtime.state import Journal, PositionRing, undo_writes
+    dev = torch.device(cuda)
+    result = []
+    for fused in (True, False):
+        g = torch.Generator().manual_seed(13)
+        rings = [PositionRing(256, (512,), torch.bfloat16, dev, keep=127) for _ in range(3)]
+        rings.append(PositionRing(256, (2, 512), torch.float32, dev, keep=3))
+        for r in rings:
+            src = torch.randn(300, *r.rows.shape[1:], generator=g).to(dev)
+            r.write(0, torch.arange(0, 300, device=dev), src, None)
+        j = Journal(start=300)
+        for first, n in ((300, 7), (307, 3)):
+            for r in rings:
+                src = torch.randn(n, *r.rows.shape[1:], generator=g).to(dev)
+                r.write(first, torch.arange(first, first + n, device=dev), src, j)
+        with monkeypatch.context() as m:
+            if not fused:
+                m.setattr(ring, "available", lambda rows, src: False)
+            undo_writes(list(reversed(j.writes)), 302)
+        result.append([(r.rows.clone(), r.tags.clone()) for r in rings])
+    for (a, ta), (b, tb) in zip(*result):
+        assert torch.equal(a, b) and torch.equal(ta, tb)
