@@ -107,27 +107,37 @@ def test_a_replayed_window_rolls_back_like_an_eager_one(tiny_dir):
     assert (g.captures, g.replays) == (1, 2)
 
 
-def test_a_replayed_draft_equals_the_eager_one(tiny_dir):
-    """The DSpark draft's stages and head from one capture, replayed at later positions:
-    the same drafts, logits and confidences as DSparkHead.draft."""
+def test_a_replayed_draft_equals_the_eager_one(tiny_dir, monkeypatch):
+    """The DSpark draft's stages and head from one capture, and its Markov picks from one
+    capture per sampler, replayed at later positions: the same drafts, logits and
+    confidences as DSparkHead.draft with that sampler — greedy requests of any seed share a
+    capture, sampling ones have their own, and the oldest beyond MARKOV_GRAPHS is dropped."""
+    from strata.runtime import graphs
+    from strata.runtime.sampling import SamplingParams, sample
     model = Model.load(tiny_dir, "cpu", Numerics("vendor"))
     s = Session(model, 96, speculative=SpecConfig())
     s.prefill(random_tokens(40, seed=12))
     g = _graphed(model, s)
     assert g.can_draft()
     nx = model.numerics
-
-    def pick(lg, positions):
-        return lg.argmax(dim=-1)
-    for i, anchor in enumerate((7, 100, 31)):
+    monkeypatch.setattr(graphs, "MARKOV_GRAPHS", 2)
+    samplers = [SamplingParams(), SamplingParams(seed=9), SamplingParams(0.8, 0.9, seed=3),
+                SamplingParams(1.2, seed=4), SamplingParams(0.8, 0.9, seed=3),
+                SamplingParams(seed=2)]
+    for anchor, params in zip((7, 100, 31, 55, 64, 12), samplers):
+        def pick(lg, positions):
+            return sample(lg, positions, params)
         want = model.dspark.draft(model.embed, model.head, anchor, s.state, nx, pick)
-        got = g.draft(anchor, pick)
+        got = g.draft(anchor, params)
         assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logits, want.logits)
         assert torch.equal(got.confidence, want.confidence)
         start = s.state.position
         _, ctx = model.forward(torch.tensor([anchor]), s.state, logits="none")
         model.dspark.commit_context(model.dspark.main_hidden(ctx), start, s.state, nx)
-    assert (g.captures, g.replays) == (1, 2)
+    # captures: the region, greedy, (0.8, 0.9, 3), (1.2, 4) — greedy dropped: two kept —
+    # and greedy again, dropping (1.2, 4); replays: the region 5×, greedy and (0.8, 0.9, 3)
+    assert (g.captures, g.replays) == (5, 7)
+    assert list(g._markov) == [SamplingParams(0.8, 0.9, seed=3), "greedy"]
 
 
 def test_disk_engram_is_read_before_the_replay(tiny_dir):

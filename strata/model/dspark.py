@@ -121,7 +121,7 @@ class DSparkHead:
         tokens[0] = anchor
         ctx = ForwardContext(cfg, nx, P, torch.arange(P, P + g, device=dev))
         x, base = self.draft_rows(embed, head, tokens, ctx, state)
-        return self.markov(x, base, anchor, P, pick)
+        return self.markov(x, base, tokens[:1], ctx.positions + 1, pick)
 
     def draft_rows(self, embed: torch.Tensor, head, tokens: torch.Tensor, ctx: ForwardContext,
                    state: State) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,14 +137,15 @@ class DSparkHead:
         x = collapse(h, pre).float()  # pre-norm rows: the confidence head reads these
         return x, head(rms_norm(x, self.norm, cfg.rms_norm_eps), nx, torch.float32)
 
-    def markov(self, x: torch.Tensor, base: torch.Tensor, anchor: int, P: int, pick) -> Draft:
-        """The semi-autoregressive picks: each bias depends on the previous pick. The picks
+    def markov(self, x: torch.Tensor, base: torch.Tensor, anchor: torch.Tensor,
+               positions: torch.Tensor, pick) -> Draft:
+        """The semi-autoregressive picks: each bias depends on the previous pick, the first
+        on the anchor ([1], on the device); row i's pick is for `positions[i]`. The picks
         stay on the device — each selects the next row's embedding by index — so drafting
-        waits for the GPU nowhere (the caller's `.tolist()` of the tokens is the one wait)."""
+        waits for the GPU nowhere (the caller's `.tolist()` of the tokens is the one wait),
+        and no op depends on the position (runtime/graphs.py replays them)."""
         head_m = self.markov_head.float()
-        dev = x.device
-        positions = torch.arange(P + 1, P + 1 + base.shape[0], device=dev)
-        prev = torch.full((1,), anchor, dtype=torch.long, device=dev)  # (a fill: no upload)
+        prev = anchor.view(1)
         out_tokens, out_logits, conf = [], [], []
         for i in range(base.shape[0]):
             m = self.markov_embed.index_select(0, prev).float()  # [1, R]

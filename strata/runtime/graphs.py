@@ -20,8 +20,10 @@ only one (a journal that already holds writes runs eagerly).
 Engram tables on disk: a step's records are read on the host before the replay
 (StaticStep.prepare) into a fixed device buffer, which the graph dequantises.
 
-The DSpark draft (its block through the stages and the head) replays from one more graph
-(DraftRegion); the Markov picks after it stay eager (one host read per draft token).
+The DSpark draft replays from two more graphs: its block through the stages and the head
+(DraftRegion), then the Markov picks with the request's sampler (MarkovPicks: a capture per
+sampler, few kept — every greedy request shares one); eager, the picks were ~60 launches a
+window that the GPU idled through.
 
 What a graph cannot replay runs eagerly instead (`Model.forward`): a CPU model and the
 vendor's stale-index-key quirk.
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -45,6 +48,7 @@ from strata.current_device import made_current
 from strata.errors import StrataError
 from strata.model.context import ForwardContext
 from strata.model.dspark import Draft
+from strata.runtime.sampling import SamplingParams, sample
 from strata.runtime.state import Journal, RingWrite, State
 from strata.runtime.static_step import StaticStep
 
@@ -56,6 +60,10 @@ from strata.runtime.static_step import StaticStep
 # previous step's token and prepared this one's inputs), so the first parts are small — each
 # launch then takes less time than the part before it runs.
 PART_LAYERS = (1, 2, 4)
+
+# Markov-pick graphs kept per state, one per sampler (temperature, top_p, seed — every greedy
+# request shares one): a sampling request with its own seed captures anew (a few ms).
+MARKOV_GRAPHS = 4
 
 
 class Chain:
@@ -210,6 +218,24 @@ class DraftRegion:
                                                 self.state)
 
 
+class MarkovPicks:
+    """The draft's Markov picks with one sampler after its DraftRegion (its rows, base
+    logits, anchor and positions read from the region's buffers), the region a graph
+    captures; `out` is the draft it computes."""
+
+    def __init__(self, region: DraftRegion, params: SamplingParams) -> None:
+        self.region, self.params = region, params
+        self.out: Draft | None = None
+        self.graph = None
+
+    def run(self) -> None:
+        r = self.region
+
+        def pick(lg, positions):
+            return sample(lg, positions, self.params)
+        self.out = r.model.dspark.markov(r.x, r.base, r.tokens[:1], r.ctx.positions + 1, pick)
+
+
 class GraphedForward:
     """A state's forwards from graphs. `route` (runtime/static_step): a rank's executor in a
     multi-device group, whose graphs then hold its collectives or point-to-point hand-offs —
@@ -226,6 +252,7 @@ class GraphedForward:
         self.captures = self.replays = 0  # (counts, for tests and benchmarks)
         self.capture_s = 0.0  # time spent warming up and capturing (benchmarks subtract it)
         self._draft: tuple[DraftRegion, object] | None = None
+        self._markov: OrderedDict[object, MarkovPicks] = OrderedDict()  # by sampler
 
     def release(self) -> None:
         """Free every graph now (a later forward captures anew). A group must do this
@@ -235,7 +262,9 @@ class GraphedForward:
             c.graph.reset()
         if self._draft is not None:
             self._draft[1].reset()
-        self.captured, self._draft = {}, None
+        for picks in self._markov.values():
+            picks.graph.reset()
+        self.captured, self._draft, self._markov = {}, None, OrderedDict()
 
     def usable(self) -> bool:
         m, j = self.model, self.state.journal
@@ -285,30 +314,49 @@ class GraphedForward:
                 and getattr(m, "draft_expert_cache", None) is None)
 
     @torch.no_grad()
-    def draft(self, anchor: int, pick) -> Draft:
-        """DSparkHead.draft with the stages and the head replayed from a graph (one for the
-        session: the block's size is fixed and its ops do not depend on the position); the
-        Markov picks run eagerly after it."""
+    def draft(self, anchor: int, params: SamplingParams) -> Draft:
+        """DSparkHead.draft with the sampler of `params`, replayed from graphs: the stages
+        and the head (one capture for the session: the block's size is fixed and its ops do
+        not depend on the position), then the Markov picks (a capture per sampler — one for
+        every greedy request — the last MARKOV_GRAPHS kept). The draft's tensors are valid
+        until the next call."""
         model, state = self.model, self.state
         P = state.position
         with made_current(model.device):
             if self._draft is None:
                 region = DraftRegion(model, state)
                 region.prepare(anchor, P)
-                self.backend.synchronize()
-                t0 = time.perf_counter()
-                self.backend.warm_up(region.run)
-                graph = self.backend.capture(region.run, state)
-                self.backend.synchronize()
-                self.capture_s += time.perf_counter() - t0
-                self.captures += 1
-                self._draft = region, graph
+                self._draft = region, self._capture_region(region.run)
             else:
                 region, graph = self._draft
                 region.prepare(anchor, P)
+                graph.replay()
                 self.replays += 1
-            graph.replay()
-            return model.dspark.markov(region.x, region.base, anchor, P, pick)
+            key = "greedy" if params.greedy else params
+            picks = self._markov.pop(key, None)
+            if picks is None:
+                picks = MarkovPicks(region, params)
+                picks.graph = self._capture_region(picks.run)
+                while len(self._markov) >= MARKOV_GRAPHS:
+                    self._markov.pop(next(iter(self._markov))).graph.reset()
+            else:
+                picks.graph.replay()
+                self.replays += 1
+            self._markov[key] = picks  # (the most recent last)
+            return picks.out
+
+    def _capture_region(self, run):
+        """Warm up, capture and replay once a region whose inputs are in place: its results
+        are computed by the replay (a capture records kernels without running them)."""
+        self.backend.synchronize()
+        t0 = time.perf_counter()
+        self.backend.warm_up(run)
+        graph = self.backend.capture(run, self.state)
+        self.backend.synchronize()
+        self.capture_s += time.perf_counter() - t0
+        self.captures += 1
+        graph.replay()
+        return graph
 
     def _capture(self, tokens: torch.Tensor, logits: str) -> tuple[Captured, ForwardContext]:
         """Warm up, capture, and replay once: the step's results are computed by the replay

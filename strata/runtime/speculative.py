@@ -131,7 +131,7 @@ class DSparkDecoder:
             def pick(lg, positions):
                 return sample(lg, positions, params)
             g = s.graphed
-            draft = (g.draft(anchor, pick) if g is not None and g.can_draft() else
+            draft = (g.draft(anchor, params) if g is not None and g.can_draft() else
                      model.dspark.draft(model.embed, model.head, anchor, state, nx, pick))
             self.stats.draft_s += time.perf_counter() - t0
             L = min(self._length(draft.confidence), budget - 1, state.capacity - P - 1)

@@ -114,22 +114,26 @@ def test_graphed_verify_windows(cuda, request, fixture):
 
 @pytest.mark.parametrize("fixture", ["tiny_dir", "exl3_dir"])
 def test_graphed_draft(cuda, request, fixture):
-    """The DSpark draft's stages and head replayed from a graph at later positions give
+    """The DSpark draft's stages and head, and its Markov picks with the request's sampler
+    (greedy; temperature and top-p), replayed from graphs at later positions give
     DSparkHead.draft's drafts, logits and confidences bit for bit."""
+    from strata.runtime.sampling import SamplingParams, sample
     from strata.runtime.speculative import SpecConfig
     model = Model.load(request.getfixturevalue(fixture), cuda, Numerics.for_device(cuda))
     s = Session(model, 96, speculative=SpecConfig(), graphs=True)
     s.prefill(random_tokens(40, seed=12))
     nx = model.numerics
-
-    def pick(lg, positions):
-        return lg.argmax(dim=-1)
-    for anchor in (7, 100, 31):
+    samplers = [SamplingParams(), SamplingParams(0.8, 0.9, seed=3), SamplingParams(seed=5),
+                SamplingParams(0.8, 0.9, seed=3)]
+    for anchor, params in zip((7, 100, 31, 55), samplers):
+        def pick(lg, positions):
+            return sample(lg, positions, params)
         want = model.dspark.draft(model.embed, model.head, anchor, s.state, nx, pick)
-        got = s.graphed.draft(anchor, pick)
+        got = s.graphed.draft(anchor, params)
         assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logits, want.logits)
         assert torch.equal(got.confidence, want.confidence)
         start = s.state.position
         _, ctx = model.forward(torch.tensor([anchor]), s.state, logits="none")
         model.dspark.commit_context(model.dspark.main_hidden(ctx), start, s.state, nx)
-    assert (s.graphed.captures, s.graphed.replays) == (1, 2)
+    # the region and two samplers captured; the region replayed 3×, each sampler once
+    assert (s.graphed.captures, s.graphed.replays) == (3, 5)
