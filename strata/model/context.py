@@ -21,6 +21,11 @@ class ForwardContext:
     start: int                      # absolute position of the first new token
     positions: torch.Tensor         # [T] absolute positions
     tokens: torch.Tensor | None = None  # [T] the token ids, on the host (the state's history)
+    # Model.new_context: the forward's int64 inputs in one device buffer (one upload) — the
+    # token ids [T], the positions [T], then each Engram layer's row ids [T, n_ids] — of
+    # which `device_tokens`, `positions` and `engram_ids` are views
+    inputs: torch.Tensor | None = None
+    device_tokens: torch.Tensor | None = None
     engram_ids: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [T, n_ids]
     # layer -> a disk table's raw records of engram_ids, read before the forward (graphs only)
     engram_records: dict[int, torch.Tensor] = field(default_factory=dict)

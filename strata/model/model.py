@@ -259,7 +259,7 @@ class Model:
         route = route or self
         with scope("embed"):
             ctx = self.new_context(tokens.cpu(), state, nx)
-        h, pre = route.enter(upload(tokens, self.device), ctx, state, decoder)
+        h, pre = route.enter(ctx.device_tokens, ctx, state, decoder)
         h, pre = self.run_layers(h, pre, ctx, state, decoder)
         out = route.leave(h, pre, ctx, state, logits, decoder)
         self.end_forward(ctx, state)
@@ -281,13 +281,14 @@ class Model:
             return self.logits(h, pre, logits, ctx.numerics)
 
     def new_context(self, tokens: torch.Tensor, state: State, nx: Numerics) -> ForwardContext:
-        """A fresh context for tokens [T] (on the host) at state.position (positions, Engram
-        row ids)."""
-        cfg = self.cfg
+        """A fresh context for tokens [T] (int64, on the host) at state.position: the token
+        ids, positions and Engram row ids made on the host and uploaded in one copy
+        (ForwardContext.inputs) — each small upload or device op costs a decode step's idle
+        GPU a launch."""
         T = tokens.numel()
         start = state.position
-        positions = torch.arange(start, start + T, device=self.device)
-        ctx = ForwardContext(cfg, nx, start, positions, tokens)
+        parts = [tokens, torch.arange(start, start + T)]
+        ids = {}
         if self.hasher is not None:
             # Hashed on the host, where the tokens and their history are: on the device the
             # hash is ~40 tiny launches a forward that a decode step's GPU sits idle through.
@@ -297,7 +298,14 @@ class Model:
             # in flight from an earlier prefetch_engram).
             for layer, store in self.engram_stores.items():
                 store.prefetch(ids[layer])
-            ctx.engram_ids = {layer: upload(v, self.device) for layer, v in ids.items()}
+            parts += [v.reshape(-1) for v in ids.values()]
+        inputs = upload(torch.cat(parts), self.device)
+        ctx = ForwardContext(self.cfg, nx, start, inputs[T:2 * T], tokens, inputs=inputs,
+                             device_tokens=inputs[:T])
+        at = 2 * T
+        for layer, v in ids.items():
+            ctx.engram_ids[layer] = inputs[at:at + v.numel()].view(v.shape)
+            at += v.numel()
         return ctx
 
     def _history(self, state: State) -> torch.Tensor:

@@ -3,7 +3,8 @@ graph captures (embedding → layers → head) and replays at later positions.
 
 Graph replay runs the captured kernels on the captured buffers, so each step's inputs must be
 copied into the buffers the first step used: the token ids, the context's positions and Engram
-row ids. `prepare` does that on the host (validation, Engram hashing, the copies); `run` is the
+row ids, one buffer (ForwardContext.inputs). `prepare` does that on the host (validation,
+Engram hashing, one upload and one copy); `run` is the
 region — called directly it is an ordinary eager forward, under `torch.cuda.graph` it is what
 gets captured; `finish` records the tokens in the state. The layers' ops do not depend on the
 position within an entry bucket (strata/graph_check.py), so one capture serves every step of a
@@ -30,8 +31,7 @@ class StaticStep:
         # Where the stream enters and leaves (Model._forward's route): the model itself, or a
         # group rank's executor (receives it / sends it on; logits on rank 0 only).
         self.route = route or model
-        self.tokens = torch.zeros(T, dtype=torch.long, device=model.device)
-        self.ctx: ForwardContext | None = None
+        self.ctx: ForwardContext | None = None  # the first step's: its buffers are the region's
         self.logits: torch.Tensor | None = None
         self._h = self._pre = None  # the stream between parts
 
@@ -51,13 +51,10 @@ class StaticStep:
                 ctx.engram_records[layer] = raw.to(model.device)
             else:
                 self.ctx.engram_records[layer].copy_(raw)
-        self.tokens.copy_(tokens)
         if self.ctx is None:
             self.ctx = ctx
-        else:
-            self.ctx.positions.copy_(ctx.positions)
-            for layer, ids in ctx.engram_ids.items():
-                self.ctx.engram_ids[layer].copy_(ids)
+        else:  # (token ids, positions and Engram ids: one buffer, one copy)
+            self.ctx.inputs.copy_(ctx.inputs)
             self.ctx.start = ctx.start  # (host bookkeeping only: no op reads it)
         return ctx
 
@@ -87,7 +84,8 @@ class StaticStep:
             def run() -> None:
                 if i == 0:
                     self.ctx.reset_derived()
-                    self._h, self._pre = self.route.enter(self.tokens, self.ctx, self.state)
+                    self._h, self._pre = self.route.enter(self.ctx.device_tokens, self.ctx,
+                                                          self.state)
                 self._h, self._pre = model.run_layers(self._h, self._pre, self.ctx,
                                                       self.state, blocks=group)
                 if i == len(groups) - 1:
