@@ -1,16 +1,16 @@
 # One device call (one GPU) for a change not yet measured, each step with its own timeout and
-# written to $OUT as it runs: (1) the GPU tests it touches (TESTS: pytest arguments; NO_TESTS=1: none; default
-# the EXL3 CUDA kernel's bits against Triton's, its early launch, the CUDA graphs and the fused
-# ops); (2) an A/B of the synthetic V4.1's graphed decode (half the layers, as
+# written to $OUT as it runs: (1) the GPU tests it touches (TESTS: pytest arguments, default
+# the EXL3 CUDA kernel's bits against Triton's, its early launch and the CUDA graphs;
+# NO_TESTS=1: none); (2) an A/B of the synthetic V4.1's graphed decode (half the layers, as
 # scripts/device_mma.sh's), each variant in its own copy of the tree: `kept` as the tree is,
-# any other V with the files under .ab/V/ (an overlay at their repo paths — e.g. `git show
-# HEAD:path` — carried as an ignored folder) copied over it. The order alternates
-# (AB: default "before kept kept before") so drift between runs shows.
+# any other V with the files under .ab/V/ (an overlay at their repo paths, made here by
+# scripts/ab_overlay.sh REV V — carried as an ignored folder) copied over it. The order
+# alternates (AB: default "before kept kept before") so drift between runs shows.
 # On the device: source scripts/device_env.sh && bash scripts/device_probes.sh
 set -o pipefail
-[ -n "$NO_TESTS" ] || timeout ${T1:-200} python -m pytest -q -m gpu -rf --tb=short ${TESTS:-\
-    tests/gpu/test_kernels_exl3_gpu.py tests/gpu/test_cuda_graph_gpu.py -k "mma or early_launch or moe_grouped or graph"} \
-    > $OUT/probe_tests.log 2>&1
+[ -n "$NO_TESTS" ] || timeout ${T1:-200} python -m pytest -q -m gpu -rf --tb=short \
+    ${TESTS:-tests/gpu/test_kernels_exl3_gpu.py tests/gpu/test_cuda_graph_gpu.py \
+    -k "mma or early_launch or moe_grouped or graph"} > $OUT/probe_tests.log 2>&1
 [ -n "$NO_TESTS" ] || tail -4 $OUT/probe_tests.log
 repo=$PWD
 i=0
