@@ -1,7 +1,7 @@
 # One device call (one GPU) for a change not yet measured, each step with its own timeout and
-# written to $OUT as it runs: (1) the GPU tests it touches (TESTS: pytest arguments, default
-# the EXL3 CUDA kernel's bits against Triton's, its early launch and the CUDA graphs;
-# NO_TESTS=1: none); (2) an A/B of the synthetic V4.1's graphed decode (half the layers, as
+# written to $OUT as it runs: (1) the GPU tests it touches (TESTS: files or node ids, nothing
+# quoted; default the EXL3 CUDA kernel's bits against Triton's, its early launch and the CUDA
+# graphs; NO_TESTS=1: none); (2) an A/B of the synthetic V4.1's graphed decode (half the layers, as
 # scripts/device_mma.sh's), each variant in its own copy of the tree: `kept` as the tree is,
 # any other V with the files under .ab/V/ (an overlay at their repo paths, made here by
 # scripts/ab_overlay.sh REV V — carried as an ignored folder) copied over it. The order
