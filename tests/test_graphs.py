@@ -140,6 +140,29 @@ def test_a_replayed_draft_equals_the_eager_one(tiny_dir, monkeypatch):
     assert list(g._markov) == [SamplingParams(0.8, 0.9, seed=3), "greedy"]
 
 
+def test_a_replayed_commit_of_the_draft_windows_equals_the_eager_one(tiny_dir):
+    """DSparkHead.commit_context of a decode-time forward's first rows, replayed from one
+    capture per row count at later positions: every DSpark window ring row and tag equals
+    the eager commit's; more rows than a verify window, or an open journal, run eagerly."""
+    model = Model.load(tiny_dir, "cpu", Numerics("vendor"))
+    nx = model.numerics
+    s = Session(model, 96, speculative=SpecConfig())
+    s.prefill(random_tokens(40, seed=13))
+    ref = s.state.clone()
+    g = _graphed(model, s)
+    big = model.cfg.dspark_block_size + 2
+    for rows, tokens in ((1, [7]), (3, [5, 9, 11, 12]), (1, [4]), (3, [8, 2, 6]),
+                         (big, list(range(3, 3 + big)))):
+        start = s.state.position
+        _, ctx = g.forward(torch.tensor(tokens), "all")
+        g.commit_context(ctx, rows, start)
+        _, rctx = model.forward(torch.tensor(tokens), ref, logits="all")
+        model.dspark.commit_context(model.dspark.main_hidden(rctx)[:rows], start, ref, nx)
+        for mine, theirs in zip(s.state.dspark, ref.dspark):
+            assert torch.equal(mine.rows, theirs.rows) and torch.equal(mine.tags, theirs.tags)
+    assert sorted(g._commits) == [1, 3]  # (the big commit ran eagerly)
+
+
 def test_disk_engram_is_read_before_the_replay(tiny_dir):
     """Engram tables on disk: a graphed step reads its records on the host before the
     replay (the store's cache cannot run inside a graph) into a fixed buffer the graph

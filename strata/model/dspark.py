@@ -87,12 +87,16 @@ class DSparkHead:
                        nx: Numerics) -> None:
         """Write the stage windows for committed main rows at positions start.. ."""
         with scope("draft"), made_current(main_hidden.device):
-            self._commit_context(main_hidden, start, state, nx)
+            positions = torch.arange(start, start + main_hidden.shape[0],
+                                     device=main_hidden.device)
+            self.commit_rows(main_hidden, positions, start, state, nx)
 
-    def _commit_context(self, main_hidden: torch.Tensor, start: int, state: State,
-                        nx: Numerics) -> None:
+    def commit_rows(self, main_hidden: torch.Tensor, positions: torch.Tensor, start: int,
+                    state: State, nx: Numerics) -> None:
+        """commit_context with the rows' positions [T] on the device: no op depends on
+        `start` (only the ring writes' journal bookkeeping reads it, and no journal is open
+        here), so runtime/graphs.py replays it."""
         cfg = self.cfg
-        positions = torch.arange(start, start + main_hidden.shape[0], device=main_hidden.device)
         ctx = ForwardContext(cfg, nx, start, positions)
         main_x = rms_norm(self.main_proj(main_hidden, nx), self.main_norm, cfg.rms_norm_eps)
         for stage in self.stages:

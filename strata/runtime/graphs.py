@@ -23,7 +23,8 @@ Engram tables on disk: a step's records are read on the host before the replay
 The DSpark draft replays from two more graphs: its block through the stages and the head
 (DraftRegion), then the Markov picks with the request's sampler (MarkovPicks: a capture per
 sampler, few kept — every greedy request shares one); eager, the picks were ~60 launches a
-window that the GPU idled through.
+window that the GPU idled through. So do the draft windows of the rows a step or a window
+commits (CommitRegion: a capture per row count).
 
 What a graph cannot replay runs eagerly instead (`Model.forward`): a CPU model and the
 vendor's stale-index-key quirk.
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.current_device import made_current
+from strata.current_device import made_current, upload
 from strata.errors import StrataError
 from strata.model.context import ForwardContext
 from strata.model.dspark import Draft
@@ -236,6 +237,33 @@ class MarkovPicks:
         self.out = r.model.dspark.markov(r.x, r.base, r.tokens[:1], r.ctx.positions + 1, pick)
 
 
+class CommitRegion:
+    """DSparkHead.commit_context for `rows` rows on fixed buffers (the taps' rows and their
+    positions copied in), the region a graph captures."""
+
+    def __init__(self, model, state: State, rows: int) -> None:
+        self.model, self.state, self.rows = model, state, rows
+        self.positions = torch.zeros(rows, dtype=torch.long, device=model.device)
+        self.hidden: torch.Tensor | None = None
+        self.start = 0
+        self.graph = None
+
+    def prepare(self, ctx: ForwardContext, start: int) -> None:
+        """The first `rows` rows of a forward's DSpark taps, at positions start.. ."""
+        m = self.model
+        taps = [ctx.main_hidden[l][:self.rows] for l in m.cfg.dspark_target_layer_ids]
+        if self.hidden is None:
+            self.hidden = torch.cat(taps, dim=-1)
+        else:
+            torch.cat(taps, dim=-1, out=self.hidden)
+        self.positions.copy_(upload(torch.arange(start, start + self.rows), m.device))
+        self.start = start  # (host bookkeeping only: no op reads it)
+
+    def run(self) -> None:
+        m = self.model
+        m.dspark.commit_rows(self.hidden, self.positions, self.start, self.state, m.numerics)
+
+
 class GraphedForward:
     """A state's forwards from graphs. `route` (runtime/static_step): a rank's executor in a
     multi-device group, whose graphs then hold its collectives or point-to-point hand-offs —
@@ -253,6 +281,7 @@ class GraphedForward:
         self.capture_s = 0.0  # time spent warming up and capturing (benchmarks subtract it)
         self._draft: tuple[DraftRegion, object] | None = None
         self._markov: OrderedDict[object, MarkovPicks] = OrderedDict()  # by sampler
+        self._commits: dict[int, CommitRegion] = {}  # by row count
 
     def release(self) -> None:
         """Free every graph now (a later forward captures anew). A group must do this
@@ -262,9 +291,9 @@ class GraphedForward:
             c.graph.reset()
         if self._draft is not None:
             self._draft[1].reset()
-        for picks in self._markov.values():
-            picks.graph.reset()
-        self.captured, self._draft, self._markov = {}, None, OrderedDict()
+        for region in (*self._markov.values(), *self._commits.values()):
+            region.graph.reset()
+        self.captured, self._draft, self._markov, self._commits = {}, None, OrderedDict(), {}
 
     def usable(self) -> bool:
         m, j = self.model, self.state.journal
@@ -344,6 +373,29 @@ class GraphedForward:
                 self.replays += 1
             self._markov[key] = picks  # (the most recent last)
             return picks.out
+
+    @torch.no_grad()
+    def commit_context(self, ctx: ForwardContext, rows: int, start: int) -> None:
+        """DSparkHead.commit_context of the first `rows` rows of a decode-time forward's taps
+        (`ctx`) at positions start.., replayed from a graph per row count (at most a verify
+        window's: eager, ~25 launches the GPU idled through after every window); more rows,
+        or with a journal open, run eagerly."""
+        model, state = self.model, self.state
+        if (rows > model.cfg.dspark_block_size + 1 or state.journal is not None
+                or not self.backend.supports(model.device)):
+            model.dspark.commit_context(model.dspark.main_hidden(ctx)[:rows], start, state,
+                                        model.numerics)
+            return
+        with made_current(model.device):
+            region = self._commits.get(rows)
+            if region is None:
+                region = self._commits[rows] = CommitRegion(model, state, rows)
+                region.prepare(ctx, start)
+                region.graph = self._capture_region(region.run)
+            else:
+                region.prepare(ctx, start)
+                region.graph.replay()
+                self.replays += 1
 
     def _capture_region(self, run):
         """Warm up, capture and replay once a region whose inputs are in place: its results

@@ -139,8 +139,7 @@ class Session:
                 start = self.state.position
                 logits, ctx = self.forward(torch.tensor([tok]), "last")
                 if self.speculative is not None:  # keep the draft windows complete
-                    self.model.dspark.commit_context(self.model.dspark.main_hidden(ctx), start,
-                                                     self.state, self.model.numerics)
+                    self.commit_context(ctx, 1, start)
                 tok = self._pick(logits, params, scripted, emitted)
                 continue
             more = decoder.step(tok, params, max_tokens - emitted)
@@ -157,6 +156,17 @@ class Session:
         if self.graphed is not None:
             return self.graphed.forward(tokens, logits)
         return self.model.forward(tokens, self.state, logits=logits)
+
+    def commit_context(self, ctx, rows: int, start: int) -> None:
+        """The draft windows for the first `rows` rows of a decode-time forward (`ctx`, from
+        `forward`) at positions start..: replayed from a CUDA graph when the session has
+        them, else DSparkHead.commit_context."""
+        if self.graphed is not None:
+            self.graphed.commit_context(ctx, rows, start)
+            return
+        dspark = self.model.dspark
+        dspark.commit_context(dspark.main_hidden(ctx)[:rows], start, self.state,
+                              self.model.numerics)
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams,
               scripted: Sequence[int] | None, i: int) -> int:

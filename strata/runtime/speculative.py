@@ -142,7 +142,7 @@ class DSparkDecoder:
         if L == 0:
             self.stats.plain_steps += 1
             logits, ctx = s.forward(torch.tensor([anchor]), "all")
-            model.dspark.commit_context(model.dspark.main_hidden(ctx), P, state, nx)
+            s.commit_context(ctx, 1, P)
             return [int(sample(logits, torch.tensor([P + 1]), params)[0])]
 
         t0 = time.perf_counter()
@@ -160,7 +160,7 @@ class DSparkDecoder:
         while n < L and drafts[n] == picks[n]:
             n += 1
         state.rollback(to=P + n + 1)
-        model.dspark.commit_context(model.dspark.main_hidden(ctx)[:n + 1], P, state, nx)
+        s.commit_context(ctx, n + 1, P)
         self.stats.verify_s += time.perf_counter() - t0
         self.stats.windows += 1
         self.stats.committed.append(n + 1)

@@ -137,3 +137,25 @@ def test_graphed_draft(cuda, request, fixture):
         model.dspark.commit_context(model.dspark.main_hidden(ctx), start, s.state, nx)
     # the region and two samplers captured; the region replayed 3×, each sampler once
     assert (s.graphed.captures, s.graphed.replays) == (3, 5)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_dir", "exl3_dir"])
+def test_graphed_commit_of_the_draft_windows(cuda, request, fixture):
+    """DSparkHead.commit_context of a decode-time forward's first rows replayed from CUDA
+    graphs (one per row count) at later positions: the DSpark window rings equal the eager
+    commit's bit for bit (the tokens alone would not show a wrong window: only acceptance)."""
+    from strata.runtime.speculative import SpecConfig
+    model = Model.load(request.getfixturevalue(fixture), cuda, Numerics.for_device(cuda))
+    nx = model.numerics
+    s = Session(model, 96, speculative=SpecConfig(), graphs=True)
+    s.prefill(random_tokens(40, seed=13))
+    ref = s.state.clone()
+    for rows, tokens in ((1, [7]), (3, [5, 9, 11, 12]), (1, [4]), (3, [8, 2, 6])):
+        start = s.state.position
+        _, ctx = s.graphed.forward(torch.tensor(tokens), "all")
+        s.graphed.commit_context(ctx, rows, start)
+        _, rctx = model.forward(torch.tensor(tokens), ref, logits="all")
+        model.dspark.commit_context(model.dspark.main_hidden(rctx)[:rows], start, ref, nx)
+        for mine, theirs in zip(s.state.dspark, ref.dspark):
+            assert torch.equal(mine.rows, theirs.rows) and torch.equal(mine.tags, theirs.tags)
+    assert sorted(s.graphed._commits) == [1, 3]
