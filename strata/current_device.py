@@ -29,7 +29,6 @@ def made_current(device: torch.device):
     return _NULL
 
 
-
 def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device`, the copy queued behind the stream's work: a copy from
     pageable memory would wait for that work first (a prefill chunk's host, for the chunk

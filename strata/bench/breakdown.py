@@ -12,7 +12,7 @@ A CUDA graph's kernels are "unattributed" (one `cudaGraphLaunch` for all of them
 NCCL's, which are communication by name wherever they run: profile an eager step for the parts,
 a graphed one for the gaps and its communication (an NCCL kernel's time includes its wait for
 the other rank; eager, that wait takes in the other rank's host launches too). Every kernel is
-also listed by name, and the device's idle gaps by what launched the work that ended them
+also listed by name, and the device's idle gaps by what launched the work around them
 (`gpu_idle`). On CPU each op's own CPU time counts."""
 from __future__ import annotations
 
