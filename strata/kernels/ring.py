@@ -127,14 +127,14 @@ def ring_restore(undos: Sequence[tuple[torch.Tensor, ...]], to: int) -> None:
         if rows.dtype != undos[0][0].dtype or rows.device != undos[0][0].device:
             raise ValueError(f"ring restore: rings of {rows.dtype} on {rows.device} and "
                              f"{undos[0][0].dtype} on {undos[0][0].device} in one launch")
-        if not rows.is_contiguous():
-            raise ValueError("ring restore: the ring's rows are not contiguous")
+        if not rows.is_contiguous() or tags.dtype != torch.int64 or not tags.is_contiguous():
+            raise ValueError("ring restore: the ring's rows and int64 tags must be contiguous")
         if n == 0:
             continue
         if any(rows.data_ptr() == e[4] for e in entries):
             raise ValueError("ring restore: two undos into one ring in one launch")
-        parts = [_flat(old_rows), old_tags.long().contiguous(), slots.long().contiguous(),
-                 positions.long().contiguous(), rows, tags]
+        parts = [_flat(old_rows).contiguous(), old_tags.long().contiguous(),  # (row stride W)
+                 slots.long().contiguous(), positions.long().contiguous(), rows, tags]
         keep += parts  # (alive until launched: the copies the table points to)
         entries.append([t.data_ptr() for t in parts] + [n, rows[0].numel()])
     if not entries:
