@@ -109,9 +109,9 @@ def test_a_replayed_window_rolls_back_like_an_eager_one(tiny_dir):
 
 def test_a_replayed_draft_equals_the_eager_one(tiny_dir, monkeypatch):
     """The DSpark draft's stages and head from one capture, and its Markov picks from one
-    capture per sampler, replayed at later positions: the same drafts, logits and
-    confidences as DSparkHead.draft with that sampler — greedy requests of any seed share a
-    capture, sampling ones have their own, and the oldest beyond MARKOV_GRAPHS is dropped."""
+    capture per temperature and top-p, replayed at later positions: the same drafts, logits
+    and confidences as DSparkHead.draft with that sampler — greedy requests share a capture,
+    a sampler's capture replays any seed, and the oldest beyond MARKOV_GRAPHS is dropped."""
     from strata.runtime import graphs
     from strata.runtime.sampling import SamplingParams, sample
     model = Model.load(tiny_dir, "cpu", Numerics("vendor"))
@@ -122,7 +122,7 @@ def test_a_replayed_draft_equals_the_eager_one(tiny_dir, monkeypatch):
     nx = model.numerics
     monkeypatch.setattr(graphs, "MARKOV_GRAPHS", 2)
     samplers = [SamplingParams(), SamplingParams(seed=9), SamplingParams(0.8, 0.9, seed=3),
-                SamplingParams(1.2, seed=4), SamplingParams(0.8, 0.9, seed=3),
+                SamplingParams(1.2, seed=4), SamplingParams(0.8, 0.9, seed=99),
                 SamplingParams(seed=2)]
     for anchor, params in zip((7, 100, 31, 55, 64, 12), samplers):
         def pick(lg, positions):
@@ -134,10 +134,10 @@ def test_a_replayed_draft_equals_the_eager_one(tiny_dir, monkeypatch):
         start = s.state.position
         _, ctx = model.forward(torch.tensor([anchor]), s.state, logits="none")
         model.dspark.commit_context(model.dspark.main_hidden(ctx), start, s.state, nx)
-    # captures: the region, greedy, (0.8, 0.9, 3), (1.2, 4) — greedy dropped: two kept —
-    # and greedy again, dropping (1.2, 4); replays: the region 5×, greedy and (0.8, 0.9, 3)
+    # captures: the region, greedy, (0.8, 0.9), (1.2, 1) — greedy dropped: two kept — and
+    # greedy again, dropping (1.2, 1); replays: the region 5×, greedy, (0.8, 0.9) with seed 99
     assert (g.captures, g.replays) == (5, 7)
-    assert list(g._markov) == [SamplingParams(0.8, 0.9, seed=3), "greedy"]
+    assert list(g._markov) == [(0.8, 0.9), "greedy"]
 
 
 def test_a_replayed_commit_of_the_draft_windows_equals_the_eager_one(tiny_dir):

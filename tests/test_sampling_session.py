@@ -90,3 +90,16 @@ def test_session_capacity(tiny_reference):
     with pytest.raises(CapacityError, match="20"):
         list(s.generate(random_tokens(15, seed=1), 10))
     assert s.position == 0
+
+
+def test_the_noise_of_a_seed_held_in_a_tensor_is_the_seeds():
+    """A graph replays the Markov picks with the seed in a device buffer (runtime/graphs.py):
+    the same integer ops on a 0-d int64 tensor give the int seed's noise bit for bit."""
+    pos = torch.tensor([0, 5, 2 ** 33 + 7])
+    for seed in (0, 7, 2 ** 40 + 3, 2 ** 63 - 1):
+        assert torch.equal(uniform_noise(torch.tensor(seed), pos, 500),
+                           uniform_noise(seed, pos, 500))
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(0.7, 0.9, seed=12345)
+    assert torch.equal(sample(logits, pos, params, seed=torch.tensor(12345)),
+                       sample(logits, pos, params))

@@ -22,7 +22,8 @@ Engram tables on disk: a step's records are read on the host before the replay
 
 The DSpark draft replays from two more graphs: its block through the stages and the head
 (DraftRegion), then the Markov picks with the request's sampler (MarkovPicks: a capture per
-sampler, few kept — every greedy request shares one); eager, the picks were ~60 launches a
+temperature and top-p, any seed, few kept — every greedy request shares one); eager, the
+picks were ~60 launches a
 window that the GPU idled through. So do the draft windows of the rows a step or a window
 commits (CommitRegion: a capture per row count).
 
@@ -62,8 +63,8 @@ from strata.runtime.static_step import StaticStep
 # launch then takes less time than the part before it runs.
 PART_LAYERS = (1, 2, 4)
 
-# Markov-pick graphs kept per state, one per sampler (temperature, top_p, seed — every greedy
-# request shares one): a sampling request with its own seed captures anew (a few ms).
+# Markov-pick graphs kept per state, one per sampler's temperature and top-p (the seed is a
+# device input; every greedy request shares one): another sampler captures anew (a few ms).
 MARKOV_GRAPHS = 4
 
 
@@ -221,19 +222,25 @@ class DraftRegion:
 
 class MarkovPicks:
     """The draft's Markov picks with one sampler after its DraftRegion (its rows, base
-    logits, anchor and positions read from the region's buffers), the region a graph
-    captures; `out` is the draft it computes."""
+    logits, anchor and positions read from the region's buffers; the sampler's seed from a
+    buffer of its own: one capture serves every seed), the region a graph captures; `out` is
+    the draft it computes."""
 
     def __init__(self, region: DraftRegion, params: SamplingParams) -> None:
         self.region, self.params = region, params
+        self.seed = torch.zeros((), dtype=torch.long, device=region.tokens.device)
         self.out: Draft | None = None
         self.graph = None
+
+    def prepare(self, params: SamplingParams) -> None:
+        if not params.greedy:  # (greedy reads no noise)
+            self.seed.fill_(params.seed)  # (a fill with a scalar: no host upload)
 
     def run(self) -> None:
         r = self.region
 
         def pick(lg, positions):
-            return sample(lg, positions, self.params)
+            return sample(lg, positions, self.params, seed=self.seed)
         self.out = r.model.dspark.markov(r.x, r.base, r.tokens[:1], r.ctx.positions + 1, pick)
 
 
@@ -346,9 +353,9 @@ class GraphedForward:
     def draft(self, anchor: int, params: SamplingParams) -> Draft:
         """DSparkHead.draft with the sampler of `params`, replayed from graphs: the stages
         and the head (one capture for the session: the block's size is fixed and its ops do
-        not depend on the position), then the Markov picks (a capture per sampler — one for
-        every greedy request — the last MARKOV_GRAPHS kept). The draft's tensors are valid
-        until the next call."""
+        not depend on the position), then the Markov picks (a capture per sampler's
+        temperature and top-p — any seed; one for every greedy request — the last
+        MARKOV_GRAPHS kept). The draft's tensors are valid until the next call."""
         model, state = self.model, self.state
         P = state.position
         with made_current(model.device):
@@ -361,14 +368,16 @@ class GraphedForward:
                 region.prepare(anchor, P)
                 graph.replay()
                 self.replays += 1
-            key = "greedy" if params.greedy else params
+            key = "greedy" if params.greedy else (params.temperature, params.top_p)
             picks = self._markov.pop(key, None)
             if picks is None:
                 picks = MarkovPicks(region, params)
+                picks.prepare(params)
                 picks.graph = self._capture_region(picks.run)
                 while len(self._markov) >= MARKOV_GRAPHS:
                     self._markov.pop(next(iter(self._markov))).graph.reset()
             else:
+                picks.prepare(params)
                 picks.graph.replay()
                 self.replays += 1
             self._markov[key] = picks  # (the most recent last)

@@ -34,8 +34,10 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def uniform_noise(seed: int, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """U(0,1) fp64 [R, V], a deterministic function of (seed, position, token id)."""
+def uniform_noise(seed: int | torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """U(0,1) fp64 [R, V], a deterministic function of (seed, position, token id). `seed`: an
+    int, or an int64 0-d tensor on the positions' device holding it (the same bits: the same
+    integer ops) — a CUDA graph then replays with any seed."""
     dev = positions.device
     v = torch.arange(vocab, device=dev, dtype=torch.long)[None, :]
     p = positions.long()[:, None]
@@ -66,18 +68,21 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def sample(logits: torch.Tensor, positions: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def sample(logits: torch.Tensor, positions: torch.Tensor, params: SamplingParams,
+           seed: torch.Tensor | None = None) -> torch.Tensor:
     """Token ids [R] for logits [R, V] fp32 of the rows at absolute `positions` [R].
 
     Greedy: argmax (ties to the lowest id). Otherwise softmax(logits / T) restricted to the
     top-p nucleus (smallest prefix by descending probability, ties by id, whose mass reaches
-    top_p), sampled by Gumbel-max with the position-keyed noise.
+    top_p), sampled by Gumbel-max with the position-keyed noise. `seed`: params.seed held in
+    an int64 0-d device tensor instead (uniform_noise), for a graph that replays any seed.
     """
     with scope("sampling"), made_current(logits.device):
-        return _sample(logits, positions, params)
+        return _sample(logits, positions, params, params.seed if seed is None else seed)
 
 
-def _sample(logits: torch.Tensor, positions: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def _sample(logits: torch.Tensor, positions: torch.Tensor, params: SamplingParams,
+            seed: int | torch.Tensor) -> torch.Tensor:
     logits = logits.float()
     if params.greedy:
         return logits.argmax(dim=-1)
@@ -89,6 +94,6 @@ def _sample(logits: torch.Tensor, positions: torch.Tensor, params: SamplingParam
         keep_sorted = before < params.top_p
         keep = torch.zeros_like(keep_sorted).scatter(-1, order.indices, keep_sorted)
         z = torch.where(keep, z, torch.full_like(z, float("-inf")))
-    u = uniform_noise(params.seed, positions.to(logits.device), logits.shape[-1])
+    u = uniform_noise(seed, positions.to(logits.device), logits.shape[-1])
     gumbel = -torch.log(-torch.log(u))
     return (z + gumbel).argmax(dim=-1)
