@@ -29,10 +29,12 @@ def made_current(device: torch.device):
     return _NULL
 
 
-def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`, the copy queued behind the stream's work: a copy from
-    pageable memory would wait for that work first (a prefill chunk's host, for the chunk
-    before it) — so through pinned memory on CUDA."""
-    if device.type != "cuda" or t.device.type != "cpu":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+def upload(t: torch.Tensor, device: torch.device,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """A host tensor on `device` (into `out` if given, of its shape), the copy queued behind
+    the stream's work: a copy from pageable memory would wait for that work first (a prefill
+    chunk's host, for the chunk before it) — so through pinned memory on CUDA."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        t = t.pin_memory()
+        return t.to(device, non_blocking=True) if out is None else out.copy_(t, non_blocking=True)
+    return t.to(device) if out is None else out.copy_(t)

@@ -280,11 +280,12 @@ class Model:
         with scope("head"):
             return self.logits(h, pre, logits, ctx.numerics)
 
-    def new_context(self, tokens: torch.Tensor, state: State, nx: Numerics) -> ForwardContext:
+    def new_context(self, tokens: torch.Tensor, state: State, nx: Numerics,
+                    inputs: torch.Tensor | None = None) -> ForwardContext:
         """A fresh context for tokens [T] (int64, on the host) at state.position: the token
         ids, positions and Engram row ids made on the host and uploaded in one copy
-        (ForwardContext.inputs) — each small upload or device op costs a decode step's idle
-        GPU a launch."""
+        (ForwardContext.inputs; into `inputs` if given — a graphed step's fixed buffer) —
+        each small upload or device op costs a decode step's idle GPU a launch."""
         T = tokens.numel()
         start = state.position
         parts = [tokens, torch.arange(start, start + T)]
@@ -299,7 +300,7 @@ class Model:
             for layer, store in self.engram_stores.items():
                 store.prefetch(ids[layer])
             parts += [v.reshape(-1) for v in ids.values()]
-        inputs = upload(torch.cat(parts), self.device)
+        inputs = upload(torch.cat(parts), self.device, inputs)
         ctx = ForwardContext(self.cfg, nx, start, inputs[T:2 * T], tokens, inputs=inputs,
                              device_tokens=inputs[:T])
         at = 2 * T

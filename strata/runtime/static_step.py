@@ -4,7 +4,7 @@ graph captures (embedding → layers → head) and replays at later positions.
 Graph replay runs the captured kernels on the captured buffers, so each step's inputs must be
 copied into the buffers the first step used: the token ids, the context's positions and Engram
 row ids, one buffer (ForwardContext.inputs). `prepare` does that on the host (validation,
-Engram hashing, one upload and one copy); `run` is the
+Engram hashing, one upload into that buffer); `run` is the
 region — called directly it is an ordinary eager forward, under `torch.cuda.graph` it is what
 gets captured; `finish` records the tokens in the state. The layers' ops do not depend on the
 position within an entry bucket (strata/graph_check.py), so one capture serves every step of a
@@ -42,7 +42,9 @@ class StaticStep:
         tokens = model.check_forward(tokens, state, self.mode)
         if tokens.numel() != self.T:
             raise ValueError(f"this static step takes {self.T} tokens, got {tokens.numel()}")
-        ctx = model.new_context(tokens, state, model.numerics)
+        # (after the first step, uploaded straight into the first step's buffer)
+        ctx = model.new_context(tokens, state, model.numerics,
+                                None if self.ctx is None else self.ctx.inputs)
         # Disk tables: the step's records are read here, on the host (the store's cache and
         # reads cannot run inside a graph), into a fixed device buffer the region dequantises.
         for layer, store in model.engram_stores.items():
@@ -53,8 +55,7 @@ class StaticStep:
                 self.ctx.engram_records[layer].copy_(raw)
         if self.ctx is None:
             self.ctx = ctx
-        else:  # (token ids, positions and Engram ids: one buffer, one copy)
-            self.ctx.inputs.copy_(ctx.inputs)
+        else:
             self.ctx.start = ctx.start  # (host bookkeeping only: no op reads it)
         return ctx
 
