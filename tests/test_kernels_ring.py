@@ -10,7 +10,7 @@ import torch
 
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernel is first launched
 
-from strata.kernels.ring import ring_restore, ring_write  # noqa: E402
+from strata.kernels.ring import restore_entry, ring_restore, ring_write  # noqa: E402
 from strata.runtime.state import Journal, PositionRing  # noqa: E402
 
 
@@ -67,17 +67,59 @@ def test_a_mismatched_restore_is_refused():
     rows, tags = torch.zeros(4, 3), torch.zeros(4, dtype=torch.long)
     slots = torch.arange(2)
     with pytest.raises(ValueError, match="ring restore"):
-        ring_restore([(rows, tags, slots, slots, torch.zeros(2, 3, dtype=torch.bfloat16),
-                       slots)], 1)
+        restore_entry(rows, tags, slots, slots, torch.zeros(2, 3, dtype=torch.bfloat16), slots)
     with pytest.raises(ValueError, match="ring restore"):
-        ring_restore([(rows, tags, slots, torch.arange(3), torch.zeros(2, 3), slots)], 1)
-    one = (rows, tags, slots, slots, torch.zeros(2, 3), slots)
+        restore_entry(rows, tags, slots, torch.arange(3), torch.zeros(2, 3), slots)
+    with pytest.raises(ValueError, match="contiguous"):  # (the entry is kept: no copies)
+        restore_entry(rows, tags, slots, slots, torch.zeros(3, 2).t(), slots)
+    with pytest.raises(ValueError, match="int64"):
+        restore_entry(rows, tags, slots.int(), slots, torch.zeros(2, 3), slots)
+    one = restore_entry(rows, tags, slots, slots, torch.zeros(2, 3), slots)
     with pytest.raises(ValueError, match="two undos into one ring"):
         ring_restore([one, one], 1)
-    other = (torch.zeros(4, 3, dtype=torch.bfloat16), tags.clone(), slots, slots,
-             torch.zeros(2, 3, dtype=torch.bfloat16), slots)
+    other = restore_entry(torch.zeros(4, 3, dtype=torch.bfloat16), tags.clone(), slots, slots,
+                          torch.zeros(2, 3, dtype=torch.bfloat16), slots)
     with pytest.raises(ValueError, match="in one launch"):
         ring_restore([one, other], 1)
+
+
+def test_a_replayed_writes_restore_reuses_its_table(monkeypatch):
+    """A CUDA graph's recorded write, replayed (shifted) and rolled back window after window:
+    its table row is made once on the recorded write, the restore's table is found by content
+    (no new upload), and each rollback restores what the torch undo restores."""
+    from strata.kernels import ring
+    from strata.runtime.state import Journal
+    g = torch.Generator().manual_seed(7)
+    r, ref = (PositionRing(8, (2, 300), torch.float32, "cpu", keep=3) for _ in range(2))
+    for x in (r, ref):
+        x.write(0, torch.arange(0, 6), torch.randn(6, 2, 300, generator=g), None)
+        g = torch.Generator().manual_seed(7)
+    j = Journal(start=6)
+    r.write(6, torch.arange(6, 9), torch.randn(3, 2, 300), j)
+    recorded = j.writes[0]
+    ring._TABLES.clear()
+    for window in range(3):
+        # what a replay at this window's position does: the recorded tensors get new values
+        # (the slots this window displaces), the write goes to the live journal shifted
+        new = torch.randn(3, 2, 300)
+        for x in (r, ref):
+            x.rows[recorded.slots] = new
+            x.tags[recorded.slots] = recorded.positions
+        recorded.old_rows.copy_(torch.randn(3, 2, 300))
+        recorded.old_tags.copy_(torch.arange(3) + 10 * window)
+        w = recorded.shifted(0)
+        assert w.restore_entry() is recorded.restore_entry()
+        with monkeypatch.context() as m:
+            m.setattr(ring, "available", lambda rows, src: True)
+            w.undo_from(7)
+        with monkeypatch.context() as m:
+            m.setattr(ring, "available", lambda rows, src: False)
+            w_ref = type(w)(ref, *[getattr(w, f) for f in
+                                   ("first", "kept_from", "slots", "positions", "old_rows",
+                                    "old_tags")])
+            w_ref.undo_from(7)
+        assert torch.equal(r.rows, ref.rows) and torch.equal(r.tags, ref.tags)
+        assert len(ring._TABLES) == 1
 
 
 def test_a_rollback_restores_its_rings_in_few_launches_as_the_torch_undo_does(monkeypatch):

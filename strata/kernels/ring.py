@@ -19,6 +19,7 @@ session 18).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -109,37 +110,67 @@ def ring_write(rows: torch.Tensor, tags: torch.Tensor, positions: torch.Tensor,
 
 
 TABLE = 8  # int64 entries a write takes in the restore's table
+# Restore tables by content (device, entries): a graph's journaled writes are the same tensors
+# at every replay, so a window's rollback finds its table here instead of building and
+# uploading it (the host's ~25 µs a write was on the critical path: the GPU waits for it).
+TABLES_KEPT = 64
+_TABLES: dict[tuple, torch.Tensor] = {}
 
 
-def ring_restore(undos: Sequence[tuple[torch.Tensor, ...]], to: int) -> None:
-    """For each undo (rows, tags, slots, positions, old_rows, old_tags) — a journaled write's
-    — where positions ≥ to: rows[slots] = old_rows, tags[slots] = old_tags; rows [size, ...]
-    contiguous, old_rows [n, ...] of its dtype and row shape, slots / positions / old_tags
-    [n], slots distinct. One launch: the undos' rings are distinct (their order is not kept)
-    and of one dtype, on one device."""
-    entries, keep = [], []
-    for rows, tags, slots, positions, old_rows, old_tags in undos:
-        n = old_rows.shape[0]
-        if (old_rows.shape[1:] != rows.shape[1:] or old_rows.dtype != rows.dtype
-                or slots.shape != (n,) or positions.shape != (n,) or old_tags.shape != (n,)):
-            raise ValueError(f"ring restore: {n} rows of {list(old_rows.shape[1:])} "
-                             f"{old_rows.dtype} into {list(rows.shape)} {rows.dtype}")
-        if rows.dtype != undos[0][0].dtype or rows.device != undos[0][0].device:
-            raise ValueError(f"ring restore: rings of {rows.dtype} on {rows.device} and "
-                             f"{undos[0][0].dtype} on {undos[0][0].device} in one launch")
-        if not rows.is_contiguous() or tags.dtype != torch.int64 or not tags.is_contiguous():
-            raise ValueError("ring restore: the ring's rows and int64 tags must be contiguous")
-        if n == 0:
-            continue
-        if any(rows.data_ptr() == e[4] for e in entries):
-            raise ValueError("ring restore: two undos into one ring in one launch")
-        parts = [_flat(old_rows).contiguous(), old_tags.long().contiguous(),  # (row stride W)
-                 slots.long().contiguous(), positions.long().contiguous(), rows, tags]
-        keep += parts  # (alive until launched: the copies the table points to)
-        entries.append([t.data_ptr() for t in parts] + [n, rows[0].numel()])
+@dataclass(frozen=True)
+class RestoreEntry:
+    """One journaled write's row of the restore's address table, checked once (a RingWrite
+    keeps it, and a graph's replays share it): the addresses of its old rows, old tags,
+    slots, positions, ring rows and ring tags, then its row count and row width."""
+    values: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    tensors: tuple  # what the addresses point to (kept alive with the entry)
+
+
+def restore_entry(rows: torch.Tensor, tags: torch.Tensor, slots: torch.Tensor,
+                  positions: torch.Tensor, old_rows: torch.Tensor,
+                  old_tags: torch.Tensor) -> RestoreEntry | None:
+    """The table row of an undo of a journaled write (rows[slots] = old_rows, tags[slots] =
+    old_tags where positions ≥ to): rows [size, ...] contiguous, old_rows [n, ...] of its
+    dtype and row shape, slots / positions / old_tags [n], slots distinct. None for n = 0."""
+    n = old_rows.shape[0]
+    if (old_rows.shape[1:] != rows.shape[1:] or old_rows.dtype != rows.dtype
+            or slots.shape != (n,) or positions.shape != (n,) or old_tags.shape != (n,)):
+        raise ValueError(f"ring restore: {n} rows of {list(old_rows.shape[1:])} "
+                         f"{old_rows.dtype} into {list(rows.shape)} {rows.dtype}")
+    # (no copies: the entry is kept, and a graph's replays write new values into these very
+    # tensors)
+    parts = (old_rows, old_tags, slots, positions, rows, tags)
+    if any(not t.is_contiguous() for t in parts) or any(
+            t.dtype != torch.int64 for t in (old_tags, slots, positions, tags)):
+        raise ValueError("ring restore: the ring's rows, the old rows and the int64 tags, "
+                         "slots and positions must be contiguous")
+    if n == 0:
+        return None
+    return RestoreEntry(tuple(t.data_ptr() for t in parts) + (n, rows[0].numel()),
+                        rows.dtype, rows.device, parts)
+
+
+def ring_restore(entries: Sequence[RestoreEntry | None], to: int) -> None:
+    """Undo the entries' writes (restore_entry) for their positions ≥ to, in one launch: the
+    entries' rings are distinct (their order is not kept) and of one dtype, on one device
+    (None entries, empty writes, are skipped)."""
+    entries = [e for e in entries if e is not None]
     if not entries:
         return
-    dev = undos[0][0].device
-    table = upload(torch.tensor(entries, dtype=torch.int64), dev)
-    _ring_restore_kernel[(len(entries), max(e[6] for e in entries))](
-        table, undos[0][0], to, TABLE=TABLE, BLOCK=BLOCK, num_warps=4)
+    first = entries[0]
+    if any(e.dtype != first.dtype or e.device != first.device for e in entries):
+        raise ValueError(f"ring restore: rings of several dtypes or devices ({first.dtype} on "
+                         f"{first.device} among them) in one launch")
+    if len({e.values[4] for e in entries}) < len(entries):
+        raise ValueError("ring restore: two undos into one ring in one launch")
+    key = (first.device, tuple(e.values for e in entries))
+    table = _TABLES.get(key)
+    if table is None:
+        if len(_TABLES) >= TABLES_KEPT:
+            _TABLES.clear()
+        table = _TABLES[key] = upload(torch.tensor([e.values for e in entries],
+                                                   dtype=torch.int64), first.device)
+    _ring_restore_kernel[(len(entries), max(e.values[6] for e in entries))](
+        table, first.tensors[4], to, TABLE=TABLE, BLOCK=BLOCK, num_warps=4)

@@ -98,6 +98,10 @@ class RingWrite:
     positions: torch.Tensor    # positions actually stored (the last `size` of the write)
     old_rows: torch.Tensor
     old_tags: torch.Tensor
+    # the write this one is a shifted copy of (a CUDA graph's recorded write): they share
+    # their tensors, so the restore's table row is made once, on the source
+    source: "RingWrite | None" = field(default=None, repr=False, compare=False)
+    _entry: object = field(default=None, init=False, repr=False, compare=False)
 
     def undo_from(self, to: int) -> None:
         """Restore the slots of positions ≥ `to`."""
@@ -109,10 +113,14 @@ class RingWrite:
             raise ValueError(f"cannot roll back to position {to}: this write kept only "
                              f"positions ≥ {kept_from} of the {self.ring.keep} it needs before {to}")
 
-    def undo_args(self) -> tuple[torch.Tensor, ...]:
-        """What kernels/ring.ring_restore takes for this write."""
-        return (self.ring.rows, self.ring.tags, self.slots, self.positions, self.old_rows,
+    def restore_entry(self):
+        """This write's row of kernels/ring.ring_restore's table (made on first use)."""
+        src = self.source or self
+        if src._entry is None:
+            src._entry = ring_kernels.restore_entry(
+                self.ring.rows, self.ring.tags, self.slots, self.positions, self.old_rows,
                 self.old_tags)
+        return src._entry
 
     def undo_torch(self, to: int) -> None:
         # Every slot is rewritten, with its old or its current row: no boolean indexing, so
@@ -127,7 +135,7 @@ class RingWrite:
         """The same write `delta` positions later (its device tensors shared): a CUDA graph's
         recorded write, replayed at another position (runtime/graphs.py)."""
         return RingWrite(self.ring, self.first + delta, self.kept_from + delta, self.slots,
-                         self.positions, self.old_rows, self.old_tags)
+                         self.positions, self.old_rows, self.old_tags, self.source or self)
 
 
 def undo_writes(writes: list[RingWrite], to: int) -> None:
@@ -143,7 +151,7 @@ def undo_writes(writes: list[RingWrite], to: int) -> None:
     def flush(dtype: torch.dtype) -> None:
         batch = batches.pop(dtype, [])
         if batch:
-            ring_kernels.ring_restore([b.undo_args() for b in batch], to)
+            ring_kernels.ring_restore([b.restore_entry() for b in batch], to)
     for w in writes:
         dtype = w.ring.rows.dtype
         if not ring_kernels.available(w.ring.rows, w.old_rows):
