@@ -132,14 +132,26 @@ class DSparkHead:
         """The block [anchor, noise…] through the stages: (pre-norm rows x [γ, D] fp32, base
         logits [γ, V] fp32). Its ops do not depend on the position (runtime/graphs.py
         replays them)."""
-        cfg, nx, g = self.cfg, ctx.numerics, tokens.numel()
+        h, pre = self.block_stream(embed, tokens, ctx.numerics)
+        for stage in self.stages:
+            h, pre = stage.forward(h, pre, ctx, state)
+        return self.block_logits(h, pre, head, ctx.numerics)
+
+    # draft_rows' pieces (runtime/graphs.py replays the draft as a chain of graphs of them)
+    def block_stream(self, embed: torch.Tensor, tokens: torch.Tensor,
+                     nx: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's initial stream h [γ, H, D] (every copy the embedding), pre = one-hot(0)."""
+        cfg, g = self.cfg, tokens.numel()
         h = embed[tokens].to(nx.act_dtype)[:, None, :].expand(g, cfg.hc_mult, -1).contiguous()
         pre = torch.zeros((g, cfg.hc_mult), dtype=torch.float32, device=tokens.device)
         pre[:, 0] = 1.0
-        for stage in self.stages:
-            h, pre = stage.forward(h, pre, ctx, state)
+        return h, pre
+
+    def block_logits(self, h: torch.Tensor, pre: torch.Tensor, head,
+                     nx: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pre-norm rows x [γ, D] fp32, base logits [γ, V] fp32) after the last stage."""
         x = collapse(h, pre).float()  # pre-norm rows: the confidence head reads these
-        return x, head(rms_norm(x, self.norm, cfg.rms_norm_eps), nx, torch.float32)
+        return x, head(rms_norm(x, self.norm, self.cfg.rms_norm_eps), nx, torch.float32)
 
     def markov(self, x: torch.Tensor, base: torch.Tensor, anchor: torch.Tensor,
                positions: torch.Tensor, pick) -> Draft:
@@ -148,7 +160,9 @@ class DSparkHead:
         stay on the device — each selects the next row's embedding by index — so drafting
         waits for the GPU nowhere (the caller's `.tolist()` of the tokens is the one wait),
         and no op depends on the position (runtime/graphs.py replays them)."""
-        head_m = self.markov_head.float()
+        # (the head as stored: a row product upcasts each weight exactly, as .float() would,
+        # without a [V, R] fp32 copy — 132 MB written and read per pick — every draft)
+        head_m = self.markov_head
         prev = anchor.view(1)
         out_tokens, out_logits, conf = [], [], []
         for i in range(base.shape[0]):

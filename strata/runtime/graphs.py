@@ -205,7 +205,9 @@ class DraftRegion:
         self.tokens = torch.full((g,), cfg.dspark_noise_token_id, dtype=torch.long, device=dev)
         self.ctx = ForwardContext(cfg, model.numerics, 0, torch.zeros(g, dtype=torch.long,
                                                                      device=dev))
-        self.x = self.base = None
+        # the stream between the pieces, then the rows and base logits: kept here, with
+        # the graphs (their memory in the graphs' pool stays theirs)
+        self.h = self.pre = self.x = self.base = None
 
     def prepare(self, anchor: int, P: int) -> None:
         g = self.tokens.numel()
@@ -214,10 +216,30 @@ class DraftRegion:
         self.ctx.start = P  # (host bookkeeping only: no op reads it)
 
     def run(self) -> None:
+        for part in self.parts():
+            part()
+
+    def parts(self) -> list:
+        """The region as consecutive pieces, one a stage (the embedding with the first, the
+        head with the last), each a graph of its own: replayed in order, the GPU runs the
+        first stage while the host launches the next (one graph of the whole draft took the
+        host ~0.4 ms to launch while the GPU waited: bench/results/performance.md, session
+        19). The same ops as DSparkHead.draft_rows."""
         m = self.model
-        self.ctx.reset_derived()
-        self.x, self.base = m.dspark.draft_rows(m.embed, m.head, self.tokens, self.ctx,
-                                                self.state)
+        dspark, stages = m.dspark, m.dspark.stages
+
+        def piece(i: int):
+            def run() -> None:
+                if i == 0:
+                    self.ctx.reset_derived()
+                    self.h, self.pre = dspark.block_stream(m.embed, self.tokens, m.numerics)
+                if stages:
+                    self.h, self.pre = stages[i].forward(self.h, self.pre, self.ctx, self.state)
+                if i == max(len(stages), 1) - 1:
+                    self.x, self.base = dspark.block_logits(self.h, self.pre, m.head,
+                                                            m.numerics)
+            return run
+        return [piece(i) for i in range(max(len(stages), 1))]
 
 
 class MarkovPicks:
@@ -362,7 +384,7 @@ class GraphedForward:
             if self._draft is None:
                 region = DraftRegion(model, state)
                 region.prepare(anchor, P)
-                self._draft = region, self._capture_region(region.run)
+                self._draft = region, self._capture_region(*region.parts())
             else:
                 region, graph = self._draft
                 region.prepare(anchor, P)
@@ -406,13 +428,15 @@ class GraphedForward:
                 region.graph.replay()
                 self.replays += 1
 
-    def _capture_region(self, run):
-        """Warm up, capture and replay once a region whose inputs are in place: its results
-        are computed by the replay (a capture records kernels without running them)."""
+    def _capture_region(self, *parts) -> Chain:
+        """Warm up, capture and replay once a region whose inputs are in place, as a chain
+        of one graph per part (its pieces in order): its results are computed by the replay
+        (a capture records kernels without running them)."""
         self.backend.synchronize()
         t0 = time.perf_counter()
-        self.backend.warm_up(run)
-        graph = self.backend.capture(run, self.state)
+        for run in parts:
+            self.backend.warm_up(run)
+        graph = Chain([self.backend.capture(run, self.state) for run in parts])
         self.backend.synchronize()
         self.capture_s += time.perf_counter() - t0
         self.captures += 1
