@@ -886,6 +886,122 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
     return y.reshape(*lead, n_out)
 
 
+# ------------------------------------------------------- linears of one input (ragged sets)
+
+@dataclass
+class SetWeight:
+    """One linear of an exl3_linear_set call: its stored tensors, output width and dtype,
+    and its split schedule (exl3_linear's sched_cols / target_programs)."""
+    trellis: torch.Tensor
+    suh: torch.Tensor
+    svh: torch.Tensor
+    out_features: int
+    out_dtype: torch.dtype
+    sched_cols: int | None = None
+    target_programs: int | None = None
+
+
+@dataclass
+class _SetPlan:
+    """What an exl3_linear_set call of M rows needs besides its input, made once (graph
+    warm-ups make it before a capture): the table, buffer sizes and the outputs' places."""
+    table: torch.Tensor                        # [W, SET_ROW] int64 on the device
+    suh: torch.Tensor                          # set 0's suh, the others at ssuh_set
+    ssuh_set: int
+    keep: list                                 # (a stacked suh copy, when one was needed)
+    programs: int
+    out_bytes: int
+    views: list[tuple[int, torch.dtype, int]]  # per weight: byte offset, dtype, width
+    part_floats: int
+    counters: int
+
+
+SET_PLANS_KEPT = 256
+_SET_PLANS: dict[tuple, _SetPlan] = {}
+
+
+def _set_plan(x2: torch.Tensor, weights: Sequence[SetWeight], codebook: str):
+    """The plan of a ragged-set call, or None where the CUDA kernel does not run it."""
+    M = x2.shape[0]
+    key = (M, x2.device, codebook) + tuple(
+        (w.trellis.data_ptr(), tuple(w.trellis.shape), w.suh.data_ptr(), w.svh.data_ptr(),
+         w.out_features, w.out_dtype, w.sched_cols, w.target_programs) for w in weights)
+    if key in _SET_PLANS:
+        return _SET_PLANS[key]
+    if torch.cuda.is_current_stream_capturing():  # (the table's upload waits: not in a capture)
+        return None
+    cb = CODEBOOK_IDS[codebook]
+    kt, _, K2 = _check_shapes(weights[0].trellis, codebook)
+    rows, views = [], []
+    programs = out_bytes = part_floats = counters = 0
+    for w in weights:
+        wkt, nt, wK2 = _check_shapes(w.trellis, codebook)
+        n_p = 16 * nt
+        per, S = split_schedule(16 * kt, w.sched_cols or n_p, w.target_programs)
+        if (wkt, wK2) != (kt, K2) or w.trellis.dim() != 3 or not w.trellis.is_contiguous() \
+                or w.suh.shape != (16 * kt,) or w.svh.shape != (n_p,) \
+                or w.out_features > n_p or not w.svh.is_contiguous() or exl3_mma.why_not(
+                    x2, K2, cb, n_p, w.out_dtype, None, w.trellis, S, ragged=True) is not None:
+            return None
+        cols = n_p // 64  # (4 warps a program: 64 columns)
+        out_bytes = -(-out_bytes // 16) * 16
+        rows.append(exl3_mma.set_row(programs, cols, S, per, nt * 4 * K2, w.out_features,
+                                     w.out_dtype, w.trellis, w.svh, out_bytes, w.out_features,
+                                     part_floats, n_p, M * n_p, counters))
+        views.append((out_bytes, w.out_dtype, w.out_features))
+        programs += cols * S
+        out_bytes += M * w.out_features * w.out_dtype.itemsize
+        part_floats += S * M * n_p
+        counters += n_p // 128
+    suhs = [w.suh for w in weights]
+    keep = []
+    step = _set_stride(suhs, "suh") if all(t.is_contiguous() for t in suhs) else None
+    if step is None:  # not evenly spaced: one stacked copy, kept with the plan
+        keep = [torch.stack(suhs)]
+        suhs, step = [keep[0][0]], keep[0].stride(0)
+    table = torch.tensor(rows, dtype=torch.int64).to(x2.device)
+    if len(_SET_PLANS) >= SET_PLANS_KEPT:
+        _SET_PLANS.clear()
+    plan = _SET_PLANS[key] = _SetPlan(table, suhs[0], step, keep, programs, out_bytes, views,
+                                      part_floats, counters)
+    return plan
+
+
+def exl3_linear_set(x: torch.Tensor, weights: Sequence[SetWeight],
+                    codebook: str) -> list[torch.Tensor] | None:
+    """Several EXL3 linears of one input x [..., k_in] — one k_p, K and codebook, any output
+    widths and dtypes, no bias — in two launches on the CUDA decode kernel: one rotate_in
+    with every weight's suh, one exl3_mma.linear_set. Each output [..., out_features] is bit
+    for bit exl3_linear's for its weight (the same rotation, split schedule, k-steps and
+    output step). None where that kernel does not run the call (not Hopper, more than
+    exl3_mma.MAX_ROWS rows, a weight it cannot read…): the caller runs each linear."""
+    _require_triton()
+    lead = x.shape[:-1]
+    x2 = _contig_rows(x.reshape(-1, x.shape[-1]))
+    M, k_in = x2.shape
+    if not weights or M == 0 or M > exl3_mma.MAX_ROWS:
+        return None
+    plan = _set_plan(x2, weights, codebook)
+    if plan is None:
+        return None
+    W, dev = len(weights), x.device
+    kp = plan.suh.numel()
+    xr = torch.empty((W, M, kp), dtype=torch.float16, device=dev)
+    # (the set kernel's buffers before the rotation: it directly follows it, early)
+    out = torch.empty(plan.out_bytes, dtype=torch.uint8, device=dev)
+    part = torch.empty(plan.part_floats, dtype=torch.float32, device=dev)
+    cnt = _counters(dev, plan.counters)
+    _rotate_in_kernel[(triton.cdiv(M, ROT_ROWS), kp // 128, W)](
+        x2, plan.suh, xr, x2, M, 1, k_in, x2.stride(0), 0, plan.ssuh_set, xr.stride(0), kp,
+        INV_SQRT128, HAS_EIDX=False, BR=ROT_ROWS, FRAG=True, num_warps=4,
+        enable_fp_fusion=False, **_rotate_launch(dev))
+    exl3_mma.linear_set(xr, plan.table, plan.programs, CODEBOOK_IDS[codebook],
+                        k2_of(weights[0].trellis), out, part, cnt, kp // 128, INV_SQRT128,
+                        early=bool(_pdl(dev)))
+    return [out[o:o + M * n * dt.itemsize].view(dt).view(*lead, n)
+            for o, dt, n in plan.views]
+
+
 # -------------------------------------------------------------------- MoE (grouped by expert)
 
 @dataclass

@@ -13,6 +13,8 @@
 // programs an SM — its register bound; 0: exl3_mma_linear),
 // G (1: grouped — the rows of a program are a tile of (token, slot) pairs sharing one expert,
 // from strata.kernels.moe_grouping, for W weight sets at once: exl3.exl3_moe_linear),
+// RS (1: ragged sets — W weights of one input and one k_p but any widths, each on its own
+// split schedule, in a 1-D grid described by a table: exl3.exl3_linear_set; 0: not),
 // NW (warps per program, 4 or 8: a program covers 16·NW columns; with 8 — chosen for a weight
 // of one split, S = 1 — one program per 128-column block finishes its block from shared
 // memory, without the partials' round trip through global memory and the arrival count).
@@ -71,16 +73,21 @@ __device__ __forceinline__ float load_bias(const void* p, long long i) {
 }
 #endif
 
+// element i of an output of dtype ot (0 fp32, 1 bf16, 2 fp16: OT's codes)
+__device__ __forceinline__ void store_as(void* p, long long i, float v, int ot) {
+    if (ot == 0) {
+        ((float*)p)[i] = v;
+    } else if (ot == 1) {
+        unsigned short b;
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(v));
+        ((unsigned short*)p)[i] = b;
+    } else {
+        ((unsigned short*)p)[i] = f2h(v);
+    }
+}
+
 __device__ __forceinline__ void store_out(void* p, long long i, float v) {
-#if OT == 0
-    ((float*)p)[i] = v;
-#elif OT == 1
-    unsigned short b;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(v));
-    ((unsigned short*)p)[i] = b;
-#else
-    ((unsigned short*)p)[i] = f2h(v);
-#endif
+    store_as(p, i, v, OT);  // (a constant: the branches fold)
 }
 
 // Unnormalised natural-order Sylvester H128 over a warp's 128 values (lane holds 4 consecutive:
@@ -272,10 +279,18 @@ __device__ __forceinline__ int tile_row(const int* __restrict__ rows, int tile, 
 #endif
 }
 
+// A ragged set's row of the table (RS): its first program, column programs (per split),
+// splits, k-steps per split, trellis row words, output width, output dtype (OT's codes),
+// then its trellis and svh addresses, its output's byte offset from `out` and row stride,
+// its partials' offset from `part`, their row and split strides, its counters' offset from
+// `cnt`.
+#define SET_ROW 16
+
 // Grid (n_p / (16·NW), S, W · n_tiles); NW warps, warp w owns the tile column NW·blockIdx.x
 // + w; block y = split; block z = weight set · n_tiles + row tile (ungrouped: one set, one
-// tile of M rows). Strides count elements of what they step through (32-bit words for the
-// trellis).
+// tile of M rows). RS: a 1-D grid, every set's programs (split-major) one after another,
+// found through `sets` (n_sets rows; set w's x' at xr + w·sx_set). Strides count elements of
+// what they step through (32-bit words for the trellis).
 extern "C" __global__ void __launch_bounds__(32 * NW, 16 / NW)
 exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ trellis,
                 float* __restrict__ part, int* __restrict__ cnt,
@@ -285,14 +300,38 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
                 int sxr, long long sx_set, long long str_exp, long long str_set,
                 int sp_row, long long sp_split, long long sp_set,
                 long long ssvh_e, long long ssvh_set, int so, long long so_set,
-                int n_p, int n_out, int k_steps, int per_split, int row_words, double inv_d) {
+                int n_p, int n_out, int k_steps, int per_split, int row_words, double inv_d,
+                const long long* __restrict__ sets, int n_sets) {
     __shared__ int last;
     const float inv = (float)inv_d;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
-    const int nb = blockIdx.x, s = blockIdx.y, S = gridDim.y;
+#if RS
+    int ws = 0;  // this program's set (a few sets: a scan of their first programs)
+    while (ws + 1 < n_sets && (long long)blockIdx.x >= sets[(ws + 1) * SET_ROW]) ++ws;
+    const long long* const sr = sets + ws * SET_ROW;
+    const int ncp = (int)sr[1];  // column programs per split
+    const int local = blockIdx.x - (int)sr[0];
+    const int nb = local % ncp, s = local / ncp, S = (int)sr[2];
+    per_split = (int)sr[3];
+    row_words = (int)sr[4];
+    n_out = (int)sr[5];
+    const int ot = (int)sr[6];
+    trellis = (const u32*)sr[7];
+    svh = (const unsigned short*)sr[8];
+    out = (void*)((char*)out + sr[9]);
+    so = (int)sr[10];
+    part = part + sr[11];
+    sp_row = (int)sr[12];
+    sp_split = sr[13];
+    cnt = cnt + sr[14];
+    const int tile = 0;
+    const long long set = ws;  // (x' only: the set's other tensors are addressed above)
+#else
+    const int nb = blockIdx.x, s = blockIdx.y, S = gridDim.y, ncp = gridDim.x;
     const int tile = blockIdx.z % n_tiles;
     const long long set = blockIdx.z / n_tiles;
+#endif
 #if G
     // (the groups were written before the rotate_in this launch may overlap: readable now)
     const int e = texp[tile];
@@ -402,7 +441,7 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
                     p[8] = acc[q][2 + j];
                 }
             }
-        int* const arrivals = cnt + (long long)blockIdx.z * (gridDim.x / PER_BLOCK)
+        int* const arrivals = cnt + (long long)blockIdx.z * (ncp / PER_BLOCK)
                               + nb / PER_BLOCK;
         // release (this program's partials before its arrival) and, after the count, acquire
         // (the others' partials): acq_rel fences — a sequentially consistent one
@@ -478,7 +517,11 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
 #if BT >= 0
             y = y + shift[j];
 #endif
+#if RS
+            if (c < n_out) store_as(out, (long long)rq[q] * so + c, y, ot);
+#else
             if (c < n_out) store_out(out, set * so_set + (long long)rq[q] * so + c, y);
+#endif
         }
     }
 }

@@ -79,14 +79,17 @@ def fragment_order(xr: torch.Tensor) -> torch.Tensor:
 
 def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: torch.dtype,
             bias: torch.Tensor | None, trellis: torch.Tensor, S: int,
-            pairs: int | None = None, str_set: int = 0, prefill: bool = False) -> str | None:
+            pairs: int | None = None, str_set: int = 0, prefill: bool = False,
+            ragged: bool = False) -> str | None:
     """None where the kernel may run here with the Triton kernels' bits, else the reason it
     may not (a failed NVRTC compile included: the Triton kernels then run). x: the input,
     [M, k_in] for exl3_linear; trellis: the (contiguous) trellis it reads, whose tiles it copies
     in 16-byte chunks; S: the weight's number of splits (exl3.split_schedule); `pairs`: the
     (token, slot) pairs of an exl3_moe_linear call (grouped into tiles of MOE_TILE_M rows; x
     then only gives the device), str_set its words from one weight set's trellis to the
-    next; prefill: for moe_prefill (tiles of PREFILL_TILE_M pairs, any number of them)."""
+    next; prefill: for moe_prefill (tiles of PREFILL_TILE_M pairs, any number of them);
+    ragged: for one weight of a `linear_set` call (the compiled variant serves every output
+    dtype)."""
     rows_ok = (pairs is not None and pairs > 0 if prefill
                else 0 < pairs <= MAX_PAIRS if pairs is not None
                else x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS)
@@ -114,7 +117,7 @@ def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: tor
     key = (_prefill_key(K2, codebook_id, out_dtype, x.device.index) if prefill else
            _key(K2, codebook_id, out_dtype, bias,
                 MOE_TILE_M if pairs is not None else x.shape[0], pairs is not None, S,
-                x.device.index))
+                x.device.index, ragged))
     if key not in _KERNELS:
         try:
             with torch.cuda.device(x.device.index):
@@ -129,29 +132,33 @@ def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: tor
     return k if isinstance(k, str) else None
 
 
-# (K2, CB, OT, BT, R16, G, NW, PF, RG, MINB, device index) → compiled kernel or why not
+# (K2, CB, OT, BT, R16, G, NW, PF, RG, MINB, RS, device index) → compiled kernel or why not
 _KERNELS: dict = {}
 
 
 def _key(K2: int, codebook_id: int, out_dtype: torch.dtype, bias: torch.Tensor | None,
-         tile_rows: int, grouped: bool, S: int, index: int | None) -> tuple:
+         tile_rows: int, grouped: bool, S: int, index: int | None,
+         ragged: bool = False) -> tuple:
     """exl3_mma_linear's compiled variant; NW: 8 warps a program for a weight of one split (a
-    program a 128-column block, finished in shared memory), else 4 (two programs a block)."""
-    return (K2, codebook_id, _OT[out_dtype], -1 if bias is None else _OT[bias.dtype],
-            int(tile_rows > 8), int(grouped), 8 if S == 1 else 4, 0, 0, 0, index)
+    program a 128-column block, finished in shared memory), else 4 (two programs a block —
+    always for ragged sets, whose weights' splits differ; the same bits either way). A
+    ragged set's output dtypes are read per set (OT unused: 0)."""
+    return (K2, codebook_id, 0 if ragged else _OT[out_dtype],
+            -1 if bias is None else _OT[bias.dtype], int(tile_rows > 8), int(grouped),
+            8 if S == 1 and not ragged else 4, 0, 0, 0, int(ragged), index)
 
 
 def _prefill_key(K2: int, codebook_id: int, out_dtype: torch.dtype, index: int | None) -> tuple:
     """exl3_mma_prefill's compiled variant: 8 warps, RG groups of 8 pairs."""
     return (K2, codebook_id, _OT[out_dtype], -1, 0, 1, 8, 1, PREFILL_TILE_M // 8,
-            PREFILL_MIN_BLOCKS, index)
+            PREFILL_MIN_BLOCKS, 0, index)
 
 
 def _options(K2: int, CB: int, OT: int, BT: int, R16: int, G: int, NW: int, PF: int,
-             RG: int, MINB: int) -> list[str]:
+             RG: int, MINB: int, RS: int) -> list[str]:
     return [f"-DK2={K2}", f"-DCB={CB}", f"-DOT={OT}", f"-DBT={BT}", f"-DR16={R16}", f"-DG={G}",
-            f"-DNW={NW}", f"-DPF={PF}"] + ([f"-DRG={RG}", f"-DMINB={MINB}"] if PF else []) \
-        + ["--fmad=false"]
+            f"-DNW={NW}", f"-DPF={PF}", f"-DRS={RS}"] \
+        + ([f"-DRG={RG}", f"-DMINB={MINB}"] if PF else []) + ["--fmad=false"]
 
 
 class _Attr(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
@@ -204,6 +211,7 @@ def _launch(kernel, grid, block, args, early: bool, shared: int = 0) -> None:
 
 
 _L = ctypes.c_longlong  # (the kernel's 64-bit strides)
+_NULL = ctypes.c_void_p(0)  # (no ragged-set table)
 
 
 def linear(xr: torch.Tensor, trellis: torch.Tensor, svh: torch.Tensor, codebook_id: int,
@@ -224,7 +232,8 @@ def linear(xr: torch.Tensor, trellis: torch.Tensor, svh: torch.Tensor, codebook_
              part, part,  # (no row tiles)
              M, MAX_ROWS, 1, xr.stride(0), _L(0), _L(0), _L(0),
              part.stride(1), _L(part.stride(0)), _L(0), _L(0), _L(0), out.stride(0), _L(0),
-             n_p, out.shape[1], kt * 16 // 128, per_split, nt * 4 * K2, float(inv)], early)
+             n_p, out.shape[1], kt * 16 // 128, per_split, nt * 4 * K2, float(inv),
+             _NULL, 0], early)
     return out
 
 
@@ -250,7 +259,8 @@ def moe(xr: torch.Tensor, words: torch.Tensor, str_set: int, svh: torch.Tensor,
              P, MOE_TILE_M, n_tiles, xr.stride(1), _L(xr.stride(0)), _L(words.stride(0)),
              _L(str_set), part.stride(2), _L(part.stride(1)), _L(part.stride(0)),
              _L(svh.stride(0)), _L(ssvh_set), out.stride(1), _L(out.stride(0)),
-             n_p, out.shape[2], kt * 16 // 128, per_split, nt * 4 * K2, float(inv)], early)
+             n_p, out.shape[2], kt * 16 // 128, per_split, nt * 4 * K2, float(inv),
+             _NULL, 0], early)
     return out
 
 
@@ -279,3 +289,38 @@ def moe_prefill(xr: torch.Tensor, words: torch.Tensor, str_set: int, svh: torch.
              _L(svh.stride(0)), _L(ssvh_set), out.stride(1), _L(out.stride(0)),
              out.shape[2], kt * 16 // 128, per_split, nt * 4 * K2, float(inv)], early, shared)
     return out
+
+
+SET_ROW = 16  # int64 entries of a ragged set's row in linear_set's table (exl3_mma.cu)
+
+
+def set_row(first_program: int, col_programs: int, S: int, per_split: int, row_words: int,
+            n_out: int, out_dtype: torch.dtype, trellis: torch.Tensor, svh: torch.Tensor,
+            out_offset: int, out_stride: int, part_offset: int, part_row: int,
+            part_split: int, counter_offset: int) -> list[int]:
+    """One weight's row of linear_set's table (the order exl3_mma.cu's SET_ROW documents):
+    out_offset in bytes from the output buffer, part_offset in floats from the partials',
+    counter_offset in ints from the counters'."""
+    row = [first_program, col_programs, S, per_split, row_words, n_out, _OT[out_dtype],
+           trellis.data_ptr(), svh.data_ptr(), out_offset, out_stride, part_offset, part_row,
+           part_split, counter_offset]
+    return row + [0] * (SET_ROW - len(row))
+
+
+def linear_set(xr: torch.Tensor, table: torch.Tensor, programs: int, codebook_id: int,
+               K2: int, out: torch.Tensor, part: torch.Tensor, counters: torch.Tensor,
+               k_steps: int, inv: float, early: bool) -> None:
+    """W weights of one input (one k_p, K and codebook; any widths, each on its own split
+    schedule) in one launch: set w's output H128(x'[w]·Ŵ_w)·svh_w from x' [W, M, k_p] fp16
+    (rotate_in of the input with each weight's suh, in fragment order), as `linear` computes
+    it for that weight alone, bit for bit. table [W, SET_ROW] int64 (set_row per weight, on
+    the device), programs: Σ_w column programs · splits; out: the byte buffer the rows'
+    outputs live in, part: the fp32 partials' buffer, counters: zeroed (left zero). The
+    caller checked why_not(…, ragged=True) for every weight."""
+    W, M, _ = xr.shape
+    key = _key(K2, codebook_id, torch.float32, None, M, False, 2, xr.device.index, ragged=True)
+    _launch(_KERNELS[key], (programs, 1, 1), (32 * key[6], 1, 1),
+            [xr, xr, part, counters, xr, xr, out, xr, xr,  # (per-set tensors: in the table)
+             M, MAX_ROWS, 1, xr.stride(1), _L(xr.stride(0)), _L(0), _L(0),
+             0, _L(0), _L(0), _L(0), _L(0), 0, _L(0),
+             0, 0, k_steps, 0, 0, float(inv), table, W], early)

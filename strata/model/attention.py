@@ -17,7 +17,7 @@ from strata.model.context import ForwardContext
 from strata.model.indexer import Indexer
 from strata.model.numerics import rms_norm, rows_bmm
 from strata.model.rope import apply_rope
-from strata.quant.groups import LinearGroups
+from strata.quant.groups import LinearGroups, LinearSet
 from strata.quant.qdq import fp4_qdq_e4m3_scale, fp8_act_qdq
 from strata.runtime.state import PositionRing, State
 
@@ -47,23 +47,45 @@ class Attention:
                            if is_backbone and cfg.is_kv_source(layer) else None)
         self.indexer = (Indexer(cfg, layer, w, f"{prefix}.indexer")
                         if is_backbone and cfg.is_index_source(layer) else None)
+        # The linears that read one input, each set in one launch where it can (LinearSet):
+        # u → wq_a, wkv, the compressor's, the indexer's weights_proj; q_latent → wq_b, the
+        # indexer's wq_b.
+        self.n_comp = len(self.compressor.linears()) if self.compressor is not None else 0
+        self.u_set = LinearSet([self.wq_a, self.wkv]
+                               + (self.compressor.linears() if self.compressor else [])
+                               + ([self.indexer.weights_proj] if self.indexer else []))
+        self.qr_set = LinearSet([self.wq_b] + ([self.indexer.wq_b] if self.indexer else []))
 
     # -- pieces shared with the DSpark stages ----------------------------------------------
-    def project_q(self, u: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q_latent [T, q_lora], roped queries [T, H, hd])."""
-        cfg, nx = self.cfg, ctx.numerics
-        qr = rms_norm(self.wq_a(u, nx), self.q_norm, cfg.rms_norm_eps)
-        q = self.wq_b(qr, nx).view(ctx.T, self.n_heads, cfg.head_dim)
-        cos, sin = ctx.rope(self.ratio)
-        return qr, apply_rope(q, cos, sin)
+    def read_u(self, u: torch.Tensor, nx) -> list[torch.Tensor]:
+        """u's projections (u_set): wq_a's and wkv's in the activation dtype, then the
+        compressor's and the indexer's weights_proj's in fp32."""
+        return self.u_set(u, nx, [None, None] + [torch.float32] * (len(self.u_set.linears) - 2))
 
-    def project_kv(self, u: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Window KV rows [T, hd] in their stored form (roped; fp8-qdq'd in vendor mode)."""
+    def queries(self, q_a: torch.Tensor, ctx: ForwardContext
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """From wq_a's output: (q_latent [T, q_lora], roped queries [T, H, hd], the indexer's
+        unroped queries wq_b(q_latent) in fp32 — None without an indexer)."""
+        cfg, nx = self.cfg, ctx.numerics
+        qr = rms_norm(q_a, self.q_norm, cfg.rms_norm_eps)
+        q, *index_q = self.qr_set(qr, nx,
+                                  [None] + [torch.float32] * (len(self.qr_set.linears) - 1))
+        q = q.view(ctx.T, self.n_heads, cfg.head_dim)
+        cos, sin = ctx.rope(self.ratio)
+        return qr, apply_rope(q, cos, sin), (index_q[0] if index_q else None)
+
+    def kv_rows(self, kv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Window KV rows [T, hd] in their stored form (normed, roped; fp8-qdq'd in vendor
+        mode) from wkv's output."""
         nx = ctx.numerics
-        kv = rms_norm(self.wkv(u, nx), self.kv_norm, self.cfg.rms_norm_eps)
+        kv = rms_norm(kv, self.kv_norm, self.cfg.rms_norm_eps)
         cos, sin = ctx.rope(self.ratio)
         kv = apply_rope(kv, cos, sin)
         return fp8_act_qdq(kv) if nx.quantize else kv
+
+    def project_kv(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """kv_rows of x's own wkv projection."""
+        return self.kv_rows(self.wkv(x, ctx.numerics), ctx)
 
     def output(self, o: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Inverse RoPE on the output tails, grouped wo_a, then wo_b. o [T, H, hd] fp32."""
@@ -77,14 +99,16 @@ class Attention:
     # -- the backbone forward -----------------------------------------------------------------
     def forward(self, u: torch.Tensor, ctx: ForwardContext, state: State) -> torch.Tensor:
         cfg = self.cfg
-        qr, q = self.project_q(u, ctx)
-        kv = self.project_kv(u, ctx)
+        q_a, kv, *more = self.read_u(u, ctx.numerics)
+        qr, q, index_q = self.queries(q_a, ctx)
+        kv = self.kv_rows(kv, ctx)
 
         cache = sel = None
         if self.ratio > 0:
-            self.publish(u, ctx, state)
+            self.publish(u, ctx, state, more[:self.n_comp] if self.compressor else None)
             if self.indexer is not None:
-                ctx.sel[self.layer] = self.indexer.select(u, qr, ctx, state)
+                ctx.sel[self.layer] = self.indexer.select(u, qr, ctx, state, q=index_q,
+                                                          w=more[self.n_comp])
             sel = ctx.sel[cfg.index_source_of(self.layer)]
             cache = state.comp_kv[cfg.kv_source_of(self.layer)]
         # The ring is read before this forward's rows are written into it (a long chunk's
@@ -115,12 +139,14 @@ class Attention:
             out.append(self.attend_heads(q[i:j], rows, mask, None, None))
         return out[0] if len(out) == 1 else torch.cat(out)
 
-    def publish(self, u: torch.Tensor, ctx: ForwardContext, state: State) -> None:
+    def publish(self, u: torch.Tensor, ctx: ForwardContext, state: State,
+                projected: list[torch.Tensor] | None = None) -> None:
         """A kv source's compressed entries (and index keys) for these rows, which later
-        layers read; nothing for a layer without a compressor."""
+        layers read; nothing for a layer without a compressor. `projected`: the
+        compressor's projections of u, where `forward` made them."""
         if self.compressor is None:
             return
-        latent, entries, n = self.compressor.forward(u, ctx, state)
+        latent, entries, n = self.compressor.forward(u, ctx, state, projected)
         self._store_entries(latent, entries, ctx, state)
         if self.indexer is not None:
             self.indexer.publish_keys(latent, entries, ctx, state)

@@ -39,12 +39,16 @@ class Compressor:
         D, hd = cfg.hidden_size, cfg.head_dim
         self.wkv = w.linear(f"{prefix}.wkv", hd, D)
         self.wgate = w.linear(f"{prefix}.wgate", hd, D) if self.ratio > 1 else None
-        # (the two projections of u: one launch where they can)
-        self.wkv_gate = LinearSet([self.wkv, self.wgate]) if self.wgate is not None else None
         self.norm = w.float_tensor(f"{prefix}.norm.weight", (hd,))
+        self.projections = LinearSet(self.linears())  # (one launch where they can)
 
-    def forward(self, u: torch.Tensor, ctx: ForwardContext,
-                state: State) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def linears(self) -> list:
+        """What it projects u with (fp32 outputs), in the order `forward` takes them."""
+        return [self.wkv] if self.wgate is None else [self.wkv, self.wgate]
+
+    def forward(self, u: torch.Tensor, ctx: ForwardContext, state: State,
+                projected: list[torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Latents of the groups this forward may complete, their entry indices (on the
         device) and how many of them it does complete: ([m, hd] fp32, [m], n ≤ m).
 
@@ -53,14 +57,18 @@ class Compressor:
         pools the m = ⌈T/r⌉ groups from the one holding the forward's first token — the first
         n = (start+T)//r − start//r are complete; a last incomplete one (n < m) is written too,
         at an entry no query can see yet (j ≥ (p+1)//r), which the forward completing that
-        group overwrites (the state keeps a spare entry row for it)."""
+        group overwrites (the state keeps a spare entry row for it). `projected`: u's
+        projections by `linears()`, where the caller made them (with other linears of u in
+        one launch: Attention.forward); else made here."""
         r, start, T = self.ratio, ctx.start, ctx.T
         nx = ctx.numerics
         n = (start + T) // r - start // r
+        if projected is None:
+            projected = self.projections(u, nx, torch.float32)
         if r == 1:
-            k = self.wkv(u, nx, torch.float32)
+            (k,) = projected
             return rms_norm(k, self.norm, self.cfg.rms_norm_eps), entry_indices(r, ctx.positions), n
-        k, g = self.wkv_gate(u, nx, torch.float32)
+        k, g = projected
         kg = torch.stack((k, g), dim=1)  # [T, 2, hd]
         ring = state.comp_tail[self.layer]
         first = ctx.positions[:1]

@@ -39,8 +39,9 @@ class DSparkStage(Block):
 
     def attend(self, u: torch.Tensor, ctx: ForwardContext, state: State) -> torch.Tensor:
         attn, cfg = self.attn, self.cfg
-        _, q = attn.project_q(u, ctx)
-        kv = attn.project_kv(u, ctx)  # the block rows' own keys, in stored form
+        q_a, kv = attn.read_u(u, ctx.numerics)  # (a stage has no compressor or indexer)
+        _, q, _ = attn.queries(q_a, ctx)
+        kv = attn.kv_rows(kv, ctx)  # the block rows' own keys, in stored form
         ring = state.dspark[self.index]
         # The anchor's position P (on the device: a graph replays this at any position); the
         # window is the W positions before it.

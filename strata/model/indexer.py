@@ -92,9 +92,11 @@ class Indexer:
             k = fp4_qdq_ue8m0(k)
         state.index_k[self.layer][entries] = k.to(state.index_k[self.layer].dtype)
 
-    def select(self, u: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext,
-               state: State) -> torch.Tensor:
-        """Top-k entries [T, k] (ascending, −1 = none) for every query of the forward."""
+    def select(self, u: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext, state: State,
+               q: torch.Tensor | None = None, w: torch.Tensor | None = None) -> torch.Tensor:
+        """Top-k entries [T, k] (ascending, −1 = none) for every query of the forward. `q`
+        = wq_b(qr), `w` = weights_proj(u) (fp32), where the caller made them (with other
+        linears of the same input in one launch: Attention.forward); else made here."""
         cfg, nx, r = self.cfg, ctx.numerics, self.ratio
         nh, ihd = cfg.index_n_heads, cfg.index_head_dim
         key_src = cfg.kv_source_of(self.layer)
@@ -105,14 +107,15 @@ class Indexer:
         # ops' shapes change only at bucket edges: a CUDA graph per bucket.
         n = entry_bucket((ctx.start + ctx.T) // r)
         keys = state.index_k[key_src][:n]  # (stored dtype; the products accumulate in fp32)
-        q = self.wq_b(qr, nx, torch.float32).view(ctx.T, nh, ihd)
+        q = (self.wq_b(qr, nx, torch.float32) if q is None else q).view(ctx.T, nh, ihd)
         cos, sin = ctx.rope(r)
         q = apply_rope(q, cos, sin)
         if nx.quantize:
             # fp4 values are exact in the cache's dtype: the products are exact either way,
             # and 16-bit operands run on tensor cores
             q = fp4_qdq_ue8m0(q).to(keys.dtype)
-        w = self.weights_proj(u, nx, torch.float32) * (ihd ** -0.5 * nh ** -0.5)
+        w = (self.weights_proj(u, nx, torch.float32) if w is None else w) \
+            * (ihd ** -0.5 * nh ** -0.5)
         n_visible = (ctx.positions + 1) // r
         source = self.layer == cfg.candidate_source_layer_id
         reindex = not source and cfg.is_reindex(self.layer)

@@ -185,7 +185,10 @@ class SharedExpert:
         self.limit = cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor, nx: Numerics) -> torch.Tensor:
-        g, v = self.w13(x, nx)
+        return self.down(*self.w13(x, nx), nx)
+
+    def down(self, g: torch.Tensor, v: torch.Tensor, nx: Numerics) -> torch.Tensor:
+        """The output from w1's and w3's (gate, up): w2 of their SwiGLU, fp32."""
         a = swiglu_to(g, v, self.limit, nx.act_dtype)
         return self.w2(a, nx, torch.float32)
 
@@ -206,12 +209,20 @@ class MoE:
             ExpertStack(cfg, w, f"{prefix}.experts", n_experts)
         self.shared = SharedExpert(cfg, w, f"{prefix}.shared_experts") \
             if cfg.n_shared_experts else None
+        # The linears of u besides the routed experts — the gate and the shared expert's w1
+        # and w3 — in one launch where they can (LinearSet)
+        self.u_set = LinearSet([self.gate] + ([self.shared.w1, self.shared.w3]
+                                              if self.shared is not None else []))
 
     def route(self, u: torch.Tensor, nx: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
-        """(expert ids [T, k], weights [T, k]); the bias picks experts but never weights them.
-        One launch after the gate on CUDA (kernels.moe_ops.route: the same picks)."""
+        """(expert ids [T, k], weights [T, k]) for u: its gate's logits, routed."""
+        return self.route_logits(self.gate(u, nx, torch.float32))
+
+    def route_logits(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [T, k], weights [T, k]) from the gate's logits [T, E] fp32; the bias
+        picks experts but never weights them. One launch on CUDA (kernels.moe_ops.route: the
+        same picks)."""
         from strata.kernels import moe_ops
-        logits = self.gate(u, nx, torch.float32)
         if moe_ops.available(logits):
             return moe_ops.route(logits, self.bias, self.cfg.gate_temp, self.top_k,
                                  self.cfg.routed_scaling_factor)
@@ -223,8 +234,10 @@ class MoE:
         return idx, w
 
     def forward(self, u: torch.Tensor, nx: Numerics) -> torch.Tensor:
-        idx, w = self.route(u, nx)
+        logits, *gate_up = self.u_set(u, nx, [torch.float32]
+                                      + ([None, None] if self.shared else []))
+        idx, w = self.route_logits(logits)
         y = self.experts.forward(u, idx, w, nx)
         if self.shared is None:
             return y.to(nx.act_dtype)
-        return join(y, self.shared.forward(u, nx), nx.act_dtype)
+        return join(y, self.shared.down(*gate_up, nx), nx.act_dtype)

@@ -102,39 +102,80 @@ def _fixed_routing(cache: dict, T: int, device: torch.device, n: int):
 
 
 class LinearSet:
-    """Linears of one shape applied to the same input, e.g. the shared expert's w1 and w3.
-    Called one by one a decode step pays two launch-bound linears (in EXL3 two kernels each);
-    EXL3 linears of one shape and codebook run a decode-sized call as one grouped launch —
-    exl3_moe_linear with each linear a weight set of a single expert, one rotate_in for all
-    of them — whose outputs are bit for bit each linear's own (its contract), so the choice
-    changes no bit. Anything else, and prefill-sized calls, run each linear."""
+    """Linears applied to the same input — the shared expert's w1 and w3, the compressor's
+    wkv and wgate, the attention's projections of its input. Called one by one, a decode
+    step pays a launch-bound linear each (in EXL3 two kernels). On the CUDA decode kernel,
+    EXL3 linears of one input width, K and codebook run a decode-sized call as one ragged
+    set — any output widths and dtypes, two launches for all (kernels.exl3.exl3_linear_set);
+    elsewhere, linears of one shape run as one grouped launch (exl3_moe_linear with each
+    linear a weight set of a single expert). Either way each output is bit for bit the
+    linear's own, so the choice changes no bit. Everything else (other formats, the rest of
+    a mixed set, prefill-sized calls) runs linear by linear."""
 
     def __init__(self, linears: list[Linear]) -> None:
         self.linears = list(linears)
-        self._one_launch: bool | None = None  # whether the linears qualify (checked once)
+        self._one_launch: bool | None = None  # whether they are one shape (checked once)
         self._routes: dict = {}               # (T, device) -> Routing of ids [T, 1] = 0
 
     def __call__(self, x: torch.Tensor, nx: Numerics,
-                 out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-        """[lin(x, nx, out_dtype) for each linear]; x [..., in]."""
+                 out_dtype=None) -> list[torch.Tensor]:
+        """[lin(x, nx, dtype) for each linear]; x [..., in]; out_dtype: one dtype (None:
+        nx.act_dtype) or one per linear."""
+        dtypes = (list(out_dtype) if isinstance(out_dtype, (list, tuple))
+                  else [out_dtype] * len(self.linears))
+        dtypes = [d or nx.act_dtype for d in dtypes]
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        if not self._grouped_exl3(x2):
-            return [lin(x, nx, out_dtype) for lin in self.linears]
+        out: list = [None] * len(self.linears)
+        for members in self._ragged_groups(x2):
+            from strata.kernels.exl3 import SetWeight, exl3_linear_set
+            first = self.linears[members[0]]
+            ys = exl3_linear_set(x2, [
+                SetWeight(lin.trellis, lin.suh, lin.svh, lin.out_features, dtypes[i],
+                          lin.sched_cols, lin.target_programs)
+                for i, lin in ((i, self.linears[i]) for i in members)], first.codebook)
+            if ys is None:
+                continue
+            for i, y in zip(members, ys):
+                out[i] = y.reshape(*lead, y.shape[-1])
+        if all(y is None for y in out) and len(set(dtypes)) == 1 and self._grouped_exl3(x2):
+            return self._grouped(x2, lead, nx, dtypes[0])
+        return [y if y is not None else lin(x, nx, dt)
+                for y, lin, dt in zip(out, self.linears, dtypes)]
+
+    def _ragged_groups(self, x: torch.Tensor) -> list[list[int]]:
+        """The linears (indices) of each ragged set this call can run: EXL3 linears without
+        bias, grouped by input width, K and codebook, two or more to a set."""
+        from strata.quant import exl3 as qexl3
+        if not qexl3._use_kernels(x) or not x.is_cuda:
+            return []
+        from strata.kernels.exl3_mma import MAX_ROWS
+        if x.shape[0] > MAX_ROWS:
+            return []
+        groups: dict[tuple, list[int]] = {}
+        for i, lin in enumerate(self.linears):
+            if isinstance(lin, qexl3.Exl3Linear) and lin.bias is None:
+                key = (lin.trellis.shape[0], lin.trellis.shape[-1], lin.codebook)
+                groups.setdefault(key, []).append(i)
+        return [g for g in groups.values() if len(g) > 1]
+
+    def _grouped(self, x2: torch.Tensor, lead, nx: Numerics,
+                 out_dtype: torch.dtype) -> list[torch.Tensor]:
+        """The linears of one shape as one grouped launch (exl3_moe_linear)."""
         from strata.kernels.exl3 import exl3_moe_linear
         first = self.linears[0]
-        routing = self._route(x2.shape[0], x.device)
+        routing = self._route(x2.shape[0], x2.device)
         # (views of each linear's tensors as a one-expert stack: nothing copied, and a linear
         # rebound later, e.g. by a pack loader, is read as it is then)
         sets = [(lin.trellis.unsqueeze(0), lin.suh.unsqueeze(0), lin.svh.unsqueeze(0))
                 for lin in self.linears]
         ys = exl3_moe_linear(x2, routing.idx, sets, first.codebook, first.out_features,
-                             out_dtype or nx.act_dtype, routing,
+                             out_dtype, routing,
                              target_programs=first.target_programs)  # (each linear's schedule)
         return [y.reshape(*lead, first.out_features) for y in ys]
 
     def _grouped_exl3(self, x: torch.Tensor) -> bool:
-        """Whether one grouped EXL3 launch runs this call."""
+        """Whether one grouped EXL3 launch of the linears of one shape runs this call."""
         from strata.quant import exl3 as qexl3
         if not qexl3._use_kernels(x):
             return False

@@ -505,3 +505,60 @@ def test_a_linear_set_gives_each_linears_bits(cuda):
         got = pair(x[:T], nx)
         for g, lin in zip(got, lins):
             assert torch.equal(i16(g), i16(lin(x[:T], nx))), T
+
+
+@pytest.mark.parametrize("K,codebook", [(4, "3inst"), (2.5, "mul1")])
+def test_a_ragged_linear_set_gives_each_linears_bits(cuda, K, codebook):
+    """Linears of one input with different widths, split schedules and output dtypes —
+    V4.1's attention: u → wq_a (1280), wkv (512), the compressor's wkv and wgate (fp32), the
+    indexer's weights_proj (32 of 128, fp32); q_latent → wq_b (32768: one split) and the
+    indexer's wq_b (4096, fp32) — plus one of another K, which runs alone, through LinearSet:
+    one ragged launch per K group (exl3_linear_set on the CUDA kernel) gives every linear's
+    own output bit for bit at 1, 6 and 16 rows, eager and replayed from a CUDA graph."""
+    import strata.quant.exl3 as qexl3
+    from strata.model.numerics import Numerics
+    from strata.quant.groups import LinearSet
+    nx = Numerics("vendor", torch.bfloat16)
+
+    def lin(k, n, out, seed, k_bits=K):
+        return Exl3Linear(trellis_of(k, n, k_bits, seed, cuda),
+                          scales(k, seed + 1, cuda, scale=k ** -0.5),
+                          scales(n, seed + 2, cuda, scale=0.05), codebook if k_bits == K
+                          else "3inst", out, k)
+    f32 = torch.float32
+    cases = [
+        ([lin(5120, 1280, 1280, 700), lin(5120, 512, 512, 710), lin(5120, 512, 512, 720),
+          lin(5120, 512, 512, 730), lin(5120, 128, 32, 740), lin(5120, 512, 512, 750, 3)],
+         [None, None, f32, f32, f32, f32], 5120),
+        ([lin(1280, 32768, 32768, 760), lin(1280, 4096, 4096, 770)], [None, f32], 1280)]
+    for lins, dtypes, k in cases:
+        scheds = [X.split_schedule(k, 16 * l.trellis.shape[1])[1] for l in lins]
+        if k == 1280:
+            assert scheds[0] == 1 < scheds[1]  # (a one-split weight beside a split one)
+        s = LinearSet(lins)
+        x = torch.randn(16, k, generator=torch.Generator().manual_seed(k)).to(cuda,
+                                                                             torch.bfloat16)
+        assert qexl3._use_kernels(x)
+        assert [len(g) for g in s._ragged_groups(x)] == [5 if k == 5120 else 2]
+        for T in (1, 6, 16):
+            want = [l(x[:T], nx, d) for l, d in zip(lins, dtypes)]
+            got = s(x[:T], nx, dtypes)
+            assert [g.dtype for g in got] == [w.dtype for w in want]
+            for i, (g, w) in enumerate(zip(got, want)):
+                assert torch.equal(g, w), (k, T, i)
+        assert X._SET_PLANS  # (the ragged launch ran)
+        x6 = x[:6].clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            s(x6, nx, dtypes)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static = s(x6, nx, dtypes)
+        for seed in (1, 2):
+            x6.copy_(torch.randn(6, k, generator=torch.Generator().manual_seed(seed)))
+            graph.replay()
+            torch.cuda.synchronize()
+            for i, (g, l, d) in enumerate(zip(static, lins, dtypes)):
+                assert torch.equal(g, l(x6, nx, d)), (k, seed, i)
