@@ -83,10 +83,6 @@ class Attention:
         kv = apply_rope(kv, cos, sin)
         return fp8_act_qdq(kv) if nx.quantize else kv
 
-    def project_kv(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """kv_rows of x's own wkv projection."""
-        return self.kv_rows(self.wkv(x, ctx.numerics), ctx)
-
     def output(self, o: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Inverse RoPE on the output tails, grouped wo_a, then wo_b. o [T, H, hd] fp32."""
         nx = ctx.numerics

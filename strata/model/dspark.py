@@ -26,6 +26,7 @@ from strata.model.block import Block
 from strata.model.context import ForwardContext
 from strata.model.mhc import collapse
 from strata.model.numerics import Numerics, rms_norm, row_matmul
+from strata.quant.groups import LinearSet
 from strata.runtime.state import State
 from strata.trace import scope
 
@@ -54,10 +55,6 @@ class DSparkStage(Block):
                              attn.attn_sink, cfg.head_dim ** -0.5)
         return attn.output(o, ctx)
 
-    def context_keys(self, main_x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Window keys of committed main rows (same projection as the block rows' keys)."""
-        return self.attn.project_kv(main_x, ctx)
-
 
 @dataclass
 class Draft:
@@ -79,6 +76,9 @@ class DSparkHead:
         self.markov_embed = w.tensor(f"{last}.markov_head.embed.weight", ("BF16", "F32"), (V, R))
         self.markov_head = w.tensor(f"{last}.markov_head.head.weight", ("BF16", "F32"), (V, R))
         self.confidence_proj = w.float_tensor(f"{last}.confidence_head.proj.weight", (1, D + R))
+        # every stage's wkv of the committed rows' main_x (their window keys), in one launch
+        # where they can
+        self.context_kv = LinearSet([stage.attn.wkv for stage in self.stages])
 
     def main_hidden(self, ctx: ForwardContext) -> torch.Tensor:
         """[T, n_targets·D]: the forward's taps, concatenated in target-layer order."""
@@ -100,9 +100,9 @@ class DSparkHead:
         cfg = self.cfg
         ctx = ForwardContext(cfg, nx, start, positions)
         main_x = rms_norm(self.main_proj(main_hidden, nx), self.main_norm, cfg.rms_norm_eps)
-        for stage in self.stages:
-            state.dspark[stage.index].write(start, positions, stage.context_keys(main_x, ctx),
-                                            None)
+        # (the same projection as the block rows' keys: Attention.kv_rows of its wkv)
+        for stage, kv in zip(self.stages, self.context_kv(main_x, nx)):
+            state.dspark[stage.index].write(start, positions, stage.attn.kv_rows(kv, ctx), None)
 
     @torch.no_grad()
     def draft(self, embed: torch.Tensor, head, anchor: int, state: State, nx: Numerics,
