@@ -557,3 +557,36 @@ def test_a_linear_set_runs_as_one_grouped_launch(kernels_on_cpu, monkeypatch):
                                    for g, lin in zip(got, deep))
     deep[1].target_programs = None
     assert LinearSet(deep)(xd, nx) and len(calls) == 4
+
+
+def test_linear_sets_of_three_and_of_mixed_widths(kernels_on_cpu):
+    """Three linears of one shape in separate, unevenly placed allocations (the DSpark
+    stages' wkv) run as one grouped launch on one stacked copy of each tensor, every output
+    its linear's own; linears of mixed widths with an output dtype each (attention's
+    projections of u: a ragged set on the CUDA kernel, tests/gpu) run linear by linear here,
+    in their asked dtypes."""
+    from strata.model.numerics import Numerics
+    from strata.quant.groups import LinearSet
+    nx = Numerics("vendor", torch.bfloat16)
+
+    def lin(n, s):
+        return Exl3Linear(trellis_of(8, n // 16, 3, seed=s), scales(128, s + 1, scale=0.2),
+                          scales(n, s + 2), "mul1", out_features=n - 8, in_features=100)
+    three = []
+    for s in (300, 310, 320):
+        three.append(lin(128, s))
+        torch.zeros(1000 * (s - 299))  # (uneven gaps between the allocations)
+    x = torch.randn(3, 100, generator=torch.Generator().manual_seed(301)).bfloat16()
+    sets = [(l.trellis.unsqueeze(0), l.suh.unsqueeze(0), l.svh.unsqueeze(0)) for l in three]
+    stacked = X._stack_sets(sets)
+    assert stacked.str_set and stacked.ssuh_set and stacked.ssvh_set  # (evenly spaced copies)
+    s3 = LinearSet(three)
+    assert s3._grouped_exl3(x)
+    for g, l in zip(s3(x, nx), three):
+        assert torch.equal(bits(g), bits(l(x, nx)))
+    mixed = [lin(128, 330), lin(256, 340), lin(128, 350)]
+    dtypes = [None, torch.float32, torch.float32]
+    got = LinearSet(mixed)(x, nx, dtypes)
+    assert [g.dtype for g in got] == [torch.bfloat16, torch.float32, torch.float32]
+    for g, l, d in zip(got, mixed, dtypes):
+        assert torch.equal(bits(g), bits(l(x, nx, d)))

@@ -1039,10 +1039,10 @@ def _stack_sets(weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor
                or t.device != group[0].device for t in group):
             raise ValueError(f"exl3_moe_linear: the weight sets' {name} differ in shape/dtype")
     strides = [_set_stride(g, n) for g, n in ((trs, "trellis"), (suhs, "suh"), (svhs, "svh"))]
-    if any(s is None for s in strides):  # unevenly spaced: one stacked copy
-        trs = [torch.stack(trs)[i] for i in range(len(trs))] if strides[0] is None else trs
-        suhs = [torch.stack(suhs)[i] for i in range(len(suhs))] if strides[1] is None else suhs
-        svhs = [torch.stack(svhs)[i] for i in range(len(svhs))] if strides[2] is None else svhs
+    if any(s is None for s in strides):  # unevenly spaced: one stacked copy (each)
+        trs = list(torch.stack(trs)) if strides[0] is None else trs
+        suhs = list(torch.stack(suhs)) if strides[1] is None else suhs
+        svhs = list(torch.stack(svhs)) if strides[2] is None else svhs
         strides = [_set_stride(g, n) for g, n in ((trs, "trellis"), (suhs, "suh"),
                                                   (svhs, "svh"))]
     return _Sets([trs, suhs, svhs], trs[0], strides[0], suhs[0], strides[1], svhs[0],
