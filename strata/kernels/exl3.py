@@ -908,7 +908,7 @@ class _SetPlan:
     table: torch.Tensor                        # [W, SET_ROW] int64 on the device
     suh: torch.Tensor                          # set 0's suh, the others at ssuh_set
     ssuh_set: int
-    keep: list                                 # (a stacked suh copy, when one was needed)
+    keep: list                                 # the suh (and a stacked copy where needed)
     programs: int
     out_bytes: int
     views: list[tuple[int, torch.dtype, int]]  # per weight: byte offset, dtype, width
@@ -921,7 +921,8 @@ _SET_PLANS: dict[tuple, _SetPlan] = {}
 
 
 def _set_plan(x2: torch.Tensor, weights: Sequence[SetWeight], codebook: str):
-    """The plan of a ragged-set call, or None where the CUDA kernel does not run it."""
+    """The plan of a ragged-set call, or None where the CUDA kernel does not run it (both
+    remembered)."""
     M = x2.shape[0]
     key = (M, x2.device, codebook) + tuple(
         (w.trellis.data_ptr(), tuple(w.trellis.shape), w.suh.data_ptr(), w.svh.data_ptr(),
@@ -930,6 +931,14 @@ def _set_plan(x2: torch.Tensor, weights: Sequence[SetWeight], codebook: str):
         return _SET_PLANS[key]
     if torch.cuda.is_current_stream_capturing():  # (the table's upload waits: not in a capture)
         return None
+    if len(_SET_PLANS) >= SET_PLANS_KEPT:
+        _SET_PLANS.clear()
+    plan = _SET_PLANS[key] = _make_set_plan(x2, weights, codebook)
+    return plan
+
+
+def _make_set_plan(x2: torch.Tensor, weights: Sequence[SetWeight], codebook: str):
+    M = x2.shape[0]
     cb = CODEBOOK_IDS[codebook]
     kt, _, K2 = _check_shapes(weights[0].trellis, codebook)
     rows, views = [], []
@@ -954,17 +963,16 @@ def _set_plan(x2: torch.Tensor, weights: Sequence[SetWeight], codebook: str):
         part_floats += S * M * n_p
         counters += n_p // 128
     suhs = [w.suh for w in weights]
-    keep = []
+    # The weights' suh stay referenced by the plan: their addresses (in its key) cannot be
+    # another tensor's while it lives, so a stacked copy of their values cannot go stale.
+    keep = list(suhs)
     step = _set_stride(suhs, "suh") if all(t.is_contiguous() for t in suhs) else None
     if step is None:  # not evenly spaced: one stacked copy, kept with the plan
-        keep = [torch.stack(suhs)]
-        suhs, step = [keep[0][0]], keep[0].stride(0)
+        keep.append(torch.stack(suhs))
+        suhs, step = [keep[-1][0]], keep[-1].stride(0)
     table = torch.tensor(rows, dtype=torch.int64).to(x2.device)
-    if len(_SET_PLANS) >= SET_PLANS_KEPT:
-        _SET_PLANS.clear()
-    plan = _SET_PLANS[key] = _SetPlan(table, suhs[0], step, keep, programs, out_bytes, views,
-                                      part_floats, counters)
-    return plan
+    return _SetPlan(table, suhs[0], step, keep, programs, out_bytes, views, part_floats,
+                    counters)
 
 
 def exl3_linear_set(x: torch.Tensor, weights: Sequence[SetWeight],

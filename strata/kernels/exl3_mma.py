@@ -11,7 +11,9 @@ driver's cuLaunchKernelEx), as the Triton fused kernel is. `linear` serves exl3_
 exl3_moe_linear (rows: tiles of MOE_TILE_M pairs sharing an expert, for W weight sets) up to
 MAX_PAIRS pairs, `moe_prefill` (a second kernel of the same source, exl3_mma_prefill) above:
 tiles of PREFILL_TILE_M pairs whose x' rows are staged in shared memory for all of a
-program's warps, each program running every split of its 128-column block and finishing it.
+program's warps, each program running every split of its 128-column block and finishing it;
+`linear_set` exl3_linear_set (a ragged set: weights of one input with their own widths,
+splits and output dtypes in one 1-D grid, found through a table of per-weight rows).
 The decode is integer work on the SM's ALU pipe (shifts, masks, byte permutes), which bounds
 it: the k-loop is written for few such instructions (the compiled loop: 387–448 per k-step at
 K = 2–4, from 598–614 in session 11; bench/results/kernels.md records what each version

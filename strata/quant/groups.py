@@ -129,11 +129,11 @@ class LinearSet:
         out: list = [None] * len(self.linears)
         for members in self._ragged_groups(x2):
             from strata.kernels.exl3 import SetWeight, exl3_linear_set
-            first = self.linears[members[0]]
+            lins = [self.linears[i] for i in members]
             ys = exl3_linear_set(x2, [
                 SetWeight(lin.trellis, lin.suh, lin.svh, lin.out_features, dtypes[i],
                           lin.sched_cols, lin.target_programs)
-                for i, lin in ((i, self.linears[i]) for i in members)], first.codebook)
+                for i, lin in zip(members, lins)], lins[0].codebook)
             if ys is None:
                 continue
             for i, y in zip(members, ys):

@@ -546,7 +546,7 @@ def test_a_ragged_linear_set_gives_each_linears_bits(cuda, K, codebook):
             assert [g.dtype for g in got] == [w.dtype for w in want]
             for i, (g, w) in enumerate(zip(got, want)):
                 assert torch.equal(g, w), (k, T, i)
-        assert X._SET_PLANS  # (the ragged launch ran)
+        assert any(p is not None for p in X._SET_PLANS.values())  # (the ragged launch ran)
         x6 = x[:6].clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
