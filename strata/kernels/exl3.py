@@ -3,7 +3,8 @@ long inputs, the 128-block Hadamard pre/post steps and an MoE kernel grouped by 
 (spec exl3.md §1–§2; the torch reference is strata.quant.exl3).
 
 Entry points: `exl3_linear` (the whole layer), `exl3_moe_linear` (a step's expert pairs, one
-launch for several weight sets such as gate + up), `exl3_matmul` / `exl3_partials` (y' only),
+launch for several weight sets such as gate + up), `exl3_linear_set` (linears of one input and
+any widths in one launch, on the CUDA kernel), `exl3_matmul` / `exl3_partials` (y' only),
 `reconstruct` (Ŵ fp16), `rotate_in` / `rotate_out` (the Hadamard steps).
 
 Decode (`_decode_block`). A trellis tile is 16·K int16 = 8K u32 words (little-endian pairs,
