@@ -20,8 +20,8 @@ only one (a journal that already holds writes runs eagerly).
 Engram tables on disk: a step's records are read on the host before the replay
 (StaticStep.prepare) into a fixed device buffer, which the graph dequantises.
 
-The DSpark draft replays from two more graphs: its block through the stages and the head
-(DraftRegion), then the Markov picks with the request's sampler (MarkovPicks: a capture per
+The DSpark draft replays from more graphs: its block through the stages and the head
+(DraftRegion: a chain of one graph per stage), then the Markov picks with the request's sampler (MarkovPicks: a capture per
 temperature and top-p, any seed, few kept — every greedy request shares one); eager, the
 picks were ~60 launches a
 window that the GPU idled through. So do the draft windows of the rows a step or a window
@@ -212,7 +212,7 @@ class DraftRegion:
     def prepare(self, anchor: int, P: int) -> None:
         g = self.tokens.numel()
         self.tokens[0] = anchor  # (a fill with a scalar: no host upload)
-        self.ctx.positions.copy_(torch.arange(P, P + g, device=self.tokens.device))
+        upload(torch.arange(P, P + g), self.tokens.device, out=self.ctx.positions)  # (one copy)
         self.ctx.start = P  # (host bookkeeping only: no op reads it)
 
     def run(self) -> None:
@@ -285,7 +285,7 @@ class CommitRegion:
             self.hidden = torch.cat(taps, dim=-1)
         else:
             torch.cat(taps, dim=-1, out=self.hidden)
-        self.positions.copy_(upload(torch.arange(start, start + self.rows), m.device))
+        upload(torch.arange(start, start + self.rows), m.device, out=self.positions)
         self.start = start  # (host bookkeeping only: no op reads it)
 
     def run(self) -> None:
