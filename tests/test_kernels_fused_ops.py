@@ -111,6 +111,24 @@ def test_rms_norm_kernel_matches_the_definition_and_rows_are_independent(dtype):
         assert torch.equal(alone[0], got[4, 1])
 
 
+def test_rope_table_kernel_gives_the_definitions_bits():
+    """cos/sin of a forward's positions in one launch: the fp64 angle, cos and sin, one
+    rounding each — the torch definition's values (positions up to 1M, V4.1's YaRN table)."""
+    from strata.config import v41_flash_config
+    from strata.kernels import rope as kernel
+    from strata.model import rope
+    cfg = v41_flash_config()
+    positions = torch.tensor([0, 1, 2, 127, 4096, 65_537, 524_287, 1_048_575])
+    for ratio in (0, 2):
+        inv_freq = rope.rope_inv_freq(cfg, ratio)
+        got = kernel.cos_sin(inv_freq, positions)
+        want = rope.rope_cos_sin(inv_freq, positions)
+        assert all(g.dtype == torch.float32 for g in got)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), ratio
+    empty = kernel.cos_sin(rope.rope_inv_freq(cfg, 0), positions[:0])
+    assert empty[0].shape == (0, cfg.qk_rope_head_dim // 2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rope_kernel_gives_the_definitions_bits(dtype, inverse):

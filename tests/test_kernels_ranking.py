@@ -59,3 +59,6 @@ def test_sorted_picks_are_the_indexers_torch_ops():
         want = topk_lowest_index(scores, k)
         got = sorted_picks(idx, scores, k)
         assert got.dtype == torch.int64 and got.shape == (4, k) and torch.equal(got, want), k
+        if m == scores.shape[1]:  # every entry picked: the indexer passes one broadcast row
+            every = torch.arange(m).expand(4, m)
+            assert torch.equal(sorted_picks(every, scores, k), want), k

@@ -1,7 +1,11 @@
 """Interleaved RoPE in one launch on CUDA (the torch definition is strata.model.rope.apply_rope,
 ~13 launches there). Same operations in the same order — the tail in fp32, a·c − b·s and
 a·s + b·c each product rounded then the sum (no fused multiply-add), one rounding to x's
-dtype, the head copied — so the result has the torch path's bits."""
+dtype, the head copied — so the result has the torch path's bits.
+
+`cos_sin`: a forward's cos/sin table (strata.model.rope.rope_cos_sin, six launches there: the
+positions' cast, the angles, cos, sin and two casts) in one: the angle as the fp64 product,
+cos and sin in fp64 (CUDA's libdevice, as torch's), each rounded once to fp32."""
 from __future__ import annotations
 
 import torch
@@ -46,6 +50,32 @@ if triton is not None:
         s = tl.load(sin_ptr + t * sc_t + p, mask=pm, other=0.0) * sign
         tl.store(orow + nh + 2 * p, _round_out(a * c - b * s, dt), mask=pm)
         tl.store(orow + nh + 2 * p + 1, _round_out(a * s + b * c, dt), mask=pm)
+
+
+if triton is not None:
+    @triton.jit
+    def _cos_sin_kernel(pos_ptr, freq_ptr, cos_ptr, sin_ptr, RD2: tl.constexpr,
+                        BP: tl.constexpr, PDL: tl.constexpr):
+        wait_then_release(PDL)
+        t = tl.program_id(0).to(tl.int64)
+        p = tl.arange(0, BP)
+        pm = p < RD2
+        ang = tl.load(pos_ptr + t).to(tl.float64) * tl.load(freq_ptr + p, mask=pm, other=0.0)
+        tl.store(cos_ptr + t * RD2 + p, tl.cos(ang).to(tl.float32), mask=pm)
+        tl.store(sin_ptr + t * RD2 + p, tl.sin(ang).to(tl.float32), mask=pm)
+
+
+def cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """As strata.model.rope.rope_cos_sin: inv_freq [rd/2] fp64, positions [T] int → cos, sin
+    [T, rd/2] fp32."""
+    T, rd2 = positions.numel(), inv_freq.numel()
+    cos = torch.empty((T, rd2), dtype=torch.float32, device=positions.device)
+    sin = torch.empty_like(cos)
+    if T and rd2:
+        _cos_sin_kernel[(T,)](positions.contiguous(), inv_freq.double().contiguous(), cos, sin,
+                              RD2=rd2, BP=triton.next_power_of_2(rd2), num_warps=1,
+                              **pdl.args(positions.device))
+    return cos, sin
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -143,9 +143,11 @@ class Attention:
         if self.compressor is None:
             return
         latent, entries, n = self.compressor.forward(u, ctx, state, projected)
-        self._store_entries(latent, entries, ctx, state)
+        # each new entry rotated at its group's first position, in the cache and the index keys
+        rope = ctx.rope_at(self.ratio, entries * self.ratio)
+        self._store_entries(latent, entries, rope, ctx, state)
         if self.indexer is not None:
-            self.indexer.publish_keys(latent, entries, ctx, state)
+            self.indexer.publish_keys(latent, entries, rope, ctx, state)
         if n:  # (host bookkeeping: which sources completed entries in this forward)
             ctx.published_keys.append(self.layer)
 
@@ -156,12 +158,12 @@ class Attention:
         return sparse_attention(q, rows, mask, comp_rows, comp_mask, self.attn_sink,
                                 self.cfg.head_dim ** -0.5)
 
-    def _store_entries(self, latent: torch.Tensor, entries: torch.Tensor, ctx: ForwardContext,
+    def _store_entries(self, latent: torch.Tensor, entries: torch.Tensor,
+                       rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext,
                        state: State) -> None:
-        """Rotate new latents at their group's first position and store them at their entry
-        indices (a device tensor)."""
-        cos, sin = ctx.rope_at(self.ratio, entries * self.ratio)
-        kv = apply_rope(latent, cos, sin)
+        """Rotate new latents by `rope` (cos/sin at their group's first position) and store
+        them at their entry indices (a device tensor)."""
+        kv = apply_rope(latent, *rope)
         if ctx.numerics.quantize:
             kv = fp4_qdq_e4m3_scale(kv)
         state.comp_kv[self.layer][entries] = kv.to(state.comp_kv[self.layer].dtype)

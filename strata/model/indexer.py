@@ -38,7 +38,10 @@ def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     from strata.kernels import ranking
     T, n = scores.shape
     m = min(k, n)
-    idx = ranked_topk(scores, m, sorted=False)  # (a radix select, not a sort of the row)
+    if m == n:  # every entry is a pick (a context of few entries): nothing to select
+        idx = torch.arange(n, device=scores.device).expand(T, n)
+    else:
+        idx = ranked_topk(scores, m, sorted=False)  # (a radix select, not a sort of the row)
     if (ranking.available(scores) and n and scores.stride(1) == 1
             and k <= ranking.MAX_PICKS):
         return ranking.sorted_picks(idx, scores, k)  # (the ops below in one launch)
@@ -80,14 +83,14 @@ class Indexer:
             self.wk = w.linear(f"{prefix}.wk", ihd, cfg.head_dim)
             self.k_norm = w.float_tensor(f"{prefix}.k_norm.weight", (ihd,))
 
-    def publish_keys(self, latent: torch.Tensor, entries: torch.Tensor, ctx: ForwardContext,
+    def publish_keys(self, latent: torch.Tensor, entries: torch.Tensor,
+                     rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext,
                      state: State) -> None:
         """Index keys of new entries (indices on the device) from their pre-RoPE latents, into
-        the state."""
+        the state; `rope`: cos/sin at each entry's group's first position."""
         nx = ctx.numerics
         k = rms_norm(self.wk(latent, nx, torch.float32), self.k_norm, self.cfg.rms_norm_eps)
-        cos, sin = ctx.rope_at(self.ratio, entries * self.ratio)
-        k = apply_rope(k, cos, sin)
+        k = apply_rope(k, *rope)
         if nx.quantize:
             k = fp4_qdq_ue8m0(k)
         state.index_k[self.layer][entries] = k.to(state.index_k[self.layer].dtype)

@@ -42,7 +42,11 @@ def _inv_freq(rd: int, theta: float, yarn: bool, orig: int, beta_fast: float,
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [T, rope_dim/2] in fp32 for integer positions [T]."""
+    """cos/sin [T, rope_dim/2] in fp32 for integer positions [T] (on CUDA one launch with the
+    same operations, strata.kernels.rope.cos_sin)."""
+    from strata.kernels import rope as kernels
+    if kernels.available(positions):
+        return kernels.cos_sin(inv_freq, positions)
     ang = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     return torch.cos(ang).float(), torch.sin(ang).float()
 

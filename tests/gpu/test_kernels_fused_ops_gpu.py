@@ -105,6 +105,20 @@ def test_rope_equals_the_torch_code(cuda, monkeypatch, dtype):
                                       out_dtype=torch.bfloat16))
 
 
+def test_rope_table_equals_the_torch_code(cuda, monkeypatch):
+    """The cos/sin table in one launch: torch's CUDA cos and sin of the fp64 angles, rounded
+    to fp32 — bit for bit (V4.1's two tables, positions up to 1M)."""
+    from strata.config import v41_flash_config
+    from strata.model import rope
+    cfg = v41_flash_config()
+    positions = torch.cat((torch.arange(0, 300), torch.arange(1_048_000, 1_048_576))).to(cuda)
+    for ratio in (0, 2):
+        inv_freq = rope.rope_inv_freq(cfg, ratio, cuda)
+        got = rope.rope_cos_sin(inv_freq, positions)
+        want = torch_path(monkeypatch, rope.rope_cos_sin, inv_freq, positions)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), ratio
+
+
 @pytest.mark.parametrize("T,k", [(1, 6), (6, 6), (64, 1), (8, 8)])
 def test_one_program_grouping_equals_the_general_path(cuda, T, k):
     """A decode step's expert grouping on CUDA (one kernel) gives the general path's tensors

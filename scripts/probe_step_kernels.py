@@ -1,0 +1,78 @@
+"""A graphed step's kernels in the order the GPU ran them: the synthetic V4.1 (half the layers,
+as scripts/device_probes.sh), one plain step (or, with `oracle`, one verify window and its
+draft) profiled without Python stacks. Writes every kernel — start offset, duration and the
+gap before it, µs — to $OUT/step_kernels_<mode>.txt, and prints a summary: kernels by name
+with their count, summed duration and summed gap before them (what a launch of that kernel
+costs beyond its own run: a kernel that cannot launch early after its predecessor shows a
+larger gap). One-off diagnostic (GPU): source scripts/device_env.sh && python
+scripts/probe_step_kernels.py [plain|oracle]"""
+import json
+import os
+import sys
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from strata.bench.decode import _run_once, make_session
+from strata.bench.synthetic import build_synthetic, parse_layers
+from strata.config import v41_flash_config
+from strata.runtime.sampling import SamplingParams
+
+mode = sys.argv[1] if len(sys.argv) > 1 else "plain"
+out_dir = os.environ.get("OUT", "/tmp")
+cfg = v41_flash_config()
+model, _ = build_synthetic(cfg, "cuda:0", layers=parse_layers("0-9,20-29", cfg.n_layers))
+g = torch.Generator().manual_seed(0)
+prompt = torch.randint(3, 100_000, (512,), generator=g).tolist()
+window = mode == "oracle"
+per = cfg.dspark_block_size + 1 if window else 1
+n = 12 * per + 1
+reference = _run_once(model, prompt, n + per, "plain", None, None, None)[0] if window else None
+s = make_session(model, prompt, n + per, mode + "+graphs", reference)
+gen = s.generate(prompt, n + per, SamplingParams(), stop_ids=frozenset(),
+                 mode="dspark" if window else "plain")
+next(gen)
+
+
+def one_step():
+    if not window:
+        next(gen)
+        return
+    target = s.stats.windows + 1
+    while s.stats.windows < target:
+        next(gen)
+
+
+for _ in range(4):
+    one_step()
+torch.cuda.synchronize()
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    one_step()
+    torch.cuda.synchronize()
+path = os.path.join(out_dir, f"trace_{mode}.json")
+prof.export_chrome_trace(path)
+with open(path) as f:
+    events = json.load(f)["traceEvents"]
+os.remove(path)
+dev = sorted((e["ts"], e.get("dur", 0), e["name"]) for e in events
+             if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+t0, end = dev[0][0], dev[0][0]
+by = defaultdict(lambda: [0, 0.0, 0.0])
+with open(os.path.join(out_dir, f"step_kernels_{mode}.txt"), "w") as f:
+    f.write(f"{'start µs':>10s} {'gap µs':>8s} {'dur µs':>8s}  kernel\n")
+    for ts, dur, name in dev:
+        gap = max(0.0, ts - end)
+        short = name[:90]
+        f.write(f"{ts - t0:10.1f} {gap:8.2f} {dur:8.2f}  {short}\n")
+        b = by[short[:60]]
+        b[0] += 1
+        b[1] += dur
+        b[2] += gap
+        end = max(end, ts + dur)
+total_gap = sum(b[2] for b in by.values())
+print(f"{mode}: {len(dev)} kernels, span {end - t0:.1f} µs, durations {sum(d for _, d, _ in dev):.1f}"
+      f" µs, gaps {total_gap:.1f} µs")
+print(f"{'kernel':60s} {'count':>6s} {'dur µs':>9s} {'gap µs':>9s} {'gap/launch':>10s}")
+for name, (c, d, gp) in sorted(by.items(), key=lambda kv: -(kv[1][1] + kv[1][2]))[:45]:
+    print(f"{name:60s} {c:6d} {d:9.1f} {gp:9.1f} {gp / c:10.2f}")
