@@ -3,7 +3,8 @@
 cuBLAS picks its kernel (tiling, split-K) from the whole problem's shape, so the same row can
 round differently in a decode step, a verify window and a prefill chunk. This kernel computes
 every output row with the same fixed-order reduction over K (blocks of BLOCK_K, fp32
-accumulation) whatever B or the grid — and, for M ≥ 2, whatever M (`tile_shape`) — which
+accumulation) whatever B or the grid — and, for M ≥ 2, whatever M or the tile's width
+(`tile_shape`) — which
 makes forwards bit-identical across batch shapes on the GPU.
 
 One kernel, two ways of summing a slice, chosen by the call site's structural M (never by
@@ -162,18 +163,29 @@ def product(M: int, x: torch.Tensor, w: torch.Tensor) -> int:
 ROWS_TILE = (16, 32, 128)
 
 
-def tile_shape(M: int, prod: int = Product.FMA) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) for a call with M rows per batch element and its Product. A
-    call site's M is structural (1 for row products, the heads of a layer for attention and
-    the indexer) and every M ≥ 2 gets one tile per Product, so a row's bits never depend on
-    the batch (decode, verify window, prefill chunk) nor on how tensor parallelism splits the
-    heads. 16-bit pairs: 64 rows, V4.1's 64 attention heads in one tensor-core tile, which
-    reads a query's gathered rows once; 128 columns (H200, session 9: a 4,096-query chunk's q·k
-    292 µs against 361 at 64, cuBLAS 322). The split p·v: 64 × 64 (H200, session 15: a
-    243-query piece 100 µs against the fp32 FMAs' 495 in their 32 × 32 tile; one decode query
-    9.1 µs against 9.2, where a 32 × 64 tile took 14.9). fp32 FMAs: 32 × 32."""
+# Batches of at most this many elements (a decode step's or a verify window's queries) take the
+# tensor-core tiles' narrow width: more programs for a few queries' products.
+SMALL_BATCH = 16
+
+
+def tile_shape(M: int, prod: int = Product.FMA, B: int = SMALL_BATCH + 1) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) for a call of B batch elements with M rows each and its
+    Product. A call site's M is structural (1 for row products, the heads of a layer for
+    attention and the indexer) and every M ≥ 2 gets one BLOCK_M and BLOCK_K per Product, so a
+    row's bits never depend on the batch (decode, verify window, prefill chunk) nor on how
+    tensor parallelism splits the heads; BLOCK_N, the tile's width, changes no output's chain
+    of k-steps (tested on the GPU: the same bits at 16–128), so it follows the batch.
+    16-bit pairs: 64 rows, V4.1's 64 attention heads in one tensor-core tile, which reads a
+    query's gathered rows once; 128 columns for a prefill chunk (H200, session 9: a
+    4,096-query chunk's q·k 292 µs against 361 at 64, cuBLAS 322). The split p·v: 64 × 64
+    (H200, session 15: a 243-query piece 100 µs against the fp32 FMAs' 495 in their 32 × 32
+    tile). At most SMALL_BATCH queries: 32 columns for both (H200, session 20: one decode
+    query's q·k 3.0 µs against 4.8 at 128, its p·v 8.4 against 9.4 at 64; six queries 4.7 /
+    8.9 µs against 6.1 / 9.8). fp32 FMAs: 32 × 32."""
     if M == 1:
         return 1, 32, 64
+    if prod in (Product.PAIR16, Product.SPLIT) and B <= SMALL_BATCH:
+        return 64, 32, 64
     return {Product.PAIR16: (64, 128, 64), Product.SPLIT: (64, 64, 64)}.get(prod, (32, 32, 32))
 
 
@@ -207,7 +219,7 @@ def rowwise_bmm(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
         return out
     swb = 0 if Bw == 1 else w.stride(0)
     prod = product(2 if tile else M, x, w)  # (a call site's tile: the tl.dot path at any M)
-    bm, bn, bk = tile or tile_shape(M, prod)
+    bm, bn, bk = tile or tile_shape(M, prod, B)
     m_blocks = triton.cdiv(M, bm)
     chunks = triton.cdiv(K, k_chunk) if K > k_chunk else 1
     dest = out if chunks == 1 else torch.empty((chunks, B, M, N), dtype=torch.float32,

@@ -290,6 +290,28 @@ def test_the_indexers_picks_in_one_launch_equal_the_torch_code(cuda, monkeypatch
         assert torch.equal(got, want), (s.shape, k)
 
 
+def test_attentions_products_have_one_set_of_bits_for_any_batch_and_tile_width(cuda):
+    """q·kᵀ (bf16 pairs) and p·v (fp32 against bf16) at V4.1's decode shapes: a query alone
+    (the narrow tile of small batches) gives its bits in a 40-query batch (the wide tile), and
+    every tile width 16–128 gives them too — the width changes no output's chain of k-steps,
+    which is what lets tile_shape follow the batch."""
+    from strata.kernels.rowwise import rowwise_bmm, tile_shape
+    g = torch.Generator(device=cuda).manual_seed(12)
+    q = torch.randn(40, 64, 512, device=cuda, generator=g).bfloat16()
+    rows = torch.randn(40, 640, 512, device=cuda, generator=g).bfloat16()
+    p = torch.softmax(torch.randn(40, 64, 640, device=cuda, generator=g), -1)
+    for x, w in ((q, rows), (p, rows.transpose(1, 2))):
+        full = rowwise_bmm(x, w, out_dtype=torch.float32)
+        assert tile_shape(64, 1, 1)[1] != tile_shape(64, 1, 40)[1]  # (two widths here)
+        for i in (0, 17, 39):
+            assert torch.equal(rowwise_bmm(x[i:i + 1], w[i:i + 1], out_dtype=torch.float32),
+                               full[i:i + 1]), i
+        assert torch.equal(rowwise_bmm(x[3:9], w[3:9], out_dtype=torch.float32), full[3:9])
+        for width in (16, 32, 64, 128):
+            assert torch.equal(rowwise_bmm(x, w, out_dtype=torch.float32,
+                                           tile=(64, width, 64)), full), width
+
+
 def test_a_dense_fp32_linear_of_bf16_rows_and_weight(cuda):
     """Linear.forward with an fp32 output, bf16 activations and a bf16 weight (the router):
     the pairs' exact products summed in fp32 on tensor cores — no cast launch, no fp32 copy
