@@ -8,12 +8,13 @@ stream. Here:
   chunk's partial products (tl.dot: a bf16 stream against fn split exactly into three bf16,
   on tensor cores; else IEEE fp32) and Σx², then the chunks added in order; a prefill's rows
   share each load of the 24-row weight. `hc_mixed_coeffs` (the model's path)
-  lets the coefficients kernel add the chunks and divide by 4·D: mix and coefficients in two
-  launches, where the row products, the cast, the square, their chunk sums, the mean and the
-  coefficients were eight;
+  lets the coefficients kernel add the chunks (all of a row's partials loaded as one tile,
+  summed in a fixed tree) and divide by 4·D: mix and coefficients in two launches, where the
+  row products, the cast, the square, their chunk sums, the mean and the coefficients were
+  eight;
 - `hc_coeffs`: (pre, post, comb) from the mixing matmul's output m and the stream's mean square,
-  one program per block of rows: scale/base, sigmoids, the row softmax and every Sinkhorn
-  iteration in registers (one launch);
+  one program per row: scale/base, sigmoids, the row softmax and every Sinkhorn iteration in
+  registers (one launch);
 - `collapse`: Σ_i pre[i]·h[i] (one launch);
 - `hc_update`: post[j]·y + Σ_i comb[i, j]·h[i] (one launch).
 
@@ -34,16 +35,17 @@ try:
 except ImportError:  # CPU-only installs: strata.model.mhc's torch code is used
     triton = None
 
-ROWS = 16      # rows per program in hc_coeffs
+COEFF_WARPS = 4  # hc_coeffs: one row a program, its chunk partials spread over the warps
 BLOCK_D = 512  # hidden columns per program in collapse / hc_update
 # hc_mix rows per program: 16 since its products run on tensor cores (session 16 probe,
 # hc_mixed_coeffs by graph replay: 12.1 µs a decode row against 16.0 at 32, 254 µs a
 # 4,096-row chunk against 335; with fp32 FMAs, session 9, 32 had halved the chunk's time).
 # A decode row's call is a chain of K steps per program, so shorter chunks mean more
 # programs and a shorter chain: in graphed decode steps 13 µs a call at chunks of 256
-# (session 9), 24 µs at 512 (session 10); the coefficients kernel adds the 80 partials in
-# order (unrolled: their loads issued ahead, where a loop of four loads at a time took
-# 16.6 µs in session 13). The partition is K's alone, so rows never depend on the batch.
+# (session 9), 24 µs at 512 (session 10); the coefficients kernel loads a row's 80 partials
+# as one tile (one memory latency; in order, chunk by chunk, a block of 16 rows took ~7.6
+# µs a decode call: session 20). The partition is K's alone, so rows never depend on the
+# batch.
 MIX_ROWS = 16
 MIX_K = 64     # K per tl.dot step
 MIX_CHUNK = 256  # K per program; the chunks' partials are summed in order
@@ -71,47 +73,34 @@ if triton is not None:
             return acc.to(DT)
 
     @triton.jit
-    def _mix_chunk(mrow, msrow, i, off, vmask, lmask, H: tl.constexpr):
-        """One chunk's partials of a block of rows: (Σx², m_pre, m_post, comb logits)."""
-        return (tl.load(msrow), tl.load(mrow + i[None, :], mask=vmask, other=0.0),
-                tl.load(mrow + H + i[None, :], mask=vmask, other=0.0),
-                tl.load(mrow[:, :, None] + off[None, :, :], mask=lmask, other=0.0))
-
-    @triton.jit
     def _hc_coeffs_kernel(m_ptr, ms_ptr, s_ptr, b_ptr, pre_ptr, post_ptr, comb_ptr,
-                          T, sm_row, s_ms, s_chunk, ms_count, norm_eps, hc_eps,
+                          sm_row, s_ms, s_chunk, ms_count, norm_eps, hc_eps,
                           H: tl.constexpr, HP: tl.constexpr, ITERS: tl.constexpr,
-                          BT: tl.constexpr, CHUNKS: tl.constexpr, PDL: tl.constexpr):
+                          CHUNKS: tl.constexpr, CP: tl.constexpr, PDL: tl.constexpr):
         wait_then_release(PDL)
-        # m and ms are the sums of CHUNKS partials s_chunk elements apart (hc_mix's K chunks;
-        # one for a plain m), added in chunk order from zero as the chunk sum adds.
-        rows = tl.program_id(0) * BT + tl.arange(0, BT)
-        rmask = rows < T
-        r64 = tl.where(rmask, rows, 0).to(tl.int64)
+        # One row. m and ms are the sums of CHUNKS partials s_chunk elements apart (hc_mix's K
+        # chunks; one for a plain m): every partial of the row is loaded as one tile — one
+        # memory latency, where a block of 16 rows read its partials chunk by chunk — and
+        # summed over the chunks (a fixed tree: the row's bits depend on K alone).
+        r = tl.program_id(0).to(tl.int64)
+        ch = tl.arange(0, CP)
+        chm = ch < CHUNKS
         i = tl.arange(0, HP)
         imask = i < H
-        vmask = rmask[:, None] & imask[None, :]
         a = i[:, None]
         c = i[None, :]
         cmask = (a < H) & (c < H)
-        off = 2 * H + a * H + c  # comb logits [BT, a, c] = m[2H + a·H + c]
-        ms = tl.zeros([BT], dtype=tl.float32)
-        m_pre = tl.zeros([BT, HP], dtype=tl.float32)
-        m_post = tl.zeros([BT, HP], dtype=tl.float32)
-        lg = tl.zeros([BT, HP, HP], dtype=tl.float32)
-        mrow = m_ptr + r64[:, None] * sm_row
-        msrow = ms_ptr + r64 * s_ms
-        lmask = rmask[:, None, None] & cmask
-        # Unrolled (CHUNKS is a compile-time count): every chunk's loads are independent of
-        # the in-order adds, so they are issued ahead of them — at decode (80 chunks) the
-        # time was the loads' latency, chunk after chunk, when the loop issued four at a time.
-        for _ in tl.static_range(CHUNKS):
-            a0, p0, q0, l0 = _mix_chunk(mrow, msrow, i, off, vmask, lmask, H)
-            ms, m_pre, m_post, lg = ms + a0, m_pre + p0, m_post + q0, lg + l0
-            mrow += s_chunk  # (pointer steps: no int32 chunk × stride product)
-            msrow += s_chunk
+        off = 2 * H + a * H + c  # comb logits [a, c] = m[2H + a·H + c]
+        mrow = m_ptr + r * sm_row + ch.to(tl.int64) * s_chunk  # [CP] the chunks' rows
+        ms = tl.sum(tl.load(ms_ptr + r * s_ms + ch.to(tl.int64) * s_chunk, mask=chm,
+                            other=0.0), axis=0)
+        vmask = chm[:, None] & imask[None, :]
+        m_pre = tl.sum(tl.load(mrow[:, None] + i[None, :], mask=vmask, other=0.0), axis=0)
+        m_post = tl.sum(tl.load(mrow[:, None] + H + i[None, :], mask=vmask, other=0.0), axis=0)
+        lg = tl.sum(tl.load(mrow[:, None, None] + off[None, :, :],
+                            mask=chm[:, None, None] & cmask[None, :, :], other=0.0), axis=0)
         ms = tl.math.div_rn(ms, ms_count)                                    # (÷1: exact)
-        inv = tl.rsqrt(ms + norm_eps)[:, None]                               # [BT, 1]
+        inv = tl.rsqrt(ms + norm_eps)
         s0 = tl.load(s_ptr)
         s1 = tl.load(s_ptr + 1)
         s2 = tl.load(s_ptr + 2)
@@ -119,20 +108,19 @@ if triton is not None:
         post = 2 * tl.sigmoid((m_post * inv) * s1
                               + tl.load(b_ptr + H + i, mask=imask, other=0.0))
         # comb: row softmax over c, then Sinkhorn
-        lg = (lg * inv[:, :, None]) * s2 + tl.load(b_ptr + off, mask=cmask, other=0.0)
+        lg = (lg * inv) * s2 + tl.load(b_ptr + off, mask=cmask, other=0.0)
         lg = tl.where(cmask, lg, -3.0e38)  # padding (H < HP): exp → 0, and no inf − inf
-        e = tl.exp(lg - tl.max(lg, axis=2)[:, :, None])
+        e = tl.exp(lg - tl.max(lg, axis=1)[:, None])
         e = tl.where(cmask, e, 0.0)
-        den = tl.sum(e, axis=2)[:, :, None]  # ≥ 1 on real rows; 0 on padding rows
+        den = tl.sum(e, axis=1)[:, None]  # ≥ 1 on real rows; 0 on padding rows
         cb = tl.where(cmask, e / tl.where(den > 0, den, 1.0) + hc_eps, 0.0)
-        cb = cb / (tl.sum(cb, axis=1)[:, None, :] + hc_eps)
+        cb = cb / (tl.sum(cb, axis=0)[None, :] + hc_eps)
         for _ in range(ITERS - 1):
-            cb = cb / (tl.sum(cb, axis=2)[:, :, None] + hc_eps)
-            cb = cb / (tl.sum(cb, axis=1)[:, None, :] + hc_eps)
-        tl.store(pre_ptr + r64[:, None] * H + i[None, :], pre, mask=vmask)
-        tl.store(post_ptr + r64[:, None] * H + i[None, :], post, mask=vmask)
-        tl.store(comb_ptr + r64[:, None, None] * (H * H) + (a * H + c)[None, :, :], cb,
-                 mask=rmask[:, None, None] & cmask)
+            cb = cb / (tl.sum(cb, axis=1)[:, None] + hc_eps)
+            cb = cb / (tl.sum(cb, axis=0)[None, :] + hc_eps)
+        tl.store(pre_ptr + r * H + i, pre, mask=imask)
+        tl.store(post_ptr + r * H + i, post, mask=imask)
+        tl.store(comb_ptr + r * (H * H) + a * H + c, cb, mask=cmask)
 
     @triton.jit
     def _hc_mix_kernel(x_ptr, fn_ptr, part_ptr, T, N, K, sx_row, sf_row, sp_chunk, sp_row,
@@ -228,11 +216,11 @@ def hc_coeffs(m: torch.Tensor, ms: torch.Tensor, scale: torch.Tensor, base: torc
     post = torch.empty_like(pre)
     comb = torch.empty((T, H, H), dtype=torch.float32, device=m.device)
     if T:
-        _hc_coeffs_kernel[(triton.cdiv(T, ROWS),)](
-            m, ms, _contig(scale.float()), _contig(base.float()), pre, post, comb, T,
+        _hc_coeffs_kernel[(T,)](
+            m, ms, _contig(scale.float()), _contig(base.float()), pre, post, comb,
             m.stride(0), ms.stride(0), 0, float(ms_count), float(norm_eps), float(hc_eps),
-            H=H, HP=triton.next_power_of_2(H), ITERS=iters, BT=ROWS, CHUNKS=1, num_warps=4,
-            enable_fp_fusion=False, **pdl.args(m.device))
+            H=H, HP=triton.next_power_of_2(H), ITERS=iters, CHUNKS=1, CP=1,
+            num_warps=COEFF_WARPS, enable_fp_fusion=False, **pdl.args(m.device))
     return pre, post, comb
 
 
@@ -283,8 +271,9 @@ def hc_mixed_coeffs(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base
                     H: int, norm_eps: float, hc_eps: float,
                     iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hc_coeffs(*hc_mix(h, fn), ..., ms_count=H·D) in two launches, not three: the
-    coefficients kernel adds hc_mix's chunk partials itself, in the chunk sum's order — the
-    same m and Σx², so the same bits (a decode step: 40 launches fewer on 20 layers)."""
+    coefficients kernel adds hc_mix's chunk partials itself (a decode step: 40 launches fewer
+    on 20 layers) — as one tile, over the chunks in a tree, where hc_mix adds them in chunk
+    order: the same m and Σx² to fp32 rounding, each row's bits fixed by K alone."""
     part = _mix_partials(h, fn)
     chunks, T, N1 = part.shape
     if N1 - 1 != (2 + H) * H:
@@ -293,12 +282,13 @@ def hc_mixed_coeffs(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base
     post = torch.empty_like(pre)
     comb = torch.empty((T, H, H), dtype=torch.float32, device=h.device)
     if T:
-        _hc_coeffs_kernel[(triton.cdiv(T, ROWS),)](
+        _hc_coeffs_kernel[(T,)](
             part, part[0, :, N1 - 1], _contig(scale.float()), _contig(base.float()), pre, post,
-            comb, T, part.stride(1), part.stride(1), part.stride(0),
+            comb, part.stride(1), part.stride(1), part.stride(0),
             float(H * h.shape[2]), float(norm_eps), float(hc_eps), H=H,
-            HP=triton.next_power_of_2(H), ITERS=iters, BT=ROWS, CHUNKS=chunks, num_warps=4,
-            enable_fp_fusion=False, **pdl.args(h.device))
+            HP=triton.next_power_of_2(H), ITERS=iters, CHUNKS=chunks,
+            CP=triton.next_power_of_2(chunks), num_warps=COEFF_WARPS, enable_fp_fusion=False,
+            **pdl.args(h.device))
     return pre, post, comb
 
 
