@@ -57,19 +57,19 @@ def test_swiglu_matches_the_torch_definition(dtype, weighted):
 
 
 def test_the_routed_and_shared_outputs_join_as_torch_adds_and_casts():
+    """The slot sum's join with the shared expert's output: torch's fp32 add and cast, ties
+    to even and −0 + −0 included (one slot: the routed sum is the slot itself)."""
     g = torch.Generator().manual_seed(5)
     routed = torch.randn(5, 1100, generator=g) * 30  # past one block
     shared = torch.randn(5, 1100, generator=g)
     routed[0, :2] = torch.tensor([1.0, -0.0])
     shared[0, :2] = torch.tensor([3 * 2 ** -8, -0.0])  # a tie (rounds to even: up); −0 + −0
     for dtype in (torch.bfloat16, torch.float32):
-        got = moe_ops.join(routed, shared, dtype)
+        got = moe_ops.slot_sum(routed[:, None], shared, dtype)
         want = (routed + shared).to(dtype)
         assert got.dtype == dtype and torch.equal(got, want)
         assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                            want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
-    with pytest.raises(ValueError, match="differ"):
-        moe_ops.join(routed, shared[:, :-1], torch.bfloat16)
 
 
 def test_slot_sum_is_the_torch_loop_bit_for_bit():
@@ -80,3 +80,11 @@ def test_slot_sum_is_the_torch_loop_bit_for_bit():
         for s in range(1, 6):
             want = want + y.float()[:, s]
         assert torch.equal(moe_ops.slot_sum(y), want)
+        # with the shared expert's output: join's sum and rounding in the same launch
+        shared = torch.randn(4, 70, generator=g) * 100
+        for out in (torch.bfloat16, torch.float32):
+            assert torch.equal(moe_ops.slot_sum(y, shared, out),
+                               (want + shared).to(out)), (dtype, out)
+        assert torch.equal(moe_ops.slot_sum(y, dtype=torch.bfloat16), want.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="plus"):
+        moe_ops.slot_sum(y, shared[:, :-1])

@@ -455,7 +455,8 @@ def _gemm_builder(fmt: str, n: int, k: int, m: int) -> Callable[[], Callable[[],
 def _moe_builder(T: int, E: int = 384, k: int = 6, D: int = 5120,
                  I: int = 2304) -> Callable[[], Callable[[], torch.Tensor]]:
     def build() -> Callable[[], torch.Tensor]:
-        from strata.kernels.moe import StoredExperts, moe_grouped
+        from strata.kernels.moe import StoredExperts, moe_grouped_slots
+        from strata.model.moe import slot_sum
         from strata.model.numerics import Numerics
         st = [StoredExperts("fp4", *random_stored("fp4", n_, k_, "cuda", seed=i, experts=E))
               for i, (n_, k_) in enumerate(((I, D), (I, D), (D, I)))]
@@ -464,7 +465,7 @@ def _moe_builder(T: int, E: int = 384, k: int = 6, D: int = 5120,
         w = torch.rand(T, k, generator=g, device="cuda")
         x = torch.randn(T, D, generator=g, device="cuda", dtype=torch.bfloat16)
         nx = Numerics(act_dtype=torch.bfloat16)
-        return lambda: moe_grouped(x, idx, w, st[0], st[1], st[2], 10.0, nx)
+        return lambda: slot_sum(moe_grouped_slots(x, idx, w, st[0], st[1], st[2], 10.0, nx))
     return build
 
 

@@ -6,8 +6,9 @@ One step: group the (token, slot) pairs by expert (kernels.moe_grouping: static-
      expert's w1 AND w3 tiles (decoded in registers from the stored bytes), then the SwiGLU
      epilogue — w1/w3 products rounded to the activation dtype, silu(min(g, L))·clamp(v, ±L),
      × the pair's routing weight, vendor fp8 qdq per 32 — stored per pair: h [P, I];
-  2. down kernel: h[pair]·W2ᵀ per pair → ys [P, D] in the activation dtype;
-  3. Σ over slots in slot order (fp32), as the reference does.
+  2. down kernel: h[pair]·W2ᵀ per pair → ys [P, D] in the activation dtype, the slots
+     (`moe_grouped_slots`); the MoE then sums them in slot order (fp32), as the reference
+     does, with the shared expert's output (model.moe.slot_sum: one launch).
 Each selected expert's weights are read once per step for all the pairs routed to it (several
 times only when more than BLOCK_M pairs share it, one read per tile). Every pair row is reduced
 by the same fixed-order kernel whatever its tile, lane, the step's T or the grid (see
@@ -24,7 +25,7 @@ vendor fp8 points, an fp32 difference that straddles a rounding boundary of an i
 (w1/w3 products or outputs in bf16, an activation in fp8) moves it by one step — rare, local
 (tests: ≤ 2% of outputs off by more than one bf16 ulp, none by more than 3e-2 of the largest).
 
-EXL3 experts: `stack_exl3` + `exl3_moe_forward`, the same three steps around the grouped
+EXL3 experts: `stack_exl3` + `exl3_moe_slots`, the same steps around the grouped
 `strata.kernels.exl3.exl3_moe_linear`.
 """
 from __future__ import annotations
@@ -115,22 +116,22 @@ def stack_exl3(linears: list, rebind: bool = True) -> Exl3Experts:
     return Exl3Experts(cbs.pop(), st["trellis"], st["suh"], st["svh"], linears[0].out_features)
 
 
-def exl3_moe_forward(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
-                     w1: Exl3Experts, w3: Exl3Experts, w2: Exl3Experts, limit: float,
-                     nx) -> torch.Tensor:
-    """ExpertStack.forward for EXL3 experts through strata.kernels.exl3.exl3_moe_linear (gate
+def exl3_moe_slots(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
+                   w1: Exl3Experts, w3: Exl3Experts, w2: Exl3Experts, limit: float,
+                   nx) -> torch.Tensor:
+    """ExpertStack.slots for EXL3 experts through strata.kernels.exl3.exl3_moe_linear (gate
     and up in one grouped launch when they share shape and codebook), the SwiGLU with clamps
-    and routing weight in torch (elementwise: batch-invariant), the grouped down projection,
-    and the slot sum in slot order. Per pair the numerics of Exl3Linear's kernel forward (no
+    and routing weight (elementwise: batch-invariant) and the grouped down projection: [T, k,
+    D] in the activation dtype. Per pair the numerics of Exl3Linear's kernel forward (no
     fp8 point: EXL3 linears take unquantized activations) under the experts' own split
     schedule (exl3.GROUPED_TARGET_PROGRAMS: another summation order than a lone linear's)."""
     from strata.kernels.exl3 import GROUPED_TARGET_PROGRAMS, exl3_moe_linear
-    from strata.model.moe import slot_sum, swiglu_to
+    from strata.model.moe import swiglu_to
     T, k = idx.shape
     dt = nx.act_dtype
     D = w2.out_features
     if T == 0:
-        return torch.zeros((0, D), dtype=torch.float32, device=x.device)
+        return torch.zeros((0, k, D), dtype=dt, device=x.device)
     routing = Routing(idx, w1.trellis.shape[0])  # (each grouping made once for the 3 launches)
     sched = {"target_programs": GROUPED_TARGET_PROGRAMS}  # (every call: fixed bits per expert)
     xin = x.to(dt)
@@ -144,24 +145,26 @@ def exl3_moe_forward(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
                                **sched)
     a = swiglu_to(g, v, limit, dt, weight)  # [T, k, I]
     (y,) = exl3_moe_linear(a, idx, [w2.set], w2.codebook, D, dt, routing, **sched)
-    return slot_sum(y)
+    return y
 
 
-def moe_grouped(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w1: StoredExperts,
-                w3: StoredExperts, w2: StoredExperts, limit: float, nx) -> torch.Tensor:
-    """Σ_k expert_{idx[t,k]}(x_t)·weight[t,k] → [T, D] fp32; same numerics as
-    ExpertStack.forward's reference path (up to summation order and the exp of silu)."""
+def moe_grouped_slots(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
+                      w1: StoredExperts, w3: StoredExperts, w2: StoredExperts, limit: float,
+                      nx) -> torch.Tensor:
+    """Each pair's expert_{idx[t,k]}(x_t)·weight[t,k] → [T, k, D] in the activation dtype; same
+    numerics as ExpertStack.slots's reference path (up to summation order and the exp of
+    silu)."""
     from strata.kernels import fp8fp4  # (imported here: model loading stays free of triton)
     from strata.quant.qdq import fp8_act_qdq
     if (w1.fmt != w3.fmt or w1.weight.shape != w3.weight.shape
             or w1.weight.stride() != w3.weight.stride() or w1.scale.stride() != w3.scale.stride()):
-        raise ValueError("moe_grouped: w1 and w3 must share format, shape and strides")
+        raise ValueError("moe_grouped_slots: w1 and w3 must share format, shape and strides")
     T, k = idx.shape
     E, I, D = w1.weight.shape[0], w1.out_features, w2.out_features
     dt = nx.act_dtype
     quant = bool(nx.quantize)
     if T == 0:
-        return torch.zeros((0, D), dtype=torch.float32, device=x.device)
+        return torch.zeros((0, k, D), dtype=dt, device=x.device)
     # Operands are bf16 whenever the values are exact in bf16 (then identical products).
     op = torch.bfloat16 if (dt == torch.bfloat16 or quant) else torch.float32
     xq = (fp8_act_qdq(x) if quant else x).to(dt).to(op)
@@ -188,5 +191,4 @@ def moe_grouped(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w1: St
             QUANT=quant, ROUND_BF16=dt == torch.bfloat16, BLOCK_M=fp8fp4.BLOCK_M,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, enable_fp_fusion=False)
-    from strata.model.moe import slot_sum
-    return slot_sum(ys.view(T, k, D))
+    return ys.view(T, k, D)

@@ -1,5 +1,5 @@
-"""The MoE's small steps in one launch each on CUDA: routing, SwiGLU, the slot sum, the
-routed and shared outputs joined in the activation dtype.
+"""The MoE's small steps in one launch each on CUDA: routing, SwiGLU, the slot sum with the
+shared expert's output joined in the activation dtype.
 
 In torch a decode step's MoE layer spends ~40 launches on them: the router's scores
 (division, softplus, sqrt, bias), the radix top-k's key building and selection, the weights'
@@ -88,8 +88,8 @@ if triton is not None:
         tl.store(o_ptr + r * so + cols, _round_out(a, o_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _slot_sum_kernel(y_ptr, o_ptr, D, sy_t, sy_s, K: tl.constexpr, BD: tl.constexpr,
-                         PDL: tl.constexpr):
+    def _slot_sum_kernel(y_ptr, b_ptr, o_ptr, D, sy_t, sy_s, K: tl.constexpr,
+                         HAS_B: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
         wait_then_release(PDL)
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -98,16 +98,9 @@ if triton is not None:
         for s in tl.static_range(1, K):  # slot order, as the torch loop
             acc = acc + tl.load(y_ptr + t * sy_t + s * sy_s + cols, mask=m, other=0.0).to(
                 tl.float32)
-        tl.store(o_ptr + t * D + cols, acc, mask=m)
-
-    @triton.jit
-    def _join_kernel(a_ptr, b_ptr, o_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        wait_then_release(PDL)
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        m = offs < n
-        y = tl.load(a_ptr + offs, mask=m, other=0.0).to(tl.float32) \
-            + tl.load(b_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        tl.store(o_ptr + offs, _round_out(y, o_ptr.dtype.element_ty), mask=m)
+        if HAS_B:  # then the fp32 sum with the shared expert's output
+            acc = acc + tl.load(b_ptr + t * D + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(o_ptr + t * D + cols, _round_out(acc, o_ptr.dtype.element_ty), mask=m)
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, temp: float, k: int,
@@ -146,28 +139,22 @@ def swiglu(g: torch.Tensor, v: torch.Tensor, limit: float, dtype: torch.dtype,
     return out.view(g.shape)
 
 
-def slot_sum(y: torch.Tensor) -> torch.Tensor:
-    """Σ_s y[:, s] in slot order, fp32: y [T, k, D] (any float dtype) → [T, D]."""
+def slot_sum(y: torch.Tensor, plus: torch.Tensor | None = None,
+             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Σ_s y[:, s] in slot order in fp32: y [T, k, D] (any float dtype) → [T, D]; with `plus`
+    [T, D] (the shared expert's output) that sum + plus in fp32; rounded to dtype as torch
+    casts — strata.model.moe.slot_sum's bits."""
     T, k, D = y.shape
     if y.stride(-1) != 1:
         y = y.contiguous()
-    out = torch.empty((T, D), dtype=torch.float32, device=y.device)
+    if plus is not None:
+        if tuple(plus.shape) != (T, D):
+            raise ValueError(f"slot_sum: plus {list(plus.shape)} for slots {list(y.shape)}")
+        plus = plus.contiguous()
+    out = torch.empty((T, D), dtype=dtype, device=y.device)
     if T and D:
-        _slot_sum_kernel[(T, triton.cdiv(D, SUM_BLOCK))](y, out, D, y.stride(0), y.stride(1),
-                                                          K=k, BD=SUM_BLOCK,
-                                                          **pdl.args(y.device))
+        _slot_sum_kernel[(T, triton.cdiv(D, SUM_BLOCK))](
+            y, y if plus is None else plus, out, D, y.stride(0), y.stride(1), K=k,
+            HAS_B=plus is not None, BD=SUM_BLOCK, **pdl.args(y.device))
     return out
 
-
-def join(routed: torch.Tensor, shared: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(routed + shared) in fp32, rounded to dtype as torch casts: [T, D] each → [T, D]."""
-    if routed.shape != shared.shape:
-        raise ValueError(f"MoE join: routed {list(routed.shape)} and shared "
-                         f"{list(shared.shape)} differ")
-    a, b = routed.contiguous(), shared.contiguous()
-    out = torch.empty(a.shape, dtype=dtype, device=a.device)
-    n = a.numel()
-    if n:
-        _join_kernel[(triton.cdiv(n, SUM_BLOCK),)](a, b, out, n, BLOCK=SUM_BLOCK,
-                                                   **pdl.args(a.device))
-    return out

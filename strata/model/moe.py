@@ -6,7 +6,7 @@ Routed experts are held as stored, one Linear each; the reference path stacks th
 while decoding. Prefill (many token-expert pairs) instead runs each present expert once over
 its tokens. On CUDA, fp4/fp8 and EXL3 experts instead run the grouped kernels of
 strata.kernels.moe / strata.kernels.exl3 on the stacked stored tensors (no dense copy), chosen
-by format at `ExpertStack._fast_forward`.
+by format at `ExpertStack._fast_slots`.
 """
 from __future__ import annotations
 
@@ -40,24 +40,19 @@ def swiglu_to(g: torch.Tensor, v: torch.Tensor, limit: float, dtype: torch.dtype
     return (a if weight is None else a * weight.unsqueeze(-1).float()).to(dtype)
 
 
-def join(routed: torch.Tensor, shared: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The layer's output: routed + shared (fp32 sum) in dtype. One launch on CUDA."""
-    from strata.kernels import moe_ops
-    if moe_ops.available(routed):
-        return moe_ops.join(routed, shared, dtype)
-    return (routed.float() + shared.float()).to(dtype)
-
-
-def slot_sum(ys: torch.Tensor) -> torch.Tensor:
-    """Σ_s ys[:, s] in slot order, fp32: [T, k, D] → [T, D] (one launch on CUDA)."""
+def slot_sum(ys: torch.Tensor, plus: torch.Tensor | None = None,
+             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Σ_s ys[:, s] in slot order, fp32: [T, k, D] → [T, D]; with `plus` [T, D] (the shared
+    expert's output) that sum + plus in fp32 (the layer's output: routed + shared) — then
+    rounded to dtype. One launch on CUDA."""
     from strata.kernels import moe_ops
     if moe_ops.available(ys):
-        return moe_ops.slot_sum(ys)
+        return moe_ops.slot_sum(ys, plus, dtype)
     ys = ys.float()
     out = ys[:, 0]
     for s in range(1, ys.shape[1]):
         out = out + ys[:, s]
-    return out
+    return (out if plus is None else out + plus.float()).to(dtype)
 
 
 def expert_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -92,7 +87,7 @@ class ExpertStack:
         self.n_experts = len(linears["w1"])
         self._dense: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         from strata.kernels.moe import expert_format
-        # 'fp4' | 'fp8' | 'exl3' | 'dense' | 'mixed': picks the fast path (_fast_forward).
+        # 'fp4' | 'fp8' | 'exl3' | 'dense' | 'mixed': picks the fast path (_fast_slots).
         self.format = expert_format([l for ls in self.linears.values() for l in ls])
         self._stored: dict | None = None
         self._rebind = rebind
@@ -108,24 +103,24 @@ class ExpertStack:
             self._stored = {n: stack(self.linears[n], self._rebind) for n in ("w1", "w3", "w2")}
         return self._stored
 
-    def _fast_forward(self, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
-                      nx: Numerics) -> torch.Tensor | None:
+    def _fast_slots(self, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
+                    nx: Numerics) -> torch.Tensor | None:
         """The one dispatch point of the kernel paths, by expert format (CUDA, or forced on
         CPU for tests); None means the reference path below (dense/mixed experts)."""
         if self.format in ("fp4", "fp8"):
             from strata.kernels import fp8fp4
             if not fp8fp4.kernels_enabled(x):
                 return None
-            from strata.kernels.moe import moe_grouped
+            from strata.kernels.moe import moe_grouped_slots
             s = self.stored()
-            return moe_grouped(x, idx, weight, s["w1"], s["w3"], s["w2"], self.limit, nx)
+            return moe_grouped_slots(x, idx, weight, s["w1"], s["w3"], s["w2"], self.limit, nx)
         if self.format == "exl3":
             from strata.quant import exl3 as qexl3
             if not qexl3._use_kernels(x):  # the EXL3 kernels' own switch (KERNELS)
                 return None
-            from strata.kernels.moe import exl3_moe_forward
+            from strata.kernels.moe import exl3_moe_slots
             s = self.stored()
-            return exl3_moe_forward(x, idx, weight, s["w1"], s["w3"], s["w2"], self.limit, nx)
+            return exl3_moe_slots(x, idx, weight, s["w1"], s["w3"], s["w2"], self.limit, nx)
         return None
 
     def dense(self, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -143,12 +138,15 @@ class ExpertStack:
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
                 nx: Numerics) -> torch.Tensor:
-        """Σ_k expert_{idx[t,k]}(x_t)·weight[t,k]; x [T, D], idx/weight [T, k] → [T, D] fp32.
+        """Σ_k expert_{idx[t,k]}(x_t)·weight[t,k]; x [T, D], idx/weight [T, k] → [T, D] fp32:
+        the slots summed in slot order, so a token's output does not depend on the batch."""
+        return slot_sum(self.slots(x, idx, weight, nx))
 
-        Each (token, slot) pair is computed by the same per-row products in both paths and
-        the slots are summed in slot order, so a token's output does not depend on the batch.
-        """
-        fast = self._fast_forward(x, idx, weight, nx)
+    def slots(self, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
+              nx: Numerics) -> torch.Tensor:
+        """Each (token, slot) pair's expert_{idx[t,k]}(x_t)·weight[t,k] → [T, k, D] (fp32, or
+        the kernel paths' activation dtype): the same per-row products in every path."""
+        fast = self._fast_slots(x, idx, weight, nx)
         if fast is not None:
             return fast
         T, k = idx.shape
@@ -172,7 +170,7 @@ class ExpertStack:
                 a = swiglu(g, v, self.limit) * weight[t, slot, None].float()
                 a = (fp8_act_qdq(a) if quant else a).to(dt)
                 ys[t, slot] = row_matmul(a, w2[e]).float()
-        return slot_sum(ys)
+        return ys
 
 
 class SharedExpert:
@@ -237,7 +235,6 @@ class MoE:
         logits, *gate_up = self.u_set(u, nx, [torch.float32]
                                       + ([None, None] if self.shared else []))
         idx, w = self.route_logits(logits)
-        y = self.experts.forward(u, idx, w, nx)
-        if self.shared is None:
-            return y.to(nx.act_dtype)
-        return join(y, self.shared.down(*gate_up, nx), nx.act_dtype)
+        ys = self.experts.slots(u, idx, w, nx)
+        shared = None if self.shared is None else self.shared.down(*gate_up, nx)
+        return slot_sum(ys, shared, nx.act_dtype)  # (with the join: one launch on CUDA)

@@ -120,7 +120,7 @@ class ExpertCache:
 
 class CachedExperts:
     """The routed experts of one DSpark stage, kept off the device and brought in through an
-    ExpertCache when a draft step selects them (the ExpertStack forward interface).
+    ExpertCache when a draft step selects them (ExpertStack's `slots` interface).
 
     Exactness: a step runs `ExpertStack.of_linears` over just the selected experts — the same
     per-pair products as the full stack restricted to them — so drafts are bit-identical to a
@@ -131,14 +131,14 @@ class CachedExperts:
         self.cache, self.prefix = cache, prefix
         self.n_experts, self.limit = n_experts, limit
 
-    def forward(self, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
-                nx) -> torch.Tensor:
+    def slots(self, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
+              nx) -> torch.Tensor:
         from strata.model.moe import ExpertStack
         selected = torch.unique(idx)  # ascending, so the remapped order is the original one
         parts = self.cache.get_many([(self.prefix, int(e)) for e in selected.tolist()])
         linears = {name: [p[name] for p in parts] for name in ("w1", "w3", "w2")}
         local = torch.searchsorted(selected, idx.contiguous())
-        return ExpertStack.of_linears(linears, self.limit).forward(x, local, weight, nx)
+        return ExpertStack.of_linears(linears, self.limit).slots(x, local, weight, nx)
 
 
 class DraftExpertReader:

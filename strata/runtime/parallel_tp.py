@@ -327,8 +327,8 @@ class ExpertParallelMoE:
             owner = torch.cat((owner, owner.new_full((T, 1), self.shared_owner)), dim=1)
         ys = every.gather(0, owner[None, :, :, None].expand(1, T, k + shared, u.shape[1]))[0]
         # the slots in order, then the shared expert: MoE.forward's fp32 sums in its order
-        # (slot_sum, then join's routed + shared), one launch on CUDA
-        return slot_sum(ys).to(nx.act_dtype)
+        # (the slots, then join's routed + shared) and its rounding, one launch on CUDA
+        return slot_sum(ys, dtype=nx.act_dtype)
 
 
 def apply_tp(model: Model, comm: Comm, plan: TPPlan) -> None:

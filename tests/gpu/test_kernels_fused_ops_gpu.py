@@ -175,9 +175,10 @@ def test_moe_small_steps_against_the_torch_code(cuda, monkeypatch):
     assert torch.equal(M.swiglu_to(gate[:1], up[:1], 10.0, torch.bfloat16, w[:1]), a[:1])
     y = (torch.randn(T, k, 5120, generator=g) * 4).to(cuda, torch.bfloat16)
     assert torch.equal(M.slot_sum(y), torch_path(monkeypatch, M.slot_sum, y))
-    routed, shared = M.slot_sum(y), (torch.randn(T, 5120, generator=g) * 4).to(cuda)
-    assert torch.equal(M.join(routed, shared, torch.bfloat16),
-                       torch_path(monkeypatch, M.join, routed, shared, torch.bfloat16))
+    shared = (torch.randn(T, 5120, generator=g) * 4).to(cuda)
+    # the slot sum and the join with the shared expert's output in one launch
+    assert torch.equal(M.slot_sum(y, shared, torch.bfloat16),
+                       torch_path(monkeypatch, M.slot_sum, y, shared, torch.bfloat16))
 
 
 def test_attention_sink_softmax_near_the_torch_code(cuda, monkeypatch):
