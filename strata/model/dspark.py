@@ -21,7 +21,7 @@ import torch
 from strata.checkpoint.weights import WeightReader
 from strata.config import ModelConfig
 from strata.current_device import made_current
-from strata.model.attention import sparse_attention
+from strata.model.attention import rows_dtype, sparse_attention
 from strata.model.block import Block
 from strata.model.context import ForwardContext
 from strata.model.mhc import collapse
@@ -48,10 +48,13 @@ class DSparkStage(Block):
         # window is the W positions before it.
         P = ctx.positions[:1]
         valid = (ring.tags >= 0) & (ring.tags < P) & (ring.tags >= P - cfg.sliding_window)
-        rows = torch.cat((ring.rows.float(), kv.float()), dim=0)
+        # The rows in the dtype holding both exactly (16-bit when both are: the products are
+        # exact either way, and 16-bit ones run on tensor cores, as the backbone's attention)
+        dt = rows_dtype(kv, ring, None)
+        rows = torch.cat((ring.rows.to(dt), kv.to(dt)), dim=0)
         mask = torch.cat((valid, torch.ones(ctx.T, dtype=torch.bool, device=u.device)))
         T = ctx.T
-        o = sparse_attention(q.float(), rows.expand(T, -1, -1), mask.expand(T, -1), None, None,
+        o = sparse_attention(q.to(dt), rows.expand(T, -1, -1), mask.expand(T, -1), None, None,
                              attn.attn_sink, cfg.head_dim ** -0.5)
         return attn.output(o, ctx)
 
