@@ -66,3 +66,17 @@ def route_reference(logits, bias, temp, k, scale):
     idx = ranked_topk(s + bias, k)
     w = s.gather(1, idx)
     return idx, w / (w.sum(-1, keepdim=True) + 1e-20) * scale
+
+
+def compressor_pool(ring, k, g, positions, entries, r):
+    """Compressor.forward's torch steps for a ratio-r kv source (the definition the one-launch
+    pooling of strata.kernels.compressor reproduces): each entry's softmax-weighted sum of its
+    r (k, gate) rows, from the tail ring before the forward, the forward's rows after."""
+    T = k.shape[0]
+    first = positions[:1]
+    kg_all = torch.cat((ring.gather(first + torch.arange(1 - r, 0, device=k.device)),
+                        torch.stack((k, g), dim=1)), dim=0)
+    rows = entries[:, None] * r + torch.arange(r, device=k.device)[None] - first + (r - 1)
+    groups = kg_all[rows.clamp(max=T + r - 2)]
+    weights = torch.softmax(groups[:, :, 1], dim=1)
+    return (weights * groups[:, :, 0]).sum(dim=1)

@@ -12,6 +12,7 @@ import torch
 
 from strata.config import ModelConfig
 from strata.checkpoint.weights import WeightReader
+from strata.kernels import compressor as compressor_kernels
 from strata.model.context import ForwardContext
 from strata.model.numerics import rms_norm
 from strata.quant.groups import LinearSet
@@ -69,17 +70,22 @@ class Compressor:
             (k,) = projected
             return rms_norm(k, self.norm, self.cfg.rms_norm_eps), entry_indices(r, ctx.positions), n
         k, g = projected
-        kg = torch.stack((k, g), dim=1)  # [T, 2, hd]
+        kg = torch.stack((k, g), dim=1)  # [T, 2, hd]: what the tail ring keeps
         ring = state.comp_tail[self.layer]
-        first = ctx.positions[:1]
-        # The r − 1 tokens before the forward (an unfinished group's start; rows of positions
-        # < 0 are never used), then this forward's: positions first − (r−1) .. first + T − 1.
-        back = torch.arange(1 - r, 0, device=u.device)
-        kg_all = torch.cat((ring.gather(first + back), kg), dim=0)
-        ring.write(start, ctx.positions, kg, state.journal)
         entries = entry_indices(r, ctx.positions)
-        rows = entries[:, None] * r + torch.arange(r, device=u.device)[None] - first + (r - 1)
-        groups = kg_all[rows.clamp(max=T + r - 2)]  # [m, r, 2, hd]
-        weights = torch.softmax(groups[:, :, 1], dim=1)
-        pooled = (weights * groups[:, :, 0]).sum(dim=1)
+        # (read before this forward's rows are written: a long chunk's rows overwrite slots)
+        if compressor_kernels.available(k):  # (the steps below in one launch, their bits)
+            pooled = compressor_kernels.pool(ring.rows, k, g, ctx.positions, entries, r)
+        else:
+            first = ctx.positions[:1]
+            # The r − 1 tokens before the forward (an unfinished group's start; rows of
+            # positions < 0 are never used), then this forward's: positions first − (r−1) ..
+            # first + T − 1.
+            back = torch.arange(1 - r, 0, device=u.device)
+            kg_all = torch.cat((ring.gather(first + back), kg), dim=0)
+            rows = entries[:, None] * r + torch.arange(r, device=u.device)[None] - first + (r - 1)
+            groups = kg_all[rows.clamp(max=T + r - 2)]  # [m, r, 2, hd]
+            weights = torch.softmax(groups[:, :, 1], dim=1)
+            pooled = (weights * groups[:, :, 0]).sum(dim=1)
+        ring.write(start, ctx.positions, kg, state.journal)
         return rms_norm(pooled, self.norm, self.cfg.rms_norm_eps), entries, n

@@ -181,6 +181,27 @@ def test_moe_small_steps_against_the_torch_code(cuda, monkeypatch):
                        torch_path(monkeypatch, M.slot_sum, y, shared, torch.bfloat16))
 
 
+def test_compressor_pooling_in_one_launch_equals_the_torch_code(cuda):
+    """The ratio-2 pooling (strata.kernels.compressor) at V4.1's width: torch's CUDA softmax
+    and weighted sum bit for bit — a decode row completing a group and one starting it, a
+    verify window from mid-group, a prefill chunk from position 0."""
+    from strata.kernels.compressor import pool
+    from strata.model.compressor import entry_indices
+    from strata.runtime.state import PositionRing
+    from util import compressor_pool
+    g = torch.Generator(device=cuda).manual_seed(21)
+    hd, size = 512, 256
+    ring = PositionRing(size, (2, hd), torch.float32, cuda, keep=1)
+    ring.rows.copy_(torch.randn(size, 2, hd, device=cuda, generator=g) * 3)
+    for first, T in ((7, 1), (8, 1), (5, 6), (0, 4096)):
+        positions = torch.arange(first, first + T, device=cuda)
+        k = torch.randn(T, hd, device=cuda, generator=g) * 2
+        gate = torch.randn(T, hd, device=cuda, generator=g) * 4
+        entries = entry_indices(2, positions)
+        assert torch.equal(pool(ring.rows, k, gate, positions, entries, 2),
+                           compressor_pool(ring, k, gate, positions, entries, 2)), (first, T)
+
+
 def test_attention_sink_softmax_near_the_torch_code(cuda, monkeypatch):
     """sparse_attention at V4.1's shapes (64 heads, 128 window + 512 compressed rows of 512)
     with the sink softmax in one launch: the torch steps' output to fp32 rounding, and each
