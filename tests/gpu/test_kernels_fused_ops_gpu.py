@@ -60,6 +60,30 @@ def test_hc_coeffs_near_the_torch_code_and_row_invariant(cuda, monkeypatch):
         assert torch.equal(a[0], full[20])
 
 
+def test_an_update_inside_the_next_mix_gives_the_two_steps_bits(cuda, monkeypatch):
+    """The attention's output folded into the stream inside the FFN's mixing kernel (V4.1
+    shapes, a bf16 stream on tensor cores): the stream bit for bit the torch code's update,
+    the coefficients hc_mixes' on it; one decode row alone has its bits in a batch."""
+    T, H, D = 37, 4, 5120
+    g = torch.Generator().manual_seed(18)
+    n = (2 + H) * H
+    w = HcWeights(fn=(torch.randn(n, H * D, generator=g) * (H * D) ** -0.5).to(cuda),
+                  base=(torch.randn(n, generator=g) * 0.5).to(cuda),
+                  scale=(torch.rand(3, generator=g) + 0.5).to(cuda))
+    h = (torch.randn(T, H, D, generator=g) * 3).to(cuda, torch.bfloat16)
+    y = (torch.randn(T, D, generator=g) * 3).to(cuda, torch.bfloat16)
+    post = (torch.rand(T, H, generator=g) * 2).to(cuda)
+    comb = torch.softmax(torch.randn(T, H, H, generator=g), -1).to(cuda)
+    new, mixes = ref.hc_update_mixes(y, h, post, comb, w, 1e-6, 1e-6, 20)
+    assert torch.equal(new, torch_path(monkeypatch, ref.hc_update, y, h, post, comb))
+    for a, b in zip(mixes, ref.hc_mixes(new, w, 1e-6, 1e-6, 20)):
+        assert torch.equal(a, b)
+    one, one_mixes = ref.hc_update_mixes(y[5:6], h[5:6], post[5:6], comb[5:6], w, 1e-6, 1e-6,
+                                         20)
+    assert torch.equal(one[0], new[5])
+    assert all(torch.equal(a[0], b[5]) for a, b in zip(one_mixes, mixes))
+
+
 def test_hc_mix_of_a_bf16_stream_on_tensor_cores(cuda):
     """hc_mix for a bf16 stream: fn split exactly into three bf16, each product exact in fp32
     — within fp32 rounding of the float64 sums; one decode row has its bits in a prefill's
