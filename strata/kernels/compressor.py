@@ -11,7 +11,8 @@ again when its group completes). Per channel the torch ops' operations: the gate
 over the group (max, exp — libdevice's expf, as torch's CUDA softmax — the sum, each exp
 divided by it), then Σ_t w_t·k_t from zero in row order, no fused multiply-add. With r = 2
 (V4.1's only pooled ratio) every sum has two terms, so any order torch's kernels pick gives
-these bits."""
+these bits — except where a weight is subnormal (gates more than ~87 apart: Triton links
+libdevice with subnormals flushed, so such a weight is 0 here)."""
 from __future__ import annotations
 
 import torch
