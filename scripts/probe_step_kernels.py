@@ -14,34 +14,11 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from strata.bench.decode import _run_once, make_session
-from strata.bench.synthetic import build_synthetic, parse_layers
-from strata.config import v41_flash_config
-from strata.runtime.sampling import SamplingParams
+from probe_session import probe_session
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "plain"
 out_dir = os.environ.get("OUT", "/tmp")
-cfg = v41_flash_config()
-model, _ = build_synthetic(cfg, "cuda:0", layers=parse_layers("0-9,20-29", cfg.n_layers))
-g = torch.Generator().manual_seed(0)
-prompt = torch.randint(3, 100_000, (512,), generator=g).tolist()
-window = mode == "oracle"
-per = cfg.dspark_block_size + 1 if window else 1
-n = 12 * per + 1
-reference = _run_once(model, prompt, n + per, "plain", None, None, None)[0] if window else None
-s = make_session(model, prompt, n + per, mode + "+graphs", reference)
-gen = s.generate(prompt, n + per, SamplingParams(), stop_ids=frozenset(),
-                 mode="dspark" if window else "plain")
-next(gen)
-
-
-def one_step():
-    if not window:
-        next(gen)
-        return
-    target = s.stats.windows + 1
-    while s.stats.windows < target:
-        next(gen)
+s, one_step = probe_session(mode + "+graphs", 5)
 
 
 for _ in range(4):

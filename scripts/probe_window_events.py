@@ -16,24 +16,14 @@ from collections import defaultdict
 import torch
 
 import strata.runtime.speculative as speculative
-from strata.bench.decode import GRAPHS, _run_once, make_session
-from strata.bench.synthetic import build_synthetic, parse_layers
-from strata.config import v41_flash_config
+from probe_session import probe_session
 from strata.runtime.graphs import GraphedForward
-from strata.runtime.sampling import SamplingParams
 from strata.runtime.state import State
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "oracle+graphs"
 n_windows = int(sys.argv[2]) if len(sys.argv) > 2 else 16
-cfg = v41_flash_config()
-model, _ = build_synthetic(cfg, "cuda:0", layers=parse_layers("0-9,20-29", cfg.n_layers))
-g = torch.Generator().manual_seed(0)
-prompt = torch.randint(3, 100_000, (512,), generator=g).tolist()
-window = not mode.removesuffix(GRAPHS).startswith("plain")
-per = cfg.dspark_block_size + 1 if window else 1
-n = (n_windows + 6) * per + 1
-reference = _run_once(model, prompt, n + per, "plain", None, None, None)[0] if window else None
-s = make_session(model, prompt, n + per, mode, reference)
+window = not mode.removesuffix("+graphs").startswith("plain")
+s, one_step = probe_session(mode, n_windows + 4)
 
 marks: list[tuple[str, torch.cuda.Event, float]] = []  # (label, event, host seconds)
 recording = False
@@ -62,20 +52,6 @@ wrapped(GraphedForward, "run", "verify" if window else "step")
 wrapped(GraphedForward, "commit_context", "commit")
 wrapped(State, "rollback", "rollback")
 wrapped(speculative, "sample", "sample")
-
-gen = s.generate(prompt, n + per, SamplingParams(), stop_ids=frozenset(),
-                 mode="dspark" if window else "plain")
-next(gen)
-
-
-def one_step():
-    if not window:
-        next(gen)
-        return
-    target = s.stats.windows + 1
-    while s.stats.windows < target:
-        next(gen)
-
 
 for _ in range(4):
     one_step()

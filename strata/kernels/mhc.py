@@ -50,7 +50,7 @@ BLOCK_D = 512  # hidden columns per program in collapse / hc_update
 # batch.
 MIX_ROWS = 16
 MIX_K = 64     # K per tl.dot step
-MIX_CHUNK = 256  # K per program; the chunks' partials are summed in order
+MIX_CHUNK = 256  # K per program (its partials: summed by the coefficients kernel, or by hc_mix)
 
 
 def available(t: torch.Tensor) -> bool:

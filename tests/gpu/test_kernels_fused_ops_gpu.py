@@ -43,13 +43,17 @@ def test_collapse_and_update_equal_the_torch_code(cuda, monkeypatch, dtype):
                        norm.rms_norm(ref.collapse(h, pre), w, 1e-6))
 
 
+def hc_weights(H: int, D: int, g: torch.Generator, device) -> HcWeights:
+    n = (2 + H) * H
+    return HcWeights(fn=(torch.randn(n, H * D, generator=g) * (H * D) ** -0.5).to(device),
+                     base=(torch.randn(n, generator=g) * 0.5).to(device),
+                     scale=(torch.rand(3, generator=g) + 0.5).to(device))
+
+
 def test_hc_coeffs_near_the_torch_code_and_row_invariant(cuda, monkeypatch):
     T, H, D = 37, 4, 5120
     g = torch.Generator().manual_seed(4)
-    n = (2 + H) * H
-    w = HcWeights(fn=(torch.randn(n, H * D, generator=g) * (H * D) ** -0.5).to(cuda),
-                  base=(torch.randn(n, generator=g) * 0.5).to(cuda),
-                  scale=(torch.rand(3, generator=g) + 0.5).to(cuda))
+    w = hc_weights(H, D, g, cuda)
     h = (torch.randn(T, H, D, generator=g) * 3).to(cuda, torch.bfloat16)
     got = ref.hc_mixes(h, w, 1e-6, 1e-6, 20)
     want = torch_path(monkeypatch, ref.hc_mixes, h, w, 1e-6, 1e-6, 20)
@@ -66,10 +70,7 @@ def test_an_update_inside_the_next_mix_gives_the_two_steps_bits(cuda, monkeypatc
     the coefficients hc_mixes' on it; one decode row alone has its bits in a batch."""
     T, H, D = 37, 4, 5120
     g = torch.Generator().manual_seed(18)
-    n = (2 + H) * H
-    w = HcWeights(fn=(torch.randn(n, H * D, generator=g) * (H * D) ** -0.5).to(cuda),
-                  base=(torch.randn(n, generator=g) * 0.5).to(cuda),
-                  scale=(torch.rand(3, generator=g) + 0.5).to(cuda))
+    w = hc_weights(H, D, g, cuda)
     h = (torch.randn(T, H, D, generator=g) * 3).to(cuda, torch.bfloat16)
     y = (torch.randn(T, D, generator=g) * 3).to(cuda, torch.bfloat16)
     post = (torch.rand(T, H, generator=g) * 2).to(cuda)

@@ -1,0 +1,40 @@
+"""The decode session the GPU probes (scripts/probe_*.py) run: the synthetic V4.1 with half the
+layers (as scripts/device_probes.sh), a 512-token random prompt, greedy, and a mode of
+`strata bench synthetic` (plain, oracle, oracle:X, each + "+graphs"); oracle drafts are
+plain decoding's own continuation. Imported by the probes (run from the repo root as
+`python scripts/probe_….py`: this folder is on their path)."""
+from __future__ import annotations
+
+import torch
+
+from strata.bench.decode import GRAPHS, _run_once, make_session
+from strata.bench.synthetic import build_synthetic, parse_layers
+from strata.config import v41_flash_config
+from strata.runtime.sampling import SamplingParams
+
+
+def probe_session(mode: str, steps: int):
+    """(session, one_step) with the session started (its prompt prefilled, the first token
+    out) and room for `steps` + 6 more steps; one_step() runs one plain step or, in a DSpark
+    mode, one verify window with its draft. Nothing is captured or warmed up yet."""
+    cfg = v41_flash_config()
+    model, _ = build_synthetic(cfg, "cuda:0", layers=parse_layers("0-9,20-29", cfg.n_layers))
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 100_000, (512,), generator=g).tolist()
+    window = not mode.removesuffix(GRAPHS).startswith("plain")
+    per = cfg.dspark_block_size + 1 if window else 1
+    n = (steps + 7) * per + 1
+    reference = _run_once(model, prompt, n, "plain", None, None, None)[0] if window else None
+    s = make_session(model, prompt, n, mode, reference)
+    gen = s.generate(prompt, n, SamplingParams(), stop_ids=frozenset(),
+                     mode="dspark" if window else "plain")
+    next(gen)
+
+    def one_step() -> None:
+        if not window:
+            next(gen)
+            return
+        target = s.stats.windows + 1
+        while s.stats.windows < target:
+            next(gen)
+    return s, one_step
