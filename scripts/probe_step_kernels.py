@@ -1,10 +1,11 @@
 """A graphed step's kernels in the order the GPU ran them: the synthetic V4.1 (half the layers,
 as scripts/device_probes.sh), one plain step (or, with `oracle`, one verify window and its
 draft) profiled without Python stacks. Writes every kernel — start offset, duration and the
-gap before it, µs — to $OUT/step_kernels_<mode>.txt, and prints a summary: kernels by name
-with their count, summed duration and summed gap before them (what a launch of that kernel
-costs beyond its own run: a kernel that cannot launch early after its predecessor shows a
-larger gap). One-off diagnostic (GPU): source scripts/device_env.sh && python
+gap before it and its real time, µs — to $OUT/step_kernels_<mode>.txt, and prints a summary:
+kernels by name with their count, summed real time (a kernel launched early waits inside its
+duration for its predecessor: its real time starts when that one ends) and summed gap before
+them (a kernel that cannot launch early after its predecessor shows a larger gap).
+One-off diagnostic (GPU): source scripts/device_env.sh && python
 scripts/probe_step_kernels.py [plain|oracle]"""
 import json
 import os
@@ -34,22 +35,26 @@ with open(path) as f:
 os.remove(path)
 dev = sorted((e["ts"], e.get("dur", 0), e["name"]) for e in events
              if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+# A kernel launched early starts before its predecessor ends and waits for it: its own time
+# ("real") runs from the later of its start and the predecessor's end to its own end.
 t0, end = dev[0][0], dev[0][0]
-by = defaultdict(lambda: [0, 0.0, 0.0])
+by = defaultdict(lambda: [0, 0.0, 0.0, 0.0])  # count, duration, gap before, real
 with open(os.path.join(out_dir, f"step_kernels_{mode}.txt"), "w") as f:
-    f.write(f"{'start µs':>10s} {'gap µs':>8s} {'dur µs':>8s}  kernel\n")
+    f.write(f"{'start µs':>10s} {'gap µs':>8s} {'dur µs':>8s} {'real µs':>8s}  kernel\n")
     for ts, dur, name in dev:
         gap = max(0.0, ts - end)
+        real = max(0.0, ts + dur - max(ts, end))
         short = name[:90]
-        f.write(f"{ts - t0:10.1f} {gap:8.2f} {dur:8.2f}  {short}\n")
+        f.write(f"{ts - t0:10.1f} {gap:8.2f} {dur:8.2f} {real:8.2f}  {short}\n")
         b = by[short[:60]]
         b[0] += 1
         b[1] += dur
         b[2] += gap
+        b[3] += real
         end = max(end, ts + dur)
 total_gap = sum(b[2] for b in by.values())
-print(f"{mode}: {len(dev)} kernels, span {end - t0:.1f} µs, durations {sum(d for _, d, _ in dev):.1f}"
-      f" µs, gaps {total_gap:.1f} µs")
-print(f"{'kernel':60s} {'count':>6s} {'dur µs':>9s} {'gap µs':>9s} {'gap/launch':>10s}")
-for name, (c, d, gp) in sorted(by.items(), key=lambda kv: -(kv[1][1] + kv[1][2]))[:45]:
-    print(f"{name:60s} {c:6d} {d:9.1f} {gp:9.1f} {gp / c:10.2f}")
+print(f"{mode}: {len(dev)} kernels, span {end - t0:.1f} µs, real time "
+      f"{sum(b[3] for b in by.values()):.1f} µs, gaps {total_gap:.1f} µs")
+print(f"{'kernel':60s} {'count':>6s} {'real µs':>9s} {'gap µs':>9s} {'real/launch':>11s}")
+for name, (c, d, gp, real) in sorted(by.items(), key=lambda kv: -(kv[1][3] + kv[1][2]))[:45]:
+    print(f"{name:60s} {c:6d} {real:9.1f} {gp:9.1f} {real / c:11.2f}")
