@@ -18,7 +18,8 @@ stream. Here:
 - `collapse`: Σ_i pre[i]·h[i] (one launch);
 - `hc_update`: post[j]·y + Σ_i comb[i, j]·h[i] (one launch) — or inside the next sublayer's
   mixing kernel (`hc_update_mixed_coeffs`: each program updates the stream values its chunk
-  reads, stores them and mixes them; the attention's output into the FFN's mixes).
+  reads, stores them and mixes them; the attention's output into the FFN's mixes; the
+  update's bits, the mixes to fp32 rounding of the separate kernels').
 
 Numerics. `collapse` and `hc_update` do the torch code's operations in its order (fp32 product,
 then sum in copy order, each rounded, no fused multiply-add; one cast at the end), so they give
@@ -327,9 +328,11 @@ def hc_update_mixed_coeffs(y: torch.Tensor, residual: torch.Tensor, post: torch.
                            base: torch.Tensor, H: int, norm_eps: float, hc_eps: float,
                            iters: int) -> tuple[torch.Tensor, tuple]:
     """(h = hc_update(y, residual, post, comb), hc_mixed_coeffs(h, fn, ...)) with the update
-    made inside the mix's launch (its values, the same bits as the two kernels): two launches
-    where three ran (a sublayer's output folded into the stream, then the next sublayer's
-    mixes)."""
+    made inside the mix's launch: two launches where three ran (a sublayer's output folded
+    into the stream, then the next sublayer's mixes). h has hc_update's bits; the mixes are
+    hc_mixed_coeffs' to fp32 rounding — the values computed in registers take another layout
+    than loaded ones, and Σx² sums in its layout's order (a fixed one: the rows' bits still
+    depend on nothing but their own values)."""
     part, h = _mix_partials(residual, fn, (y, post, comb))
     return h, _coeffs_of(part, h.shape[2], scale, base, H, norm_eps, hc_eps, iters)
 

@@ -94,8 +94,8 @@ def hc_update_mixes(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
                                                               torch.Tensor]]:
     """(h = hc_update(y, residual, post, comb), hc_mixes(h, w, ...)): a sublayer's output
     folded into the stream, then the next sublayer's mixing coefficients. On CUDA the update
-    runs inside the mixing kernel (strata.kernels.mhc.hc_update_mixed_coeffs: the same
-    bits, a launch fewer)."""
+    runs inside the mixing kernel (strata.kernels.mhc.hc_update_mixed_coeffs: the update's
+    bits, a launch fewer; the mixes within fp32 rounding of hc_mixes')."""
     T, H, _ = residual.shape
     if kernels.available(residual):
         return kernels.hc_update_mixed_coeffs(y, residual, post, comb, w.fn, w.scale, w.base,
