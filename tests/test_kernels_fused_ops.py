@@ -111,6 +111,28 @@ def test_rms_norm_kernel_matches_the_definition_and_rows_are_independent(dtype):
         assert torch.equal(alone[0], got[4, 1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_norm_and_its_rope_in_one_launch_are_the_two_kernels_bits(dtype):
+    """rms_norm_rope = apply_rope(rms_norm(x)) through the two kernels, bit for bit — a
+    window key's shape (512 wide, 64 roped channels), a row of two column blocks with the
+    roped tail inside the second, and one whose roped tail straddles the blocks."""
+    from strata.kernels import norm
+    from strata.kernels import rope as rope_kernel
+    from strata.model import rope
+    g = torch.Generator().manual_seed(19)
+    for K, rd in ((512, 64), (1300, 64), (1100, 128)):
+        x = (torch.randn(5, K, generator=g) * 3).to(dtype)
+        w = torch.rand(K, generator=g) + 0.5
+        inv_freq = 10000.0 ** (-torch.arange(0, rd, 2, dtype=torch.float64) / rd)
+        cos, sin = rope.rope_cos_sin(inv_freq, torch.tensor([3, 4, 90, 1000, 70_000]))
+        got = norm.rms_norm_rope(x, w, 1e-6, cos, sin)
+        want = rope_kernel.apply_rope(norm.rms_norm(x, w, 1e-6), cos, sin)
+        assert got.dtype == dtype and torch.equal(got, want), (K, rd)
+        assert torch.equal(norm.rms_norm_rope(x[2:3], w, 1e-6, cos[2:3], sin[2:3]), got[2:3])
+    with pytest.raises(ValueError, match="rms_norm_rope"):
+        norm.rms_norm_rope(x, w, 1e-6, cos[:4], sin[:4])
+
+
 def test_rope_table_kernel_gives_the_definitions_bits():
     """cos/sin of a forward's positions in one launch: the fp64 angle, cos and sin, one
     rounding each — the torch definition's values (positions up to 1M, V4.1's YaRN table)."""

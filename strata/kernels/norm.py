@@ -8,7 +8,11 @@ against the definition, and bit for bit row-alone vs batched).
 `collapse_rms_norm`: the norm of mHC's collapse Σ_i pre[i]·h[i] (a sublayer's input) in the
 same launch — each x value computed as kernels/mhc's collapse computes it (fp32 products
 added in copy order, rounded once to h's dtype), then this kernel's arithmetic: the bits of
-rms_norm(collapse(h, pre)) with one launch fewer."""
+rms_norm(collapse(h, pre)) with one launch fewer.
+
+`rms_norm_rope`: the norm, then RoPE on the row's last channels (strata.kernels.rope's
+operations on the rounded norm), in the same launch: an attention's window keys and the
+indexer's keys."""
 from __future__ import annotations
 
 import torch
@@ -45,9 +49,25 @@ if triton is not None:
             return _round_out(acc, DT).to(tl.float32)
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, pre_ptr, sx_row, so_row, s_copy, eps,
-                         K: tl.constexpr, HAS_W: tl.constexpr, BK: tl.constexpr,
-                         H: tl.constexpr, PDL: tl.constexpr):
+    def _roped(y, cos_ptr, sin_ptr, r, k0, K: tl.constexpr, BK: tl.constexpr,
+               RD2: tl.constexpr):
+        """A chunk of a normed row (in its stored dtype) with the row's last RD2 channel pairs
+        rotated as strata.kernels.rope rotates them (a·c − b·s and a·s + b·c, each product
+        rounded, then one rounding); the other channels as they are."""
+        dt = y.dtype
+        a, b = tl.split(tl.reshape(y.to(tl.float32), [BK // 2, 2]))
+        tp = k0 // 2 + tl.arange(0, BK // 2) - (K // 2 - RD2)  # the pair's index in the tail
+        tm = (tp >= 0) & (tp < RD2)
+        c = tl.load(cos_ptr + r * RD2 + tp, mask=tm, other=1.0)
+        s = tl.load(sin_ptr + r * RD2 + tp, mask=tm, other=0.0)
+        ra = tl.where(tm, _round_out(a * c - b * s, dt), a.to(dt))
+        rb = tl.where(tm, _round_out(a * s + b * c, dt), b.to(dt))
+        return tl.reshape(tl.join(ra, rb), [BK])
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, pre_ptr, cos_ptr, sin_ptr, sx_row, so_row,
+                         s_copy, eps, K: tl.constexpr, HAS_W: tl.constexpr, BK: tl.constexpr,
+                         H: tl.constexpr, RD2: tl.constexpr, PDL: tl.constexpr):
         wait_then_release(PDL)
         r = tl.program_id(0).to(tl.int64)
         xrow = x_ptr + r * sx_row
@@ -67,8 +87,10 @@ if triton is not None:
             y = _row_values(xrow, pre_row, k, K, s_copy, H, out_ptr.dtype.element_ty) * inv
             if HAS_W:
                 y = y * tl.load(w_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            tl.store(out_ptr + r * so_row + k, _round_out(y, out_ptr.dtype.element_ty),
-                     mask=k < K)
+            y = _round_out(y, out_ptr.dtype.element_ty)
+            if RD2 > 0:  # then RoPE on the last 2·RD2 channels (rms_norm_rope)
+                y = _roped(y, cos_ptr, sin_ptr, r, k0, K, BK, RD2)
+            tl.store(out_ptr + r * so_row + k, y, mask=k < K)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -80,6 +102,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     _launch(x2, weight, out, None, 0, eps)
     return out.view(x.shape)
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope(rms_norm(x, weight, eps), cos, sin) in one launch, the two kernels' bits:
+    x [T, K], cos/sin [T, rd/2] fp32 (the last rd channels rotated in pairs)."""
+    T, K = x.shape
+    rd2 = cos.shape[-1]
+    if tuple(cos.shape) != (T, rd2) or tuple(sin.shape) != (T, rd2) or 2 * rd2 > K:
+        raise ValueError(f"rms_norm_rope: cos {list(cos.shape)} and sin {list(sin.shape)} "
+                         f"for x {list(x.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch(x, weight, out, None, 0, eps, (cos.float().contiguous(), sin.float().contiguous()))
+    return out
 
 
 def collapse_rms_norm(h: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None,
@@ -97,14 +135,18 @@ def collapse_rms_norm(h: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor |
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor,
-            pre: torch.Tensor | None, s_copy: int, eps: float) -> None:
-    """One program per row of out; x: its rows (pre None) or the [T, H, D] copies."""
+            pre: torch.Tensor | None, s_copy: int, eps: float,
+            rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """One program per row of out; x: its rows (pre None) or the [T, H, D] copies; `rope`:
+    (cos, sin) [T, rd/2] to rotate the normed rows' last rd channels with."""
     T, K = out.shape
     if T == 0:
         return
     w = out if weight is None else weight.contiguous()
-    _rms_norm_kernel[(T,)](x, w, out, out if pre is None else pre, x.stride(0),
+    cos, sin = rope if rope is not None else (out, out)
+    _rms_norm_kernel[(T,)](x, w, out, out if pre is None else pre, cos, sin, x.stride(0),
                            out.stride(0), s_copy, float(eps), K=K, HAS_W=weight is not None,
                            BK=min(BLOCK, triton.next_power_of_2(K)),
                            H=0 if pre is None else pre.shape[1],
+                           RD2=0 if rope is None else rope[0].shape[-1],
                            num_warps=4, enable_fp_fusion=False, **pdl.args(out.device))

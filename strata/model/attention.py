@@ -16,7 +16,7 @@ from strata.model.compressor import Compressor
 from strata.model.context import ForwardContext
 from strata.model.indexer import Indexer
 from strata.model.numerics import rms_norm, rows_bmm
-from strata.model.rope import apply_rope
+from strata.model.rope import apply_rope, rms_norm_rope
 from strata.quant.groups import LinearGroups, LinearSet
 from strata.quant.qdq import fp4_qdq_e4m3_scale, fp8_act_qdq
 from strata.runtime.state import PositionRing, State
@@ -78,9 +78,7 @@ class Attention:
         """Window KV rows [T, hd] in their stored form (normed, roped; fp8-qdq'd in vendor
         mode) from wkv's output."""
         nx = ctx.numerics
-        kv = rms_norm(kv, self.kv_norm, self.cfg.rms_norm_eps)
-        cos, sin = ctx.rope(self.ratio)
-        kv = apply_rope(kv, cos, sin)
+        kv = rms_norm_rope(kv, self.kv_norm, self.cfg.rms_norm_eps, *ctx.rope(self.ratio))
         return fp8_act_qdq(kv) if nx.quantize else kv
 
     def output(self, o: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

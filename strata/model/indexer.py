@@ -17,8 +17,8 @@ from strata.checkpoint.weights import WeightReader
 from strata.config import ModelConfig
 from strata.kernels import indexer as index_kernels
 from strata.model.context import ForwardContext
-from strata.model.numerics import ranked_topk, rms_norm, rows_bmm
-from strata.model.rope import apply_rope
+from strata.model.numerics import ranked_topk, rows_bmm
+from strata.model.rope import apply_rope, rms_norm_rope
 from strata.quant.qdq import fp4_qdq_ue8m0
 from strata.runtime.state import State, entry_bucket
 
@@ -89,8 +89,8 @@ class Indexer:
         """Index keys of new entries (indices on the device) from their pre-RoPE latents, into
         the state; `rope`: cos/sin at each entry's group's first position."""
         nx = ctx.numerics
-        k = rms_norm(self.wk(latent, nx, torch.float32), self.k_norm, self.cfg.rms_norm_eps)
-        k = apply_rope(k, *rope)
+        k = rms_norm_rope(self.wk(latent, nx, torch.float32), self.k_norm,
+                          self.cfg.rms_norm_eps, *rope)
         if nx.quantize:
             k = fp4_qdq_ue8m0(k)
         state.index_k[self.layer][entries] = k.to(state.index_k[self.layer].dtype)

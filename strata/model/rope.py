@@ -72,3 +72,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     rot = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
     out = torch.cat((head, rot.to(x.dtype)), dim=-1)
     return out if out_dtype is None else out.to(out_dtype)
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope(rms_norm(x, weight, eps), cos, sin) for rows x [T, K]: a window key or an
+    index key from its projection. One launch on CUDA (strata.kernels.norm.rms_norm_rope, the
+    two kernels' bits)."""
+    from strata.kernels import norm as norm_kernels
+    from strata.model.numerics import rms_norm
+    if norm_kernels.available(x):
+        return norm_kernels.rms_norm_rope(x, weight, eps, cos, sin)
+    return apply_rope(rms_norm(x, weight, eps), cos, sin)

@@ -132,6 +132,23 @@ def test_rope_equals_the_torch_code(cuda, monkeypatch, dtype):
                                       out_dtype=torch.bfloat16))
 
 
+def test_a_window_keys_norm_and_rope_in_one_launch(cuda):
+    """A window key (512 wide, the last 64 channels roped, bf16) and an index key (128 wide,
+    fp32): rms_norm_rope gives the norm kernel's then the RoPE kernel's bits."""
+    from strata.config import v41_flash_config
+    from strata.kernels import norm
+    from strata.model import rope
+    cfg = v41_flash_config()
+    g = torch.Generator().manual_seed(20)
+    inv_freq = rope.rope_inv_freq(cfg, 2, cuda)
+    cos, sin = rope.rope_cos_sin(inv_freq, torch.arange(500, 506).to(cuda))
+    for K, dtype in ((512, torch.bfloat16), (128, torch.float32)):
+        x = (torch.randn(6, K, generator=g) * 3).to(cuda, dtype)
+        w = (torch.rand(K, generator=g) + 0.5).to(cuda)
+        assert torch.equal(rope.rms_norm_rope(x, w, 1e-6, cos, sin),
+                           rope.apply_rope(norm.rms_norm(x, w, 1e-6), cos, sin)), K
+
+
 def test_rope_table_equals_the_torch_code(cuda, monkeypatch):
     """The cos/sin table in one launch: torch's CUDA cos and sin of the fp64 angles, rounded
     to fp32 — bit for bit (V4.1's two tables, positions up to 1M)."""
