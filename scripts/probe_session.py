@@ -13,17 +13,20 @@ from strata.config import v41_flash_config
 from strata.runtime.sampling import SamplingParams
 
 
+WARM_UP = 4  # steps run before a probe measures: the graphs captured, the caches filled
+
+
 def probe_session(mode: str, steps: int):
     """(session, one_step) with the session started (its prompt prefilled, the first token
-    out) and room for `steps` + 6 more steps; one_step() runs one plain step or, in a DSpark
-    mode, one verify window with its draft. Nothing is captured or warmed up yet."""
+    out), WARM_UP steps run and the device synchronized, and room for `steps` more;
+    one_step() runs one plain step or, in a DSpark mode, one verify window with its draft."""
     cfg = v41_flash_config()
     model, _ = build_synthetic(cfg, "cuda:0", layers=parse_layers("0-9,20-29", cfg.n_layers))
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 100_000, (512,), generator=g).tolist()
     window = not mode.removesuffix(GRAPHS).startswith("plain")
     per = cfg.dspark_block_size + 1 if window else 1
-    n = (steps + 7) * per + 1
+    n = (steps + WARM_UP + 3) * per + 1
     reference = _run_once(model, prompt, n, "plain", None, None, None)[0] if window else None
     s = make_session(model, prompt, n, mode, reference)
     gen = s.generate(prompt, n, SamplingParams(), stop_ids=frozenset(),
@@ -37,4 +40,7 @@ def probe_session(mode: str, steps: int):
         target = s.stats.windows + 1
         while s.stats.windows < target:
             next(gen)
+    for _ in range(WARM_UP):
+        one_step()
+    torch.cuda.synchronize()
     return s, one_step

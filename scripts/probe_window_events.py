@@ -23,7 +23,7 @@ from strata.runtime.state import State
 mode = sys.argv[1] if len(sys.argv) > 1 else "oracle+graphs"
 n_windows = int(sys.argv[2]) if len(sys.argv) > 2 else 16
 window = not mode.removesuffix("+graphs").startswith("plain")
-s, one_step = probe_session(mode, n_windows + 4)
+s, one_step = probe_session(mode, n_windows)
 
 marks: list[tuple[str, torch.cuda.Event, float]] = []  # (label, event, host seconds)
 recording = False
@@ -53,9 +53,6 @@ wrapped(GraphedForward, "commit_context", "commit")
 wrapped(State, "rollback", "rollback")
 wrapped(speculative, "sample", "sample")
 
-for _ in range(4):
-    one_step()
-torch.cuda.synchronize()
 recording = True
 t0 = time.perf_counter()
 for _ in range(n_windows):

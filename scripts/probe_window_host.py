@@ -20,12 +20,9 @@ from probe_session import probe_session
 MIN_US = 20.0
 mode = sys.argv[1] if len(sys.argv) > 1 else "oracle+graphs"
 out_dir = os.environ.get("OUT", "/tmp")
-s, one_step = probe_session(mode, 6)
+s, one_step = probe_session(mode, 2)
 
 
-for _ in range(4):
-    one_step()
-torch.cuda.synchronize()
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
     for _ in range(2):
         one_step()
