@@ -5,7 +5,13 @@ plain decoding's own continuation. Imported by the probes (run from the repo roo
 `python scripts/probe_….py`: this folder is on their path)."""
 from __future__ import annotations
 
+import gzip
+import json
+import os
+import shutil
+
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from strata.bench.decode import GRAPHS, _run_once, make_session
 from strata.bench.synthetic import build_synthetic, parse_layers
@@ -44,3 +50,21 @@ def probe_session(mode: str, steps: int):
         one_step()
     torch.cuda.synchronize()
     return s, one_step
+
+
+def traced(one_step, steps: int, path: str, stacks: bool = False, keep: bool = False) -> list:
+    """The chrome-trace events of `steps` profiled steps (CUDA activity; with `stacks`, the
+    host's too, with Python stacks); the trace kept gzipped at path + ".gz" if `keep`."""
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if stacks else [ProfilerActivity.CUDA]
+    with profile(activities=activities, with_stack=stacks) as prof:
+        for _ in range(steps):
+            one_step()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    if keep:
+        with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as z:
+            shutil.copyfileobj(f, z)
+    os.remove(path)
+    return events

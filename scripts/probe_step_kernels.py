@@ -7,29 +7,17 @@ duration for its predecessor: its real time starts when that one ends) and summe
 them (a kernel that cannot launch early after its predecessor shows a larger gap).
 One-off diagnostic (GPU): source scripts/device_env.sh && python
 scripts/probe_step_kernels.py [plain|oracle]"""
-import json
 import os
 import sys
 from collections import defaultdict
 
-import torch
-from torch.profiler import ProfilerActivity, profile
 
-from probe_session import probe_session
+from probe_session import probe_session, traced
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "plain"
 out_dir = os.environ.get("OUT", "/tmp")
 s, one_step = probe_session(mode + "+graphs", 1)
-
-
-with profile(activities=[ProfilerActivity.CUDA]) as prof:
-    one_step()
-    torch.cuda.synchronize()
-path = os.path.join(out_dir, f"trace_{mode}.json")
-prof.export_chrome_trace(path)
-with open(path) as f:
-    events = json.load(f)["traceEvents"]
-os.remove(path)
+events = traced(one_step, 1, os.path.join(out_dir, f"trace_{mode}.json"))
 dev = sorted((e["ts"], e.get("dur", 0), e["name"]) for e in events
              if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
 # A kernel launched early starts before its predecessor ends and waits for it: its own time

@@ -5,35 +5,19 @@ inside it on the host (their time clipped to the gap), summed over the gaps by f
 (innermost strata frames). Prints the table and writes the chrome trace to $OUT (gzip).
 One-off diagnostic (GPU): source scripts/device_env.sh && python scripts/probe_window_host.py
 [mode: oracle+graphs (default) | plain+graphs]"""
-import gzip
-import json
 import os
-import shutil
 import sys
 from collections import defaultdict
 
-import torch
-from torch.profiler import ProfilerActivity, profile
 
-from probe_session import probe_session
+from probe_session import probe_session, traced
 
 MIN_US = 20.0
 mode = sys.argv[1] if len(sys.argv) > 1 else "oracle+graphs"
 out_dir = os.environ.get("OUT", "/tmp")
 s, one_step = probe_session(mode, 2)
-
-
-with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
-    for _ in range(2):
-        one_step()
-    torch.cuda.synchronize()
-path = os.path.join(out_dir, f"trace_{mode.replace('+', '_')}.json")
-prof.export_chrome_trace(path)
-with open(path) as f:
-    events = json.load(f)["traceEvents"]
-with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as z:
-    shutil.copyfileobj(f, z)
-os.remove(path)
+events = traced(one_step, 2, os.path.join(out_dir, f"trace_{mode.replace('+', '_')}.json"),
+                stacks=True, keep=True)
 
 dev = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
              if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
