@@ -197,36 +197,6 @@ def test_the_models_mix_and_coefficients_in_two_launches(D):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_an_update_inside_the_next_mix_gives_the_two_kernels_bits(dtype):
-    """hc_update_mixed_coeffs: the updated stream bit for bit hc_update's (chunks that
-    straddle two copies: D not a multiple of the chunk), and its coefficients those of
-    hc_mixed_coeffs on it to fp32 rounding (compiled, Σx² may sum in another order); a row
-    alone has its bits in the batch; the model's function (strata.model.mhc.hc_update_mixes)
-    is the update then the mixes on the CPU path."""
-    H, D, T = 4, 300, 19
-    w = weights(H, D, 16)
-    g = torch.Generator().manual_seed(17)
-    h = torch.randn(T, H, D, generator=g).to(dtype)
-    y = torch.randn(T, D, generator=g).to(dtype)
-    post = torch.rand(T, H, generator=g) * 2
-    comb = torch.softmax(torch.randn(T, H, H, generator=g), -1)
-    new, coeffs = K.hc_update_mixed_coeffs(y, h, post, comb, w.fn, w.scale, w.base, H, 1e-6,
-                                           1e-6, 20)
-    assert new.dtype == dtype and torch.equal(new, K.hc_update(y, h, post, comb))
-    want = K.hc_mixed_coeffs(new, w.fn, w.scale, w.base, H, 1e-6, 1e-6, 20)
-    for a, b in zip(coeffs, want):
-        assert torch.allclose(a, b, rtol=4e-6, atol=1e-7), (a - b).abs().max()
-    one, one_coeffs = K.hc_update_mixed_coeffs(y[7:8], h[7:8], post[7:8], comb[7:8], w.fn,
-                                               w.scale, w.base, H, 1e-6, 1e-6, 20)
-    assert torch.equal(one[0], new[7])
-    assert all(torch.equal(a[0], b[7]) for a, b in zip(one_coeffs, coeffs))
-    h_ref, mixes = ref.hc_update_mixes(y.float(), h.float(), post, comb, w, 1e-6, 1e-6, 20)
-    assert torch.equal(h_ref, ref.hc_update(y.float(), h.float(), post, comb))
-    for a, b in zip(mixes, ref.hc_mixes(h_ref, w, 1e-6, 1e-6, 20)):
-        assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_collapse_and_its_norm_in_one_launch_are_the_two_kernels_bits(dtype):
     """collapse_rms_norm = rms_norm(collapse(h, pre)) through the two kernels, bit for bit —
     a row past one column block (masked tail), with and without a weight — and a row alone

@@ -16,10 +16,7 @@ stream. Here:
   one program per row: scale/base, sigmoids, the row softmax and every Sinkhorn iteration in
   registers (one launch);
 - `collapse`: Σ_i pre[i]·h[i] (one launch);
-- `hc_update`: post[j]·y + Σ_i comb[i, j]·h[i] (one launch) — or inside the next sublayer's
-  mixing kernel (`hc_update_mixed_coeffs`: each program updates the stream values its chunk
-  reads, stores them and mixes them; the attention's output into the FFN's mixes; the
-  update's bits, the mixes to fp32 rounding of the separate kernels').
+- `hc_update`: post[j]·y + Σ_i comb[i, j]·h[i] (one launch).
 
 Numerics. `collapse` and `hc_update` do the torch code's operations in its order (fp32 product,
 then sum in copy order, each rounded, no fused multiply-add; one cast at the end), so they give
@@ -51,7 +48,7 @@ BLOCK_D = 512  # hidden columns per program in collapse / hc_update
 # batch.
 MIX_ROWS = 16
 MIX_K = 64     # K per tl.dot step
-MIX_CHUNK = 256  # K per program (its partials: summed by the coefficients kernel, or by hc_mix)
+MIX_CHUNK = 256  # K per program; the chunks' partials are summed in order
 
 
 def available(t: torch.Tensor) -> bool:
@@ -126,39 +123,14 @@ if triton is not None:
         tl.store(comb_ptr + r * (H * H) + a * H + c, cb, mask=cmask)
 
     @triton.jit
-    def _updated(y_ptr, r_ptr, post_ptr, comb_ptr, out_ptr, rows, ks, m, D, sy_row, sr_row,
-                 so_row, H: tl.constexpr):
-        """hc_update's values at flattened stream positions ks (copy j = ks // D, channel
-        d) of `rows` — its operations in its order, rounded to the output's dtype — stored to
-        the updated stream and returned (the mix's x)."""
-        j = ks // D
-        d = ks - j * D
-        cb = comb_ptr + rows[:, None] * (H * H) + j[None, :]  # comb[t, i, j] at i·H + j
-        rrow = r_ptr + rows[:, None] * sr_row + d[None, :]
-        acc = tl.load(cb, mask=m, other=0.0) * tl.load(rrow, mask=m, other=0.0).to(tl.float32)
-        for i in tl.static_range(1, H):
-            acc = acc + tl.load(cb + i * H, mask=m, other=0.0) * tl.load(
-                rrow + i * D, mask=m, other=0.0).to(tl.float32)
-        yv = tl.load(y_ptr + rows[:, None] * sy_row + d[None, :], mask=m, other=0.0)
-        acc = acc + tl.load(post_ptr + rows[:, None] * H + j[None, :], mask=m,
-                            other=0.0) * yv.to(tl.float32)
-        xs = _round_out(acc, out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows[:, None] * so_row + ks[None, :], xs, mask=m)
-        return xs
-
-    @triton.jit
     def _hc_mix_kernel(x_ptr, fn_ptr, part_ptr, T, N, K, sx_row, sf_row, sp_chunk, sp_row,
-                       y_ptr, post_ptr, comb_ptr, out_ptr, D, sy_row, so_row,
                        BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       CHUNK: tl.constexpr, SPLIT: tl.constexpr, UPDATE: tl.constexpr,
-                       H: tl.constexpr, PDL: tl.constexpr):
+                       CHUNK: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
         wait_then_release(PDL)
         # Rows [BT] × the chunk's K: partial m (columns 0..N-1) and Σx² (column N). Each
         # output is its own fixed chain over k whatever rows share the program. SPLIT (bf16
         # rows): fn's fp32 tile as hi + mid + lo in bf16 (exactly), three tensor-core
-        # products each exact in fp32; else IEEE fp32 FMAs. UPDATE: x is the residual x_ptr
-        # after hc_update (y, post, comb), computed here and stored to out_ptr — the update
-        # and the next sublayer's mix in one launch.
+        # products each exact in fp32; else IEEE fp32 FMAs.
         rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
         chunk = tl.program_id(1)
         cols = tl.arange(0, BN)
@@ -170,12 +142,8 @@ if triton is not None:
         for step in tl.static_range(CHUNK // BK):
             ks = chunk * CHUNK + step * BK + tl.arange(0, BK)
             kmask = ks < K
-            if UPDATE:
-                xs = _updated(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, rows, ks,
-                              rmask[:, None] & kmask[None, :], D, sy_row, sx_row, so_row, H)
-            else:
-                xs = tl.load(x_ptr + rows[:, None] * sx_row + ks[None, :],
-                             mask=rmask[:, None] & kmask[None, :], other=0.0)
+            xs = tl.load(x_ptr + rows[:, None] * sx_row + ks[None, :],
+                         mask=rmask[:, None] & kmask[None, :], other=0.0)
             f = tl.load(fn_ptr + cols[:, None] * sf_row + ks[None, :],
                         mask=(cols[:, None] < N) & kmask[None, :], other=0.0).to(tl.float32)
             x = xs.to(tl.float32)
@@ -263,38 +231,25 @@ def mix_split(h: torch.Tensor) -> bool:
     return h.is_cuda and h.dtype == torch.bfloat16
 
 
-def _mix_partials(h: torch.Tensor, fn: torch.Tensor,
-                  update: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def _mix_partials(h: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
     """hc_mix's per-chunk partials [chunks, T, N + 1] fp32: flatten(h)·fnᵀ over each chunk of
-    MIX_CHUNK values of K in columns 0..N−1, that chunk's Σx² in column N — and the stream
-    they were made from. `update` = (y, post, comb): the stream is hc_update(y, h, post,
-    comb), made in the same launch (returned: a new [T, H, D] tensor); else h itself."""
-    T, H, D = h.shape
-    if h.stride(2) != 1 or h.stride(1) != D:
-        h = h.contiguous()
-    x = h.view(T, H * D)
+    MIX_CHUNK values of K in columns 0..N−1, that chunk's Σx² in column N."""
+    T = h.shape[0]
+    x = h.reshape(T, -1)
+    if x.stride(1) != 1:
+        x = x.contiguous()
     K, N = x.shape[1], fn.shape[0]
     if fn.shape[1] != K:
         raise ValueError(f"hc_mix: fn {list(fn.shape)} does not match the stream's {K} values")
     fn = _contig(fn)
     chunks = triton.cdiv(K, MIX_CHUNK)
     part = torch.empty((chunks, T, N + 1), dtype=torch.float32, device=h.device)
-    if update is None:
-        y = post = comb = out = x
-        sy_row = 0
-    else:
-        y, post, comb = _contig(update[0]), _contig(update[1].float()), _contig(update[2].float())
-        out = torch.empty_like(h)
-        sy_row = y.stride(0)
     if T:
         _hc_mix_kernel[(triton.cdiv(T, MIX_ROWS), chunks)](
             x, fn, part, T, N, K, x.stride(0), fn.stride(0), part.stride(0), part.stride(1),
-            y, post, comb, out, D, sy_row, H * D,
             BT=MIX_ROWS, BN=max(16, triton.next_power_of_2(N)), BK=MIX_K, CHUNK=MIX_CHUNK,
-            SPLIT=mix_split(h), UPDATE=update is not None, H=H, num_warps=4,
-            enable_fp_fusion=False, **pdl.args(h.device))
-    return part, (h if update is None else out)
+            SPLIT=mix_split(h), num_warps=4, **pdl.args(h.device))
+    return part
 
 
 def hc_mix(h: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,7 +257,7 @@ def hc_mix(h: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     of squares of flatten(h) [T] fp32 — hc_coeffs divides it by H·D), each row computed alone
     in a fixed order: the chunks' partials added in chunk order."""
     from strata.kernels.rowwise import _chunk_sum_kernel
-    part, _ = _mix_partials(h, fn)
+    part = _mix_partials(h, fn)
     chunks, T, N1 = part.shape
     total = torch.empty((T, N1), dtype=torch.float32, device=h.device)
     n = T * N1
@@ -319,42 +274,21 @@ def hc_mixed_coeffs(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base
     coefficients kernel adds hc_mix's chunk partials itself (a decode step: 40 launches fewer
     on 20 layers) — as one tile, over the chunks in a tree, where hc_mix adds them in chunk
     order: the same m and Σx² to fp32 rounding, each row's bits fixed by K alone."""
-    return _coeffs_of(_mix_partials(h, fn)[0], h.shape[2], scale, base, H, norm_eps, hc_eps,
-                      iters)
-
-
-def hc_update_mixed_coeffs(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
-                           comb: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
-                           base: torch.Tensor, H: int, norm_eps: float, hc_eps: float,
-                           iters: int) -> tuple[torch.Tensor, tuple]:
-    """(h = hc_update(y, residual, post, comb), hc_mixed_coeffs(h, fn, ...)) with the update
-    made inside the mix's launch: two launches where three ran (a sublayer's output folded
-    into the stream, then the next sublayer's mixes). h has hc_update's bits; the mixes are
-    hc_mixed_coeffs' to fp32 rounding — the values computed in registers take another layout
-    than loaded ones, and Σx² sums in its layout's order (a fixed one: the rows' bits still
-    depend on nothing but their own values)."""
-    part, h = _mix_partials(residual, fn, (y, post, comb))
-    return h, _coeffs_of(part, h.shape[2], scale, base, H, norm_eps, hc_eps, iters)
-
-
-def _coeffs_of(part: torch.Tensor, D: int, scale: torch.Tensor, base: torch.Tensor, H: int,
-               norm_eps: float, hc_eps: float,
-               iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(pre, post, comb) from hc_mix's chunk partials [chunks, T, N + 1] of a stream of H·D."""
+    part = _mix_partials(h, fn)
     chunks, T, N1 = part.shape
     if N1 - 1 != (2 + H) * H:
         raise ValueError(f"hc_coeffs: m has {N1 - 1} columns, expected {(2 + H) * H}")
-    pre = torch.empty((T, H), dtype=torch.float32, device=part.device)
+    pre = torch.empty((T, H), dtype=torch.float32, device=h.device)
     post = torch.empty_like(pre)
-    comb = torch.empty((T, H, H), dtype=torch.float32, device=part.device)
+    comb = torch.empty((T, H, H), dtype=torch.float32, device=h.device)
     if T:
         _hc_coeffs_kernel[(T,)](
             part, part[0, :, N1 - 1], _contig(scale.float()), _contig(base.float()), pre, post,
             comb, part.stride(1), part.stride(1), part.stride(0),
-            float(H * D), float(norm_eps), float(hc_eps), H=H,
+            float(H * h.shape[2]), float(norm_eps), float(hc_eps), H=H,
             HP=triton.next_power_of_2(H), ITERS=iters, CHUNKS=chunks,
             CP=triton.next_power_of_2(chunks), num_warps=COEFF_WARPS, enable_fp_fusion=False,
-            **pdl.args(part.device))
+            **pdl.args(h.device))
     return pre, post, comb
 
 

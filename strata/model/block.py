@@ -13,7 +13,7 @@ from strata.config import ModelConfig
 from strata.model.attention import Attention
 from strata.model.context import ForwardContext
 from strata.model.engram import Engram
-from strata.model.mhc import HcWeights, collapse_norm, hc_mixes, hc_update, hc_update_mixes
+from strata.model.mhc import HcWeights, collapse_norm, hc_mixes, hc_update
 from strata.model.moe import MoE
 from strata.runtime.state import State
 from strata.trace import scope
@@ -47,13 +47,6 @@ class Block:
         cfg = self.cfg
         return hc_mixes(h, hc, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
 
-    def update_mixes(self, y: torch.Tensor, h: torch.Tensor, post: torch.Tensor,
-                     comb: torch.Tensor, hc: HcWeights):
-        """(hc_update(y, h, post, comb), its mixes by hc) — one launch fewer on CUDA."""
-        cfg = self.cfg
-        return hc_update_mixes(y, h, post, comb, hc, cfg.rms_norm_eps, cfg.hc_eps,
-                               cfg.hc_sinkhorn_iters)
-
     def attend(self, u: torch.Tensor, ctx: ForwardContext, state: State) -> torch.Tensor:
         """The attention sublayer (DSpark stages attend differently: see model/dspark.py)."""
         return self.attn.forward(u, ctx, state)
@@ -82,7 +75,8 @@ class Block:
         with scope("attention"):
             y = self.attend(u, ctx, state)
         with scope("mhc"):
-            h, (pre_f, post_f, comb_f) = self.update_mixes(y, h, post_a, comb_a, self.hc_ffn)
+            h = hc_update(y, h, post_a, comb_a)
+            pre_f, post_f, comb_f = self.mixes(self.hc_ffn, h)
             u = collapse_norm(h, pre_a, self.ffn_norm, cfg.rms_norm_eps)
         with scope("moe"):
             y = self.ffn.forward(u, nx)

@@ -7,7 +7,7 @@ doubly stochastic by Sinkhorn — mixes the residual copies:
 h_new[j] = post[j]·y + Σ_i comb[i,j]·h[i].
 
 These torch functions are the definitions (and the CPU path); on CUDA the same steps run as
-a few fused kernels (strata.kernels.mhc: instead of ~170 small launches per sublayer).
+three fused kernels (strata.kernels.mhc: one launch each instead of ~170 small ones per sublayer).
 """
 from __future__ import annotations
 
@@ -86,19 +86,3 @@ def hc_update(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
     for i in range(1, r.shape[1]):
         mixed = mixed + comb[:, i, :, None] * r[:, i, None, :]
     return (mixed + post[..., None] * y.float()[:, None, :]).to(residual.dtype)
-
-
-def hc_update_mixes(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
-                    comb: torch.Tensor, w: HcWeights, norm_eps: float, hc_eps: float,
-                    iters: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor,
-                                                              torch.Tensor]]:
-    """(h = hc_update(y, residual, post, comb), hc_mixes(h, w, ...)): a sublayer's output
-    folded into the stream, then the next sublayer's mixing coefficients. On CUDA the update
-    runs inside the mixing kernel (strata.kernels.mhc.hc_update_mixed_coeffs: the update's
-    bits, a launch fewer; the mixes within fp32 rounding of hc_mixes')."""
-    T, H, _ = residual.shape
-    if kernels.available(residual):
-        return kernels.hc_update_mixed_coeffs(y, residual, post, comb, w.fn, w.scale, w.base,
-                                              H, norm_eps, hc_eps, iters)
-    h = hc_update(y, residual, post, comb)
-    return h, hc_mixes(h, w, norm_eps, hc_eps, iters)

@@ -43,17 +43,13 @@ def test_collapse_and_update_equal_the_torch_code(cuda, monkeypatch, dtype):
                        norm.rms_norm(ref.collapse(h, pre), w, 1e-6))
 
 
-def hc_weights(H: int, D: int, g: torch.Generator, device) -> HcWeights:
-    n = (2 + H) * H
-    return HcWeights(fn=(torch.randn(n, H * D, generator=g) * (H * D) ** -0.5).to(device),
-                     base=(torch.randn(n, generator=g) * 0.5).to(device),
-                     scale=(torch.rand(3, generator=g) + 0.5).to(device))
-
-
 def test_hc_coeffs_near_the_torch_code_and_row_invariant(cuda, monkeypatch):
     T, H, D = 37, 4, 5120
     g = torch.Generator().manual_seed(4)
-    w = hc_weights(H, D, g, cuda)
+    n = (2 + H) * H
+    w = HcWeights(fn=(torch.randn(n, H * D, generator=g) * (H * D) ** -0.5).to(cuda),
+                  base=(torch.randn(n, generator=g) * 0.5).to(cuda),
+                  scale=(torch.rand(3, generator=g) + 0.5).to(cuda))
     h = (torch.randn(T, H, D, generator=g) * 3).to(cuda, torch.bfloat16)
     got = ref.hc_mixes(h, w, 1e-6, 1e-6, 20)
     want = torch_path(monkeypatch, ref.hc_mixes, h, w, 1e-6, 1e-6, 20)
@@ -62,29 +58,6 @@ def test_hc_coeffs_near_the_torch_code_and_row_invariant(cuda, monkeypatch):
     alone = ref.hc_mixes(h[20:21], w, 1e-6, 1e-6, 20)
     for a, full in zip(alone, got):
         assert torch.equal(a[0], full[20])
-
-
-def test_an_update_inside_the_next_mix_gives_the_two_steps_bits(cuda, monkeypatch):
-    """The attention's output folded into the stream inside the FFN's mixing kernel (V4.1
-    shapes, a bf16 stream on tensor cores): the stream bit for bit the torch code's update,
-    the coefficients hc_mixes' on it to fp32 rounding (the kernel's Σx² sums its values in
-    the order their layout gives, here another than a loaded stream's); one decode row alone
-    has its bits in a batch."""
-    T, H, D = 37, 4, 5120
-    g = torch.Generator().manual_seed(18)
-    w = hc_weights(H, D, g, cuda)
-    h = (torch.randn(T, H, D, generator=g) * 3).to(cuda, torch.bfloat16)
-    y = (torch.randn(T, D, generator=g) * 3).to(cuda, torch.bfloat16)
-    post = (torch.rand(T, H, generator=g) * 2).to(cuda)
-    comb = torch.softmax(torch.randn(T, H, H, generator=g), -1).to(cuda)
-    new, mixes = ref.hc_update_mixes(y, h, post, comb, w, 1e-6, 1e-6, 20)
-    assert torch.equal(new, torch_path(monkeypatch, ref.hc_update, y, h, post, comb))
-    for a, b in zip(mixes, ref.hc_mixes(new, w, 1e-6, 1e-6, 20)):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), (a - b).abs().max()
-    one, one_mixes = ref.hc_update_mixes(y[5:6], h[5:6], post[5:6], comb[5:6], w, 1e-6, 1e-6,
-                                         20)
-    assert torch.equal(one[0], new[5])
-    assert all(torch.equal(a[0], b[5]) for a, b in zip(one_mixes, mixes))
 
 
 def test_hc_mix_of_a_bf16_stream_on_tensor_cores(cuda):
