@@ -72,9 +72,10 @@ linear's ≤ 16 rows, a grouped call's ≤ 64 pairs in tiles of 8 — runs in CU
 (strata.kernels.exl3_mma: each MMA lane decodes its own fragment window; the same bits,
 checked on the GPU).
 
-Arrival counters (`_counters`) are one zeroed buffer per device, zero again after every launch;
-an eager first call (the usual CUDA-graph warm-up) allocates them before a capture, and
-launches on one device must not overlap in time (one stream, as the engine runs).
+Arrival counters (`_counters`) are one zeroed buffer per device and stream lane (the current
+stream, or strata.streams' side stream), zero again after every launch; an eager first call
+(the usual CUDA-graph warm-up) allocates them before a capture, and launches on one lane must
+not overlap in time (each lane is one stream).
 
 Everything runs on CPU under TRITON_INTERPRET=1 (tests/test_kernels_exl3.py).
 """
@@ -87,6 +88,7 @@ from typing import Sequence
 
 import torch
 
+from strata import streams
 from strata.kernels import exl3_mma
 from strata.kernels.moe_grouping import Routing
 
@@ -731,11 +733,11 @@ _COUNTERS_KEEP: list = []  # every counter buffer stays alive (captured graphs m
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for FUSE_OUT launches, one buffer per device; every launch
-    leaves them at zero again. Launches on one device must not overlap in time (one stream,
-    as the engine runs); a first eager call (CUDA-graph warm-up) allocates them before a
-    capture, which then reuses them."""
-    key = str(device)
+    """Zeroed int32 arrival counters for FUSE_OUT launches, one buffer per device and lane
+    (strata.streams: a piece on the side stream runs beside the current stream's); every
+    launch leaves them at zero again. A first eager call (CUDA-graph warm-up) allocates them
+    before a capture, which then reuses them."""
+    key = (str(device), streams.on_side(device))
     c = _COUNTERS.get(key)
     if c is None or c.numel() < n:
         c = torch.zeros(max(n, 4096, 0 if c is None else 2 * c.numel()), dtype=torch.int32,

@@ -19,6 +19,7 @@ from strata.model.numerics import Numerics, ranked_topk, row_matmul, rows_bmm
 from strata.quant.groups import LinearSet
 from strata.quant.linear import Linear
 from strata.quant.qdq import fp8_act_qdq
+from strata.streams import both
 
 # Token-expert pairs up to which a step gathers expert weights instead of grouping tokens.
 GATHER_PAIRS = 16
@@ -207,10 +208,6 @@ class MoE:
             ExpertStack(cfg, w, f"{prefix}.experts", n_experts)
         self.shared = SharedExpert(cfg, w, f"{prefix}.shared_experts") \
             if cfg.n_shared_experts else None
-        # The linears of u besides the routed experts — the gate and the shared expert's w1
-        # and w3 — in one launch where they can (LinearSet)
-        self.u_set = LinearSet([self.gate] + ([self.shared.w1, self.shared.w3]
-                                              if self.shared is not None else []))
 
     def route(self, u: torch.Tensor, nx: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [T, k], weights [T, k]) for u: its gate's logits, routed."""
@@ -232,9 +229,11 @@ class MoE:
         return idx, w
 
     def forward(self, u: torch.Tensor, nx: Numerics) -> torch.Tensor:
-        logits, *gate_up = self.u_set(u, nx, [torch.float32]
-                                      + ([None, None] if self.shared else []))
-        idx, w = self.route_logits(logits)
-        ys = self.experts.slots(u, idx, w, nx)
-        shared = None if self.shared is None else self.shared.down(*gate_up, nx)
+        def routed() -> torch.Tensor:
+            return self.experts.slots(u, *self.route(u, nx), nx)
+
+        if self.shared is None:
+            return slot_sum(routed(), None, nx.act_dtype)
+        # The shared expert does not wait for the routing: on a GPU it runs beside it.
+        shared, ys = both(lambda: self.shared.forward(u, nx), routed, u.device)
         return slot_sum(ys, shared, nx.act_dtype)  # (with the join: one launch on CUDA)

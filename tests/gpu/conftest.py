@@ -7,6 +7,8 @@ import os
 import pytest
 import torch
 
+from strata.checkpoint.tiny import make_tiny
+
 RESULTS = os.environ.get("STRATA_GPU_RESULTS")  # optional JSON lines file for bench/results
 
 
@@ -24,3 +26,9 @@ def cuda():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     return torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def exl3_dir(tmp_path_factory):
+    """The tiny model's fixture in EXL3 (tiny_dir: its fp8/fp4 form)."""
+    return make_tiny(tmp_path_factory.mktemp("exl3"), "tiny", seed=0, fmt="exl3")

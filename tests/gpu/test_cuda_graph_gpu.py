@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from conftest import record
-from strata.checkpoint.tiny import make_tiny
 from strata.model.model import Model
 from strata.model.numerics import Numerics
 from strata.runtime.session import Session
@@ -19,11 +18,6 @@ from strata.runtime.static_step import StaticStep
 from util import continuation_drafts, random_tokens, windows_roll_back_alike
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def exl3_dir(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("exl3"), "tiny", seed=0, fmt="exl3")
 
 
 def _ms(fn, n: int = 20) -> float:

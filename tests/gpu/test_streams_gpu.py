@@ -1,0 +1,78 @@
+"""strata.streams.both: two pieces of a forward at once on the GPU give the bits they give in
+order — two EXL3 launches side by side (each stream lane its own arrival counters), eager and
+replayed from a CUDA graph, and the model's forwards (a MoE's shared expert beside its routed
+experts) on the fp8/fp4 and EXL3 fixtures."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import strata.model.moe as moe_module
+from strata import streams
+from strata.kernels import exl3 as X
+from strata.model.model import Model
+from strata.model.numerics import Numerics
+from strata.runtime.session import Session
+from test_kernels_exl3_gpu import scales, trellis_of
+from util import random_tokens
+
+pytestmark = pytest.mark.gpu
+
+
+def test_two_exl3_pieces_side_by_side_give_their_bits_in_order(cuda):
+    """A dense linear's decode rows (arrival counters: the last program of a block finishes
+    it) on the side stream while grouped expert launches run on the current one — eager 20
+    times and replayed 20 times from one captured graph: each output bit for bit its own."""
+    E, T, k = 8, 6, 6
+    tr = trellis_of(5120, 2304, 2.5, seed=80, device=cuda)
+    suh, svh = scales(5120, 81, cuda, scale=5120 ** -0.5), scales(2304, 82, cuda, scale=0.05)
+    sets = [(trellis_of(5120, 2304, 2.5, seed=83 + w, device=cuda, E=E),
+             scales(5120, 85 + w, cuda, E, 5120 ** -0.5), scales(2304, 87 + w, cuda, E, 0.05))
+            for w in range(2)]
+    g = torch.Generator().manual_seed(14)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(cuda)
+    x = torch.randn(T, 5120, generator=g).to(cuda, torch.bfloat16)
+
+    def dense():
+        return [X.exl3_linear(x[i:i + 1], tr, suh, svh, "mul1") for i in range(3)]
+
+    def grouped():
+        return [y for _ in range(3) for y in X.exl3_moe_linear(x, idx, sets, "mul1")]
+
+    want = dense() + grouped()
+    for _ in range(20):
+        a, b = streams.both(dense, grouped, cuda)
+        torch.cuda.synchronize()
+        assert all(torch.equal(u, v) for u, v in zip(a + b, want))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        a, b = streams.both(dense, grouped, cuda)
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(u, v) for u, v in zip(a + b, want))
+
+
+@pytest.mark.parametrize("fixture", ["tiny_dir", "exl3_dir"])
+@pytest.mark.parametrize("T", [1, 6])
+def test_a_forward_with_the_shared_expert_beside_gives_the_in_order_logits(
+        cuda, request, monkeypatch, fixture, T):
+    """A decode step's and a window's forward (eager) with the MoEs' shared experts on the
+    side stream and with streams off: the same logits bit for bit, and both runs went
+    through the MoE's fork."""
+    model = Model.load(request.getfixturevalue(fixture), cuda, Numerics.for_device(cuda))
+    s = Session(model, 512)
+    s.prefill(random_tokens(150, seed=3))
+    tokens = random_tokens(T, seed=21)
+    forks = []
+    real = moe_module.both
+
+    def counted(*args):
+        forks.append(streams.ENABLED)
+        return real(*args)
+    monkeypatch.setattr(moe_module, "both", counted)
+    beside, _ = model.forward(tokens, s.state.clone(), logits="all")
+    monkeypatch.setattr(streams, "ENABLED", False)
+    in_order, _ = model.forward(tokens, s.state.clone(), logits="all")
+    assert forks.count(True) == forks.count(False) > 0
+    assert torch.equal(beside, in_order)
