@@ -20,7 +20,6 @@ from strata.model.rope import apply_rope, rms_norm_rope
 from strata.quant.groups import LinearGroups, LinearSet
 from strata.quant.qdq import fp4_qdq_e4m3_scale, fp8_act_qdq
 from strata.runtime.state import PositionRing, State
-from strata.streams import both
 
 # A forward's queries attend in pieces whose fp32 scratch stays under this many bytes.
 ATTN_SCRATCH = 1 << 30
@@ -95,47 +94,24 @@ class Attention:
     def forward(self, u: torch.Tensor, ctx: ForwardContext, state: State) -> torch.Tensor:
         cfg = self.cfg
         q_a, kv, *more = self.read_u(u, ctx.numerics)
-        ring = state.window[self.layer]
-        window = ctx.window(cfg.sliding_window, ring.size)
-        ctx.rope(self.ratio)  # (made before the two pieces below: both read it)
-        cache = state.comp_kv[cfg.kv_source_of(self.layer)] if self.ratio > 0 else None
-        # An index source picks its entries from its queries; any other layer's are known.
-        picked = self.ratio == 0 or self.indexer is None
+        qr, q, index_q = self.queries(q_a, ctx)
+        kv = self.kv_rows(kv, ctx)
 
-        def keys() -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-            """This forward's window rows, the entries it publishes and, where the picks
-            are known and the queries attend in one piece, their key rows and mask. The
-            ring is read before this forward's rows are written into it (a long chunk's
-            later rows overwrite slots its earlier queries read)."""
-            rows = self.kv_rows(kv, ctx)
-            if self.ratio > 0:
-                self.publish(u, ctx, state, more[:self.n_comp] if self.compressor else None)
-            if not picked:
-                return rows, None
-            sel = ctx.sel[cfg.index_source_of(self.layer)] if self.ratio > 0 else None
-            if ctx.T > self.piece_queries(window, sel):
-                return rows, None
-            return rows, gather_rows(rows, ring, window, cache, sel)
-
-        # The keys do not wait for the queries: on a GPU they are made beside them.
-        (kv, gathered), (qr, q, index_q) = both(keys, lambda: self.queries(q_a, ctx), u.device)
-        sel = None
+        cache = sel = None
         if self.ratio > 0:
+            self.publish(u, ctx, state, more[:self.n_comp] if self.compressor else None)
             if self.indexer is not None:
                 ctx.sel[self.layer] = self.indexer.select(u, qr, ctx, state, q=index_q,
                                                           w=more[self.n_comp])
             sel = ctx.sel[cfg.index_source_of(self.layer)]
-        o = (self.attend_heads(q, *gathered, None, None) if gathered is not None
-             else self.attend_pieces(q, kv, ring, window, cache, sel))
+            cache = state.comp_kv[cfg.kv_source_of(self.layer)]
+        # The ring is read before this forward's rows are written into it (a long chunk's
+        # later rows overwrite slots its earlier queries read).
+        ring = state.window[self.layer]
+        o = self.attend_pieces(q, kv, ring, ctx.window(cfg.sliding_window, ring.size),
+                               cache, sel)
         ring.write(ctx.start, ctx.positions, kv, state.journal)
         return self.output(o, ctx)
-
-    def piece_queries(self, window: tuple[torch.Tensor, ...], sel: torch.Tensor | None) -> int:
-        """How many queries attend in one piece (each query's key rows and scores in fp32
-        scratch under ATTN_SCRATCH)."""
-        n = window[0].shape[1] + (0 if sel is None else sel.shape[1])
-        per_query = 12 * n * self.cfg.head_dim + 12 * self.n_heads * (n + 1)  # rows ×3; s, p
-        return max(1, ATTN_SCRATCH // per_query)
 
     def attend_pieces(self, q: torch.Tensor, kv: torch.Tensor, ring: PositionRing,
                       window: tuple[torch.Tensor, ...], cache: torch.Tensor | None,
@@ -145,8 +121,10 @@ class Attention:
         query is its own batch element of the products and the softmax, so the pieces change
         no bit. q [T, H, hd], kv [T, hd] this forward's window rows (stored form) → [T, H, hd]
         fp32."""
-        T = q.shape[0]
-        step = self.piece_queries(window, sel)
+        T, H, hd = q.shape
+        n = window[0].shape[1] + (0 if sel is None else sel.shape[1])
+        per_query = 12 * n * hd + 12 * H * (n + 1)  # rows (torch path: 3 copies); s, p
+        step = max(1, ATTN_SCRATCH // per_query)
         out = []
         for i in range(0, T, step):
             j = min(i + step, T)
