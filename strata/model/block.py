@@ -6,6 +6,8 @@ DSpark stages are blocks too (ratio 0, their own expert count, no Engram).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from strata.checkpoint.weights import WeightReader
@@ -16,6 +18,7 @@ from strata.model.engram import Engram
 from strata.model.mhc import HcWeights, collapse_norm, hc_mixes, hc_update
 from strata.model.moe import MoE
 from strata.runtime.state import State
+from strata.streams import both
 from strata.trace import scope
 
 
@@ -69,17 +72,30 @@ class Block:
         if self.layer in cfg.dspark_target_layer_ids:
             ctx.main_hidden[self.layer] = h.float().mean(1)
 
-        with scope("mhc"):
-            pre_a, post_a, comb_a = self.mixes(self.hc_attn, h)
-            u = collapse_norm(h, pre_mix, self.attn_norm, cfg.rms_norm_eps)
-        with scope("attention"):
-            y = self.attend(u, ctx, state)
+        (pre_a, post_a, comb_a), y = self.sublayer(
+            h, pre_mix, self.attn_norm, self.hc_attn, "attention",
+            lambda u: self.attend(u, ctx, state))
         with scope("mhc"):
             h = hc_update(y, h, post_a, comb_a)
-            pre_f, post_f, comb_f = self.mixes(self.hc_ffn, h)
-            u = collapse_norm(h, pre_a, self.ffn_norm, cfg.rms_norm_eps)
-        with scope("moe"):
-            y = self.ffn.forward(u, nx)
+        (pre_f, post_f, comb_f), y = self.sublayer(
+            h, pre_a, self.ffn_norm, self.hc_ffn, "moe", lambda u: self.ffn.forward(u, nx))
         with scope("mhc"):
             h = hc_update(y, h, post_f, comb_f)
         return h, pre_f
+
+    def sublayer(self, h: torch.Tensor, pre: torch.Tensor, norm: torch.Tensor, hc: HcWeights,
+                 name: str, run: Callable[[torch.Tensor], torch.Tensor]):
+        """(this sublayer's mixes of h, run(its input)). The input is h collapsed by the
+        previous sublayer's pre (V4.1 lags it one sublayer), normed; the mixes are read only
+        after the sublayer (post, comb) and by the next one (pre), so on a GPU they are made
+        beside it (strata.streams)."""
+        def mixes():
+            with scope("mhc"):
+                return self.mixes(hc, h)
+
+        def body():
+            with scope("mhc"):
+                u = collapse_norm(h, pre, norm, self.cfg.rms_norm_eps)
+            with scope(name):
+                return run(u)
+        return both(mixes, body, h.device)

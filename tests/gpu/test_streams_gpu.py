@@ -1,12 +1,14 @@
 """strata.streams.both: two pieces of a forward at once on the GPU give the bits they give in
 order — two EXL3 launches side by side (each stream lane its own arrival counters), eager and
-replayed from a CUDA graph, and the model's forwards (a MoE's shared expert beside its routed
-experts) on the fp8/fp4 and EXL3 fixtures."""
+replayed from a CUDA graph, and the model's forwards (a sublayer's mHC mixes beside the
+sublayer, a MoE's shared expert beside its routed experts) on the fp8/fp4 and EXL3 fixtures;
+test_cuda_graph_gpu.py runs them captured (graphed decode, windows, drafts)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+import strata.model.block as block_module
 import strata.model.moe as moe_module
 from strata import streams
 from strata.kernels import exl3 as X
@@ -55,24 +57,28 @@ def test_two_exl3_pieces_side_by_side_give_their_bits_in_order(cuda):
 
 @pytest.mark.parametrize("fixture", ["tiny_dir", "exl3_dir"])
 @pytest.mark.parametrize("T", [1, 6])
-def test_a_forward_with_the_shared_expert_beside_gives_the_in_order_logits(
+def test_a_forward_with_pieces_beside_each_other_gives_the_in_order_logits(
         cuda, request, monkeypatch, fixture, T):
-    """A decode step's and a window's forward (eager) with the MoEs' shared experts on the
-    side stream and with streams off: the same logits bit for bit, and both runs went
-    through the MoE's fork."""
+    """A decode step's and a window's forward (eager) with the pieces beside each other (a
+    sublayer's mixes beside the sublayer, a MoE's shared expert beside its routed experts)
+    and with streams off: the same logits bit for bit, both runs through the same forks."""
     model = Model.load(request.getfixturevalue(fixture), cuda, Numerics.for_device(cuda))
     s = Session(model, 512)
     s.prefill(random_tokens(150, seed=3))
     tokens = random_tokens(T, seed=21)
     forks = []
-    real = moe_module.both
 
-    def counted(*args):
-        forks.append(streams.ENABLED)
-        return real(*args)
-    monkeypatch.setattr(moe_module, "both", counted)
+    def counted(module):
+        def fork(*args):
+            forks.append((module.__name__, streams.ENABLED))
+            return streams.both(*args)
+        monkeypatch.setattr(module, "both", fork)
+    counted(moe_module)
+    counted(block_module)
     beside, _ = model.forward(tokens, s.state.clone(), logits="all")
     monkeypatch.setattr(streams, "ENABLED", False)
     in_order, _ = model.forward(tokens, s.state.clone(), logits="all")
-    assert forks.count(True) == forks.count(False) > 0
+    for module in (moe_module, block_module):
+        on = forks.count((module.__name__, True))
+        assert on == forks.count((module.__name__, False)) > 0, module.__name__
     assert torch.equal(beside, in_order)
