@@ -14,6 +14,7 @@ from strata.checkpoint.encodings import dequant_engram_rows
 from strata.checkpoint.weights import WeightReader
 from strata.config import ModelConfig
 from strata.engram_store import EngramStore
+from strata.kernels import engram as engram_kernels
 from strata.model.numerics import Numerics, row_mean, row_sum
 
 
@@ -60,11 +61,21 @@ class Engram:
                else self.table.from_records(records, ids.shape)).flatten(1)  # [T, n_ids·hd]
         kv = self.wkv(mem, nx, torch.float32)
         key, value = kv[:, :H * D].view(T, H, D), kv[:, H * D:]
-        hf = h.float()
-        eps = cfg.rms_norm_eps
-        dot = row_sum(hf * self.qk_weight * key)[..., 0]
-        dot = dot * torch.rsqrt(row_mean(hf * hf)[..., 0] + eps) \
-            * torch.rsqrt(row_mean(key * key)[..., 0] + eps)
-        dot = dot / D ** 0.5
-        gate = torch.sigmoid(torch.copysign(torch.sqrt(dot.abs().clamp(min=1e-6)), dot))
-        return (hf + gate[..., None] * value[:, None, :]).to(h.dtype)
+        return gate_update(h, self.qk_weight, key, value, cfg.rms_norm_eps)
+
+
+def gate_update(h: torch.Tensor, qk_weight: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, eps: float) -> torch.Tensor:
+    """h + gate·value, each copy's gate from its row of h and of key: h [T, H, D], qk_weight
+    [H, D], key [T, H, D], value [T, D] fp32 → h's dtype. One launch on CUDA
+    (strata.kernels.engram)."""
+    if engram_kernels.available(h):
+        return engram_kernels.gate_update(h, qk_weight, key, value, eps)
+    D = h.shape[2]
+    hf = h.float()
+    dot = row_sum(hf * qk_weight * key)[..., 0]
+    dot = dot * torch.rsqrt(row_mean(hf * hf)[..., 0] + eps) \
+        * torch.rsqrt(row_mean(key * key)[..., 0] + eps)
+    dot = dot / D ** 0.5
+    gate = torch.sigmoid(torch.copysign(torch.sqrt(dot.abs().clamp(min=1e-6)), dot))
+    return (hf + gate[..., None] * value[:, None, :]).to(h.dtype)

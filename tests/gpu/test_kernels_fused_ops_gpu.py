@@ -1,7 +1,7 @@
 """The fused small-op kernels on CUDA (pytest -m gpu): mHC collapse, hc_update, RoPE, the qdq
 steps, the MoE's slot sum and the attention's row gather give the torch code's bits, routing
-and ranked_topk's keys its picks; mHC's coefficients, RMSNorm, the SwiGLU, the sink softmax
-and the indexer's scores stay within fp32 rounding of it, and their rows do not depend on the
+and ranked_topk's keys its picks; mHC's coefficients, RMSNorm, the SwiGLU, the sink softmax,
+the Engram gate and the indexer's scores stay within fp32 rounding of it, and their rows do not depend on the
 other rows of the call. V4.1 shapes (H = 4, D = 5120)."""
 from __future__ import annotations
 
@@ -217,6 +217,31 @@ def test_compressor_pooling_in_one_launch_equals_the_torch_code(cuda):
         entries = entry_indices(2, positions)
         assert torch.equal(pool(ring.rows, k, gate, positions, entries, 2),
                            compressor_pool(ring, k, gate, positions, entries, 2)), (first, T)
+
+
+def test_engram_gate_in_one_launch_near_the_torch_code(cuda, monkeypatch):
+    """The Engram gate and update (strata.kernels.engram) at V4.1's shapes, a bf16 stream and
+    the keys and value as views of one fp32 projection: the torch steps' stream to a bf16
+    rounding step (the gates within fp32 rounding of theirs), a decode row alone its bits in
+    a verify window."""
+    from strata.kernels import engram
+    from strata.model.engram import gate_update
+    g = torch.Generator().manual_seed(23)
+    T, H, D = 6, 4, 5120
+    h = (torch.randn(T, H, D, generator=g) * 3).to(cuda, torch.bfloat16)
+    w = torch.randn(H, D, generator=g).to(cuda)
+    kv = torch.randn(T, (H + 1) * D, generator=g).to(cuda)
+    key, value = kv[:, :H * D].view(T, H, D), kv[:, H * D:]
+    got = gate_update(h, w, key, value, 1e-20)
+    with monkeypatch.context() as m:
+        m.setattr(engram, "available", lambda t: False)
+        want = gate_update(h, w, key, value, 1e-20)
+    # one bf16 step where the gates' last-bit difference crosses a rounding boundary
+    step = want.float().abs().clamp(min=2 ** -126) * 2 ** -7
+    assert ((got.float() - want.float()).abs() <= step).all()
+    assert (got != want).float().mean() < 1e-3
+    one = gate_update(h[2:3], w, key[2:3], value[2:3], 1e-20)
+    assert torch.equal(one[0], got[2])
 
 
 def test_attention_sink_softmax_near_the_torch_code(cuda, monkeypatch):
