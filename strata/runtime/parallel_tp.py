@@ -46,6 +46,7 @@ from strata.model.moe import slot_sum
 from strata.model.numerics import Numerics
 from strata.quant.linear import DenseLinear, Fp4Group32Linear, Fp8Block32Linear, Linear
 from strata.runtime.parallel_comm import Comm
+from strata.streams import both
 
 ATTENTION_MODES = ("heads", "replicated")
 
@@ -295,10 +296,32 @@ class ExpertParallelMoE:
 
     def forward(self, u: torch.Tensor, nx: Numerics) -> torch.Tensor:
         moe = self.moe
+        shared = moe.shared is not None
+        if shared and self.rank == self.shared_owner:
+            # (as in MoE.forward: on a GPU the shared expert runs beside the routed experts)
+            out, (idx, ys) = both(lambda: moe.shared.forward(u, nx),
+                                  lambda: self.routed(u, nx), u.device)
+            ys[:, idx.shape[1]] = out
+        else:
+            idx, ys = self.routed(u, nx)
+        T, k = idx.shape
+        every = self.comm.all_gather(ys)  # [W, T, k(+1), D]
+        owner = self.owner[idx]
+        if shared:
+            owner = torch.cat((owner, owner.new_full((T, 1), self.shared_owner)), dim=1)
+        ys = every.gather(0, owner[None, :, :, None].expand(1, T, k + shared, u.shape[1]))[0]
+        # the slots in order, then the shared expert: MoE.forward's fp32 sums in its order
+        # (the slots, then join's routed + shared) and its rounding, one launch on CUDA
+        return slot_sum(ys, dtype=nx.act_dtype)
+
+    def routed(self, u: torch.Tensor, nx: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [T, k], slots [T, k (+1 for the shared expert), D] fp32): zero but
+        for the pairs whose expert this rank holds."""
+        moe = self.moe
         idx, w = moe.route(u, nx)
         T, k = idx.shape
-        shared = moe.shared is not None
-        ys = torch.zeros((T, k + shared, u.shape[1]), dtype=torch.float32, device=u.device)
+        ys = torch.zeros((T, k + (moe.shared is not None), u.shape[1]), dtype=torch.float32,
+                         device=u.device)
         lo, hi = self.mine.start, self.mine.stop
         ours = (idx >= lo) & (idx < hi)
         if T * k <= STATIC_PAIRS:
@@ -306,7 +329,7 @@ class ExpertParallelMoE:
             # static shapes — no host read of which pairs are ours, so the step has no host
             # wait and can be graphed. Other ranks' pairs borrow one of our selected experts
             # (its rows fill tiles that exist anyway, no extra weights read) and are ignored:
-            # the gather below takes every slot from its owner.
+            # forward's gather takes every slot from its owner.
             local = idx - lo
             borrow = local.masked_fill(~ours, hi - lo).min().clamp(max=hi - lo - 1)
             local = torch.where(ours, local, borrow)
@@ -319,16 +342,7 @@ class ExpertParallelMoE:
             if t.numel():
                 ys[t, s] = self.local.forward(u[t], (idx[t, s] - lo)[:, None],
                                               w[t, s][:, None], nx)
-        if shared and self.rank == self.shared_owner:
-            ys[:, k] = moe.shared.forward(u, nx)
-        every = self.comm.all_gather(ys)  # [W, T, k(+1), D]
-        owner = self.owner[idx]
-        if shared:
-            owner = torch.cat((owner, owner.new_full((T, 1), self.shared_owner)), dim=1)
-        ys = every.gather(0, owner[None, :, :, None].expand(1, T, k + shared, u.shape[1]))[0]
-        # the slots in order, then the shared expert: MoE.forward's fp32 sums in its order
-        # (the slots, then join's routed + shared) and its rounding, one launch on CUDA
-        return slot_sum(ys, dtype=nx.act_dtype)
+        return idx, ys
 
 
 def apply_tp(model: Model, comm: Comm, plan: TPPlan) -> None:
