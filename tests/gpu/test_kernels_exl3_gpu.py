@@ -47,6 +47,22 @@ def i16(t):
     return t.view(torch.int16) if t.dtype in (torch.float16, torch.bfloat16) else t.view(torch.int32)
 
 
+def decode_case(device, seed: int, E: int = 8, T: int = 6, k: int = 6):
+    """A decode step's EXL3 work at the experts' gate/up shape (5120 → 2304, K 2.5): a dense
+    linear (trellis, suh, svh), two expert weight sets of E experts, the routing ids [T, k]
+    and T bf16 rows."""
+    tr = trellis_of(5120, 2304, 2.5, seed=seed, device=device)
+    suh = scales(5120, seed + 1, device, scale=5120 ** -0.5)
+    svh = scales(2304, seed + 2, device, scale=0.05)
+    sets = [(trellis_of(5120, 2304, 2.5, seed=seed + 3 + w, device=device, E=E),
+             scales(5120, seed + 5 + w, device, E, 5120 ** -0.5),
+             scales(2304, seed + 7 + w, device, E, 0.05)) for w in range(2)]
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(device)
+    x = torch.randn(T, 5120, generator=g).to(device, torch.bfloat16)
+    return (tr, suh, svh), sets, idx, x
+
+
 @pytest.mark.parametrize("K,codebook", ALL_K)
 def test_reconstruct_bit_exact(cuda, K, codebook):
     """5120×2304: first and last 16 tile rows against the torch decoder (CPU)."""
@@ -291,15 +307,7 @@ def test_the_early_launch_gives_plain_orders_bits_eager_and_graphed(cuda, monkey
     gate + up, eager and replayed from a CUDA graph (the decode step's form), bit for bit."""
     active = X._pdl(torch.device(cuda))
     print(f"early launch active: {bool(active)} (GDC in this Triton: {X._early.HAS_GDC})")
-    E, T, k = 8, 6, 6
-    tr = trellis_of(5120, 2304, 2.5, seed=60, device=cuda)
-    suh, svh = scales(5120, 61, cuda, scale=5120 ** -0.5), scales(2304, 62, cuda, scale=0.05)
-    sets = [(trellis_of(5120, 2304, 2.5, seed=63 + w, device=cuda, E=E),
-             scales(5120, 65 + w, cuda, E, 5120 ** -0.5), scales(2304, 67 + w, cuda, E, 0.05))
-            for w in range(2)]
-    g = torch.Generator().manual_seed(13)
-    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(cuda)
-    x = torch.randn(T, 5120, generator=g).to(cuda, torch.bfloat16)
+    (tr, suh, svh), sets, idx, x = decode_case(cuda, seed=60)
 
     def run():
         return [X.exl3_linear(x[:1], tr, suh, svh, "mul1"),

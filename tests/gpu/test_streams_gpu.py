@@ -15,7 +15,7 @@ from strata.kernels import exl3 as X
 from strata.model.model import Model
 from strata.model.numerics import Numerics
 from strata.runtime.session import Session
-from test_kernels_exl3_gpu import scales, trellis_of
+from test_kernels_exl3_gpu import decode_case
 from util import random_tokens
 
 pytestmark = pytest.mark.gpu
@@ -25,15 +25,7 @@ def test_two_exl3_pieces_side_by_side_give_their_bits_in_order(cuda):
     """A dense linear's decode rows (arrival counters: the last program of a block finishes
     it) on the side stream while grouped expert launches run on the current one — eager 20
     times and replayed 20 times from one captured graph: each output bit for bit its own."""
-    E, T, k = 8, 6, 6
-    tr = trellis_of(5120, 2304, 2.5, seed=80, device=cuda)
-    suh, svh = scales(5120, 81, cuda, scale=5120 ** -0.5), scales(2304, 82, cuda, scale=0.05)
-    sets = [(trellis_of(5120, 2304, 2.5, seed=83 + w, device=cuda, E=E),
-             scales(5120, 85 + w, cuda, E, 5120 ** -0.5), scales(2304, 87 + w, cuda, E, 0.05))
-            for w in range(2)]
-    g = torch.Generator().manual_seed(14)
-    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(cuda)
-    x = torch.randn(T, 5120, generator=g).to(cuda, torch.bfloat16)
+    (tr, suh, svh), sets, idx, x = decode_case(cuda, seed=80)
 
     def dense():
         return [X.exl3_linear(x[i:i + 1], tr, suh, svh, "mul1") for i in range(3)]
