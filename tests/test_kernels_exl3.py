@@ -426,6 +426,19 @@ def test_bench_merges_an_earlier_peer_run(tmp_path):
     assert again["targets"][0]["met_linear"] is True
 
 
+def test_bench_small_shapes_run_by_name_only():
+    """The attention's small lone linears (wq_a, wkv, a wo_a group) are benched when named,
+    beside the issue's shapes; the default run keeps the issue's five."""
+    import argparse
+    from strata.bench import kernels as K
+    p = argparse.ArgumentParser()
+    K.add_arguments(p)
+    named = K._cases(p.parse_args(["--shapes", "wq_a,wkv,expert_w2", "--ks", "4"]), False)
+    assert [(c[0], c[1], c[2], c[3]) for c in named] == [
+        ("wq_a", 5120, 1280, 4.0), ("wkv", 5120, 512, 4.0), ("expert_w2", 2304, 5120, 4.0)]
+    assert {c[0] for c in K._cases(p.parse_args([]), False)} == set(K.SHAPES)
+
+
 def test_bench_peer_runs_in_a_child_and_its_absence_is_reported(tmp_path):
     """exllamav3 runs in its own process (a crash there must not take the benchmark down):
     here it is not installed, so the real child exits cleanly and the merge names why."""

@@ -46,6 +46,13 @@ SHAPES = {
     "wo_b": (8192, 5120),
     "head": (5120, 129280),
 }
+# The attention's small lone linears, by name only (--shapes): where a decode step's EXL3
+# launches are latency-bound (their split schedule is the one to tune: --target-programs)
+SMALL_SHAPES = {
+    "wq_a": (5120, 1280),
+    "wkv": (5120, 512),
+    "wo_a_group": (4096, 1024),
+}
 SMOKE_SHAPES = {"smoke": (128, 128)}
 KS = (2.0, 2.5, 3.0, 4.0)
 ROWS = (1, 2, 6, 512, 2048)
@@ -56,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes; on CPU under TRITON_INTERPRET=1 (harness check)")
     p.add_argument("--shapes", default=None,
-                   help=f"comma-separated names of {', '.join(SHAPES)} (default: all)")
+                   help=f"comma-separated names of {', '.join(SHAPES)} (default: all of "
+                        f"these) or {', '.join(SMALL_SHAPES)}")
     p.add_argument("--ks", default=None, help="bits per weight, e.g. 2,2.5,3,4 (default)")
     p.add_argument("--codebook", default="mul1", choices=["mul1", "mcg", "3inst"],
                    help="codebook for integer K (half-integer K is always mul1)")
@@ -250,13 +258,14 @@ def _cases(args, smoke: bool):
     """(name, k, n, K, codebook, seed) for every weight of the run, in order."""
     shapes = SMOKE_SHAPES if smoke else SHAPES
     if args.shapes:
+        named = SMOKE_SHAPES if smoke else {**SHAPES, **SMALL_SHAPES}
         names = [s.strip() for s in args.shapes.split(",") if s.strip()]
-        unknown = [s for s in names if s not in shapes]
+        unknown = [s for s in names if s not in named]
         if unknown:
             from strata.errors import StrataError
             raise StrataError(f"--shapes {','.join(unknown)}: not a shape of this run "
-                              f"({', '.join(shapes)}{'; --smoke has its own' if smoke else ''})")
-        shapes = {s: shapes[s] for s in names}
+                              f"({', '.join(named)}{'; --smoke has its own' if smoke else ''})")
+        shapes = {s: named[s] for s in names}
     out, seed = [], 0
     for name, (k, n) in shapes.items():
         for K in _csv(args.ks, float, (2.5,) if smoke else KS):
