@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernel is first launched
@@ -62,3 +63,26 @@ def test_sorted_picks_are_the_indexers_torch_ops():
         if m == scores.shape[1]:  # every entry picked: the indexer passes one broadcast row
             every = torch.arange(m).expand(4, m)
             assert torch.equal(sorted_picks(every, scores, k), want), k
+
+
+@pytest.mark.parametrize("n", [1, 5, 64, 65, 300])
+def test_argmax_rows_gives_torchs_ids(monkeypatch, n):
+    """Greedy sampling's argmax (strata.kernels.ranking.argmax_rows, blocks of 64 here so
+    rows span several): torch.argmax's ids on random rows, a row of values below −1e30, a
+    row of −inf, rounded rows full of ties (the lowest index), −0 and +0 (equal), NaNs (the
+    first NaN, as torch), and each row alone as in the batch."""
+    from strata.kernels import ranking
+    monkeypatch.setattr(ranking, "ARGMAX_BLOCK", 64)
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(7, n, generator=g)
+    x[1] = -1e30 - torch.rand(n, generator=g) * 1e30
+    x[2] = float("-inf")
+    x[3] = x[3].round()
+    x[4, : n // 2] = -0.0
+    x[4, n // 2:] = 0.0
+    if n > 3:
+        x[5, 3] = x[5, 1] = float("nan")
+    x[6] = -x[6].abs().round()
+    got = ranking.argmax_rows(x)
+    assert torch.equal(got, x.argmax(-1))
+    assert all(torch.equal(ranking.argmax_rows(x[i:i + 1])[0], got[i]) for i in range(7))

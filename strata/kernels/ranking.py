@@ -1,5 +1,6 @@
-"""ranked_topk's keys in one launch on CUDA (strata.model.numerics.ranked_topk), and the
-indexer's picks put in order in one launch (strata.model.indexer.topk_lowest_index).
+"""ranked_topk's keys in one launch on CUDA (strata.model.numerics.ranked_topk), the
+indexer's picks put in order in one launch (strata.model.indexer.topk_lowest_index), and
+greedy sampling's argmax (argmax_rows: the same keys, largest first).
 
 A stable descending top-k is a top-k over distinct int64 keys: the score's float bits mapped to
 an integer of the same order (−0 made +0 first), above the reversed index. In torch that is
@@ -17,6 +18,8 @@ except ImportError:  # CPU-only installs: the torch definition is used
     triton = None
 
 BLOCK = 1024
+# argmax_rows: values per program of its first pass (a 129,280-wide row: 64 programs)
+ARGMAX_BLOCK = 2048
 # sorted_picks sorts a row of up to this many picks in registers (the indexer's 512); wider
 # selections keep the torch ops
 MAX_PICKS = 4096
@@ -27,6 +30,9 @@ def available(t: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    from strata.kernels import pdl
+    from strata.kernels.pdl import wait_then_release
+
     @triton.jit
     def _rank_keys_kernel(s_ptr, o_ptr, n, s_row, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -37,6 +43,36 @@ if triton is not None:
         ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
         key = (ordered << 32) + (n - 1 - cols).to(tl.int64)
         tl.store(o_ptr + row * n + cols, key, mask=live)
+
+    @triton.jit
+    def _ordered(s):
+        """A float's bits as an int64 of the same order (−0 as +0); NaN above everything, as
+        torch's argmax takes a NaN for the largest."""
+        bits = tl.where(s == 0.0, 0, s.to(tl.int32, bitcast=True))
+        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        return tl.where(s != s, 0x7FFFFFFF, ordered).to(tl.int64)
+
+    @triton.jit
+    def _argmax_part_kernel(s_ptr, part_ptr, n, s_row, parts, BLOCK: tl.constexpr,
+                            PDL: tl.constexpr):
+        # A block of one row: its largest key (value, then the lower index).
+        wait_then_release(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        live = cols < n
+        # (a lane past the row: −inf at a negative reversed index, below every live key)
+        s = tl.load(s_ptr + row * s_row + cols, mask=live, other=float("-inf")).to(tl.float32)
+        key = (_ordered(s) << 32) + (n - 1 - cols).to(tl.int64)
+        tl.store(part_ptr + row * parts + tl.program_id(1), tl.max(key, axis=0))
+
+    @triton.jit
+    def _argmax_kernel(part_ptr, o_ptr, n, parts, P: tl.constexpr, PDL: tl.constexpr):
+        wait_then_release(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        i = tl.arange(0, P)
+        key = tl.max(tl.load(part_ptr + row * parts + i, mask=i < parts,
+                             other=-9223372036854775807), axis=0)  # (int64's least + 1)
+        tl.store(o_ptr + row, n - 1 - (key & 0xFFFFFFFF))
 
     @triton.jit
     def _sorted_picks_kernel(idx_ptr, s_ptr, o_ptr, n, m, k, s_idx, s_row, s_out,
@@ -81,3 +117,25 @@ def rank_keys(scores: torch.Tensor) -> torch.Tensor:
         _rank_keys_kernel[(rows.shape[0], triton.cdiv(n, BLOCK))](
             rows, out, n, rows.stride(0), BLOCK=BLOCK, num_warps=4)
     return out.view(scores.shape)
+
+
+def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(scores, -1) for scores [R, n] (float; rows may be strided) → [R] int64:
+    the first index of the largest value (−0 equal to +0; a NaN counts as the largest, as in
+    torch), each row's blocks' largest keys then their largest — two small launches where
+    torch's reduction of a 129,280-wide row of logits took ~27 µs (one row, one block)."""
+    R, n = scores.shape
+    if scores.stride(-1) != 1:
+        scores = scores.contiguous()
+    out = torch.empty(R, dtype=torch.int64, device=scores.device)
+    if R == 0:
+        return out
+    if n == 0:
+        raise ValueError("argmax_rows: rows of no values")
+    parts = triton.cdiv(n, ARGMAX_BLOCK)
+    part = torch.empty((R, parts), dtype=torch.int64, device=scores.device)
+    _argmax_part_kernel[(R, parts)](scores, part, n, scores.stride(0), parts,
+                                    BLOCK=ARGMAX_BLOCK, num_warps=4, **pdl.args(scores.device))
+    _argmax_kernel[(R,)](part, out, n, parts, P=triton.next_power_of_2(parts), num_warps=4,
+                         **pdl.args(scores.device))
+    return out

@@ -14,6 +14,7 @@ import torch
 
 from strata.current_device import made_current
 from strata.errors import StrataError
+from strata.kernels import ranking
 from strata.trace import scope
 
 _M32 = 0xFFFFFFFF
@@ -85,6 +86,8 @@ def _sample(logits: torch.Tensor, positions: torch.Tensor, params: SamplingParam
             seed: int | torch.Tensor) -> torch.Tensor:
     logits = logits.float()
     if params.greedy:
+        if ranking.available(logits) and logits.dim() == 2:  # (two launches, torch's ids)
+            return ranking.argmax_rows(logits)
         return logits.argmax(dim=-1)
     z = logits.double() / params.temperature
     if params.top_p < 1.0:

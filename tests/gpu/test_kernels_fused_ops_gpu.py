@@ -1,8 +1,8 @@
 """The fused small-op kernels on CUDA (pytest -m gpu): mHC collapse, hc_update, RoPE, the qdq
-steps, the MoE's slot sum and the attention's row gather give the torch code's bits, routing
-and ranked_topk's keys its picks; mHC's coefficients, RMSNorm, the SwiGLU, the sink softmax,
-the Engram gate and the indexer's scores stay within fp32 rounding of it, and their rows do not depend on the
-other rows of the call. V4.1 shapes (H = 4, D = 5120)."""
+steps, the MoE's slot sum and the attention's row gather give the torch code's bits, routing,
+ranked_topk's keys and greedy argmax its picks; mHC's coefficients, RMSNorm, the SwiGLU, the
+sink softmax, the Engram gate and the indexer's scores stay within fp32 rounding of it, and
+their rows do not depend on the other rows of the call. V4.1 shapes (H = 4, D = 5120)."""
 from __future__ import annotations
 
 import pytest
@@ -335,6 +335,23 @@ def test_ranked_topk_keys_in_one_launch_pick_as_the_torch_code(cuda, monkeypatch
         assert torch.equal(got.sort(-1).values, want.sort(-1).values)
         if sorted_:
             assert torch.equal(got, want)
+
+
+def test_greedy_argmax_in_two_launches_gives_torchs_ids(cuda):
+    """argmax_rows at the vocabulary's width (129,280 logits a row): torch.argmax's ids for a
+    decode row and a 6-row window — random logits, a row rounded into ties (the lowest id),
+    one with NaNs (the first), one all −inf — and a row alone as in the window."""
+    from strata.kernels.ranking import argmax_rows
+    g = torch.Generator(device=cuda).manual_seed(12)
+    x = torch.randn(6, 129280, device=cuda, generator=g) * 4
+    x[1] = x[1].round()
+    x[2, 77_000] = x[2, 5] = float("nan")
+    x[3] = float("-inf")
+    x[4, :] = x[4].max()  # every id ties
+    got = argmax_rows(x)
+    assert torch.equal(got, x.argmax(-1))
+    assert torch.equal(argmax_rows(x[:1]), x[:1].argmax(-1))
+    assert torch.equal(argmax_rows(x[5:6])[0], got[5])
 
 
 def test_the_indexers_picks_in_one_launch_equal_the_torch_code(cuda, monkeypatch):
