@@ -34,23 +34,19 @@ if triton is not None:
     from strata.kernels.pdl import wait_then_release
 
     @triton.jit
+    def _ordered(s):
+        """An fp32's bits as an int64 of the same order (−0 ranks as +0)."""
+        bits = tl.where(s == 0.0, 0, s.to(tl.int32, bitcast=True))
+        return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+
+    @triton.jit
     def _rank_keys_kernel(s_ptr, o_ptr, n, s_row, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         live = cols < n
         s = tl.load(s_ptr + row * s_row + cols, mask=live, other=0.0).to(tl.float32)
-        bits = tl.where(s == 0.0, 0, s.to(tl.int32, bitcast=True))  # (−0 ranks as +0)
-        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-        key = (ordered << 32) + (n - 1 - cols).to(tl.int64)
+        key = (_ordered(s) << 32) + (n - 1 - cols).to(tl.int64)
         tl.store(o_ptr + row * n + cols, key, mask=live)
-
-    @triton.jit
-    def _ordered(s):
-        """A float's bits as an int64 of the same order (−0 as +0); NaN above everything, as
-        torch's argmax takes a NaN for the largest."""
-        bits = tl.where(s == 0.0, 0, s.to(tl.int32, bitcast=True))
-        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-        return tl.where(s != s, 0x7FFFFFFF, ordered).to(tl.int64)
 
     @triton.jit
     def _argmax_part_kernel(s_ptr, part_ptr, n, s_row, parts, BLOCK: tl.constexpr,
@@ -62,7 +58,8 @@ if triton is not None:
         live = cols < n
         # (a lane past the row: −inf at a negative reversed index, below every live key)
         s = tl.load(s_ptr + row * s_row + cols, mask=live, other=float("-inf")).to(tl.float32)
-        key = (_ordered(s) << 32) + (n - 1 - cols).to(tl.int64)
+        ordered = tl.where(s != s, 0x7FFFFFFF, _ordered(s))  # (a NaN is the largest, as torch)
+        key = (ordered << 32) + (n - 1 - cols).to(tl.int64)
         tl.store(part_ptr + row * parts + tl.program_id(1), tl.max(key, axis=0))
 
     @triton.jit
