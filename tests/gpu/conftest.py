@@ -1,4 +1,5 @@
-"""What the GPU suite's files share: the CUDA device fixture and the optional results log."""
+"""What the GPU suite's files share: the CUDA device fixture, the tiny model's EXL3 fixture and
+the optional results log."""
 from __future__ import annotations
 
 import json
