@@ -1,0 +1,81 @@
+"""Where a graphed plain step's wall time goes on the host, without a profiler (whose hooks
+slow every launch): the synthetic V4.1 as scripts/probe_session.py, STEPS plain steps, each
+timed with perf_counter around the whole step, its pieces (the forward's host time,
+StaticStep.prepare — inputs hashed and uploaded —, each graph part's replay(): its launch,
+sampling with the token's read, Engram prefetch), and with
+CUDA events from just before the first part's launch to just after the last's (the GPU's
+span, including any wait for a launch). Prints the medians (µs) and the GPU idle the step's
+host work leaves: wall − GPU span.
+With PROFILE=1, then cProfile's table of STEPS more steps (the host's time by function).
+One-off diagnostic (GPU): source scripts/device_env.sh && python scripts/probe_host.py [STEPS]"""
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+from probe_session import probe_session
+from strata.runtime import graphs
+from strata.runtime.session import Session
+from strata.runtime.static_step import StaticStep
+
+steps = int(sys.argv[1]) if len(sys.argv) > 1 else 40
+s, one_step = probe_session("plain+graphs", 2 * steps)
+rec: dict[str, list[float]] = {}
+
+
+def timed(name, fn):
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            rec.setdefault(name, []).append((time.perf_counter() - t) * 1e6)
+    return wrapper
+
+
+StaticStep.prepare = timed("prepare", StaticStep.prepare)
+Session._pick = timed("sample + read", Session._pick)
+graphs.GraphedForward.forward = timed("forward (host)", graphs.GraphedForward.forward)
+type(s.model).prefetch_engram = timed("prefetch_engram", type(s.model).prefetch_engram)
+events = []
+
+
+def chain_replay(self):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i, g in enumerate(self.graphs):
+        t = time.perf_counter()
+        g.replay()
+        rec.setdefault(f"launch part {i}", []).append((time.perf_counter() - t) * 1e6)
+    end.record()
+    events.append((start, end))
+
+
+graphs.Chain.replay = chain_replay
+walls = []
+for _ in range(steps):
+    t = time.perf_counter()
+    one_step()
+    walls.append((time.perf_counter() - t) * 1e6)
+torch.cuda.synchronize()
+spans = [a.elapsed_time(b) * 1e3 for a, b in events]
+med = statistics.median
+print(f"steps {steps}: wall {med(walls):.1f} µs, GPU span (first launch → last kernel) "
+      f"{med(spans):.1f} µs, GPU idle per step {med(walls) - med(spans):.1f} µs")
+for name, v in rec.items():
+    print(f"  {name:16s} {med(v):8.1f} µs host (n={len(v)})")
+if os.environ.get("PROFILE"):  # the host's own time by function, over more steps
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        one_step()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+launch = sum(med(v) for k, v in rec.items() if k.startswith("launch"))
+print(f"  all launches     {launch:8.1f} µs host; host outside prepare and launches "
+      f"{med(walls) - launch - med(rec['prepare']):.1f} µs (incl. waiting for the GPU)")
