@@ -1,6 +1,7 @@
-"""The Engram gate and its update of the stream in one launch (strata.kernels.engram) against
-the torch steps (strata.model.engram.gate_update on CPU), under TRITON_INTERPRET=1
-(tests/gpu/test_kernels_fused_ops_gpu.py runs it compiled against torch's CUDA ops)."""
+"""The Engram kernels (strata.kernels.engram) under TRITON_INTERPRET=1: the gate and its update
+of the stream against the torch steps (strata.model.engram.gate_update on CPU), and the n-gram
+row ids against the host hash (NgramHasher.ids), alone and inside a forward
+(tests/gpu/test_kernels_fused_ops_gpu.py runs them compiled)."""
 from __future__ import annotations
 
 import os
@@ -10,8 +11,11 @@ import torch
 
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernel is first launched
 
+from strata.bench.synthetic import synthetic_hasher  # noqa: E402
+from strata.config import v41_flash_config  # noqa: E402
 from strata.kernels import engram as kernels  # noqa: E402
 from strata.model.engram import gate_update as torch_gate  # noqa: E402
+from strata.model.model import Model  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -39,3 +43,58 @@ def test_mismatched_shapes_are_refused():
     with pytest.raises(ValueError, match="engram gate"):
         kernels.gate_update(torch.zeros(2, 4, 8), torch.zeros(4, 8), torch.zeros(2, 4, 8),
                             torch.zeros(2, 7), 1e-6)
+
+
+def _padded(history: list[int], span: int) -> torch.Tensor:
+    return torch.tensor([-1] * (span - len(history)) + history, dtype=torch.long)
+
+
+@pytest.mark.parametrize("T, history", [(1, [17, 99_000, 5]), (3, [4]), (2, []),
+                                        (5, [8, -1, 12]), (150, [1, 2, 3])])
+def test_device_ngram_ids_are_the_host_hash(T, history):
+    """V4.1's hashing constants (both Engram layers; a stand-in token map): one decode token
+    after a full history, the sequence's first tokens (short or no history: the pad class
+    from the start backwards), a dead id (negative) in the history and one among the tokens
+    (the n-grams reaching it or past it take the pad class), and more tokens than a program's
+    block."""
+    cfg = v41_flash_config()
+    hasher = synthetic_hasher(cfg)
+    g = torch.Generator().manual_seed(T)
+    tokens = torch.randint(0, cfg.vocab_size, (T,), generator=g)
+    if T == 5:
+        tokens[2] = -1
+    want = hasher.ids(tokens, torch.tensor(history, dtype=torch.long))
+    got = hasher.device_ids(_padded(history, cfg.engram_max_ngram_size - 1), tokens)
+    assert set(got) == set(want) == set(cfg.engram_layer_ids)
+    for layer in want:
+        assert got[layer].dtype == torch.int64 and torch.equal(got[layer], want[layer]), layer
+
+
+def test_a_forward_hashing_on_the_device_gives_the_host_hashs_logits(tiny_dir, monkeypatch):
+    """The tiny model with every layer role, once hashing its Engram ids on the host and once
+    inside the forward (Model.hashes_on_device, forced: on a GPU it is the default; the kernel
+    runs under the interpreter here): a prompt from position 0 (no history) and two decode
+    steps give the same logits bit for bit."""
+    model = Model.load(tiny_dir, "cpu")
+    assert model.cfg.engram_layer_ids
+    tokens = torch.tensor([5, 17, 3, 200, 41, 9, 77, 150, 2, 64])
+
+    def run():
+        state = model.new_state(32)
+        out = [model.forward(tokens[:8], state, logits="all")[0]]
+        for t in tokens[8:]:
+            out.append(model.forward(t.view(1), state, logits="last")[0])
+        return out
+    host = run()
+    monkeypatch.setattr(Model, "hashes_on_device", property(lambda self: True))
+    device = run()
+    for a, b in zip(host, device):
+        assert torch.equal(a, b)
+
+
+def test_mismatched_hash_tables_are_refused():
+    with pytest.raises(ValueError, match="ngram ids"):
+        kernels.ngram_ids(torch.full((3,), -1), torch.zeros(2, dtype=torch.long),
+                          torch.zeros(10, dtype=torch.long), torch.ones(2, 4, dtype=torch.long),
+                          torch.ones(2, 3, 8, dtype=torch.long),
+                          torch.zeros(2, 2, 8, dtype=torch.long), 0)

@@ -67,7 +67,7 @@ class Block:
         cfg, nx = self.cfg, ctx.numerics
         if self.engram is not None:
             with scope("engram"):
-                h = self.engram.forward(h, ctx.engram_ids[self.layer], nx,
+                h = self.engram.forward(h, ctx.engram_ids_of(self.layer), nx,
                                         ctx.engram_records.get(self.layer))
         if self.layer in cfg.dspark_target_layer_ids:
             ctx.main_hidden[self.layer] = h.float().mean(1)

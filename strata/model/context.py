@@ -29,6 +29,12 @@ class ForwardContext:
     engram_ids: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [T, n_ids]
     # layer -> a disk table's raw records of engram_ids, read before the forward (graphs only)
     engram_records: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Engram ids hashed on the device inside the forward (Model.new_context, tables in device
+    # memory): the max_ngram − 1 ids before the tokens (a view of `inputs`, −1 before the
+    # sequence's start) and the hasher (NgramHasher.device_ids); engram_ids_of hashes once
+    engram_history: torch.Tensor | None = None
+    engram_hasher: object | None = None
+    _engram_hashed: dict[int, torch.Tensor] = field(default_factory=dict)
     # index-source layer -> [T, topk] selected compressed entries (ascending, -1 = empty)
     sel: dict[int, torch.Tensor] = field(default_factory=dict)
     candidates: torch.Tensor | None = None   # [T, n_entries] bool, from the candidate source
@@ -50,11 +56,23 @@ class ForwardContext:
         (runtime/static_step)."""
         self._rope.clear()
         self._window.clear()
+        self._engram_hashed.clear()
         self.sel.clear()
         self.candidates = None
         self.published_keys.clear()
         self.main_hidden.clear()
         self.relay.clear()
+
+    def engram_ids_of(self, layer: int) -> torch.Tensor:
+        """An Engram layer's row ids [T, n_ids]: uploaded with the inputs (hashed on the host),
+        or hashed on the device — every layer's at the first ask, in one launch (derived:
+        a graphed region hashes inside it)."""
+        if self.engram_hasher is None:
+            return self.engram_ids[layer]
+        if not self._engram_hashed:
+            self._engram_hashed.update(
+                self.engram_hasher.device_ids(self.engram_history, self.device_tokens))
+        return self._engram_hashed[layer]
 
     def inv_freq(self, ratio: int) -> torch.Tensor:
         return rope_inv_freq(self.cfg, ratio, self.positions.device)

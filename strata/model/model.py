@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from strata.checkpoint.loader import TensorLoader
@@ -19,6 +20,7 @@ from strata.config import ModelConfig
 from strata.current_device import made_current, upload
 from strata.engram_store import EngramDiskWeights
 from strata.errors import ConfigError
+from strata.kernels import engram as engram_kernels
 from strata.model.block import Block
 from strata.model.context import ForwardContext
 from strata.model.dspark import DSparkHead
@@ -247,10 +249,12 @@ class Model:
         # Checked where the ids are (the host, for every caller here): a check on the device
         # would wait for all the work queued before it. They stay there (the state's token
         # history and the Engram hash are host work); the forward moves them to the device.
-        if int(tokens.min()) < 0 or int(tokens.max()) >= cfg.vocab_size:
+        tokens = tokens.cpu().long()
+        ids = tokens.numpy()  # (numpy: a decode step's host time is its GPU's idle time)
+        if ids.min() < 0 or ids.max() >= cfg.vocab_size:
             raise ValueError(f"token ids must be in 0..{cfg.vocab_size - 1}")
         state.check_room(T)
-        return tokens.cpu().long()
+        return tokens
 
     def _forward(self, tokens: torch.Tensor, state: State, logits: str, nx: Numerics,
                  decoder: bool = True, route=None) -> tuple[torch.Tensor | None, ForwardContext]:
@@ -283,31 +287,47 @@ class Model:
     def new_context(self, tokens: torch.Tensor, state: State, nx: Numerics,
                     inputs: torch.Tensor | None = None) -> ForwardContext:
         """A fresh context for tokens [T] (int64, on the host) at state.position: the token
-        ids, positions and Engram row ids made on the host and uploaded in one copy
-        (ForwardContext.inputs; into `inputs` if given — a graphed step's fixed buffer) —
-        each small upload or device op costs a decode step's idle GPU a launch."""
+        ids, positions and the Engram row ids — or, hashing on the device, the ids before
+        the tokens — made on the host and uploaded in one copy (ForwardContext.inputs; into
+        `inputs` if given — a graphed step's fixed buffer) — each small upload or device op
+        costs a decode step's idle GPU a launch."""
         T = tokens.numel()
         start = state.position
-        parts = [tokens, torch.arange(start, start + T)]
-        ids = {}
-        if self.hasher is not None:
-            # Hashed on the host, where the tokens and their history are: on the device the
-            # hash is ~40 tiny launches a forward that a decode step's GPU sits idle through.
+        # (assembled in numpy: a decode step's ~15 small torch ops on the host cost ~250 µs
+        # that its GPU sat idle through, scripts/probe_host.py)
+        parts = [tokens.numpy(), np.arange(start, start + T)]
+        ids, on_device = {}, self.hasher is not None and self.hashes_on_device
+        if on_device:  # the ids before the tokens, −1 before the start: hashed in the forward
+            history = self._history(state).numpy()
+            parts += [np.full(self.cfg.engram_max_ngram_size - 1 - history.size, -1), history]
+        elif self.hasher is not None:
+            # Hashed on the host, where the tokens and their history are (disk tables: their
+            # reads start here; CPU models).
             ids = self.hasher.ids(tokens, self._history(state))
             # Disk tables: start every Engram layer's reads now, so a later layer's rows
             # arrive while the layers before it compute (a no-op for rows already cached or
             # in flight from an earlier prefetch_engram).
             for layer, store in self.engram_stores.items():
                 store.prefetch(ids[layer])
-            parts += [v.reshape(-1) for v in ids.values()]
-        inputs = upload(torch.cat(parts), self.device, inputs)
+            parts += [v.reshape(-1).numpy() for v in ids.values()]
+        inputs = upload(torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False)),
+                        self.device, inputs)
         ctx = ForwardContext(self.cfg, nx, start, inputs[T:2 * T], tokens, inputs=inputs,
                              device_tokens=inputs[:T])
         at = 2 * T
+        if on_device:
+            ctx.engram_history, ctx.engram_hasher = inputs[at:], self.hasher
         for layer, v in ids.items():
             ctx.engram_ids[layer] = inputs[at:at + v.numel()].view(v.shape)
             at += v.numel()
         return ctx
+
+    @property
+    def hashes_on_device(self) -> bool:
+        """Engram ids hashed inside the forward on the GPU (strata.kernels.engram.ngram_ids):
+        tables in device memory, a CUDA device. On the host the hash took a graphed decode
+        step ~150–200 µs (of ~650 µs the GPU idles between steps, scripts/probe_host.py)."""
+        return not self.engram_stores and engram_kernels.available_on(self.device)
 
     def _history(self, state: State) -> torch.Tensor:
         """The committed tokens an n-gram at state.position reaches back to (host)."""

@@ -266,6 +266,24 @@ class NgramHasher:
         self._np = (token_map_t.numpy(), {
             layer: (self.multipliers[layer].numpy(), self.primes[layer].numpy(),
                     self.offsets[layer].numpy()) for layer in config.layer_ids})
+        self._device_tables: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+    def device_ids(self, history: torch.Tensor, tokens: torch.Tensor) -> dict[int, torch.Tensor]:
+        """ids() on tokens' device (CUDA: strata.kernels.engram.ngram_ids, one launch): tokens
+        [T] int64 there, history [max_ngram − 1] int64 there — the ids right before
+        tokens[0], −1 where the sequence had not started (or the id is dead). Views of one
+        [layers, T, width] tensor."""
+        from strata.kernels.engram import ngram_ids
+        tables = self._device_tables.get(tokens.device)
+        if tables is None:  # (uploaded once per device, outside any graph capture's first use)
+            layers = self.config.layer_ids
+            tables = tuple(t.to(tokens.device) for t in (
+                self.token_map, torch.stack([self.multipliers[i] for i in layers]),
+                torch.stack([self.primes[i] for i in layers]),
+                torch.stack([self.offsets[i] for i in layers])))
+            self._device_tables[tokens.device] = tables
+        ids = ngram_ids(history, tokens, *tables, self.pad_class)
+        return dict(zip(self.config.layer_ids, ids.unbind(0)))
 
     @property
     def width(self) -> int:

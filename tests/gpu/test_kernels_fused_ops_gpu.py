@@ -2,7 +2,8 @@
 steps, the MoE's slot sum and the attention's row gather give the torch code's bits, routing,
 ranked_topk's keys and greedy argmax its picks; mHC's coefficients, RMSNorm, the SwiGLU, the
 sink softmax, the Engram gate and the indexer's scores stay within fp32 rounding of it, and
-their rows do not depend on the other rows of the call. V4.1 shapes (H = 4, D = 5120)."""
+their rows do not depend on the other rows of the call; the Engram row ids hashed on the
+device are the host's. V4.1 shapes (H = 4, D = 5120)."""
 from __future__ import annotations
 
 import pytest
@@ -242,6 +243,45 @@ def test_engram_gate_in_one_launch_near_the_torch_code(cuda, monkeypatch):
     assert (got != want).float().mean() < 1e-3
     one = gate_update(h[2:3], w, key[2:3], value[2:3], 1e-20)
     assert torch.equal(one[0], got[2])
+
+
+@pytest.mark.parametrize("T, history", [(1, [17, 99_000, 5]), (6, [4]), (4096, []),
+                                        (3, [8, -1, 12])])
+def test_engram_ids_hashed_on_the_device_are_the_host_hash(cuda, T, history):
+    """strata.kernels.engram.ngram_ids compiled, V4.1's hashing constants: a decode token, a
+    verify window at the sequence's start, a prefill chunk, a dead id in the history."""
+    from strata.bench.synthetic import synthetic_hasher
+    from strata.config import v41_flash_config
+    cfg = v41_flash_config()
+    hasher = synthetic_hasher(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(T))
+    span = cfg.engram_max_ngram_size - 1
+    padded = torch.tensor([-1] * (span - len(history)) + history)
+    got = hasher.device_ids(padded.to(cuda), tokens.to(cuda))
+    want = hasher.ids(tokens, torch.tensor(history, dtype=torch.long))
+    for layer in cfg.engram_layer_ids:
+        assert torch.equal(got[layer].cpu(), want[layer]), layer
+
+
+def test_a_forward_hashing_engram_ids_on_the_device_gives_the_host_hashs_logits(
+        cuda, tiny_dir, monkeypatch):
+    """The tiny model on the GPU (bf16): a prompt from position 0 and two decode steps, with
+    the Engram ids hashed inside the forward (the default there) and on the host."""
+    from strata.model.model import Model
+    from strata.model.numerics import Numerics
+    model = Model.load(tiny_dir, cuda, Numerics.for_device(cuda))
+    assert model.hashes_on_device
+    tokens = torch.tensor([5, 17, 3, 200, 41, 9, 77, 150, 2, 64])
+
+    def run():
+        state = model.new_state(32)
+        out = [model.forward(tokens[:8], state, logits="all")[0]]
+        out += [model.forward(t.view(1), state, logits="last")[0] for t in tokens[8:]]
+        return out
+    device = run()
+    monkeypatch.setattr(Model, "hashes_on_device", property(lambda self: False))
+    for a, b in zip(device, run()):
+        assert torch.equal(a, b)
 
 
 def test_attention_sink_softmax_near_the_torch_code(cuda, monkeypatch):
