@@ -130,14 +130,15 @@ class Session:
         while True:
             # The next forward consumes tok: its Engram rows start reading from disk while
             # the caller handles the token (detokenize, stream).
-            self.model.prefetch_engram(torch.tensor([tok]), self.state)
+            step = torch.tensor([tok])
+            self.model.prefetch_engram(step, self.state)
             yield tok
             emitted += 1
             if tok in stop_ids or emitted >= max_tokens or (should_stop and should_stop()):
                 return
             if mode == "plain":
                 start = self.state.position
-                logits, ctx = self.forward(torch.tensor([tok]), "last")
+                logits, ctx = self.forward(step, "last")
                 if self.speculative is not None:  # keep the draft windows complete
                     self.commit_context(ctx, 1, start)
                 tok = self._pick(logits, params, scripted, emitted)
