@@ -9,9 +9,10 @@ from pageable memory, which also waits for the stream. This probe counts the ATe
 back (or size their output from data) or lift host data into a tensor while one forward runs
 — on CPU, where the same Python code runs — and requires none. (Validating the caller's token
 ids happens on the host before they move, in Model.check_forward, outside the probe; the
-Engram hash is host work by design — numpy, its ids wrapped as tensors there and uploaded
-through pinned memory by Model.new_context, which waits for nothing — so its frames are
-not counted.)"""
+forward's inputs — token ids, positions, the Engram hash's ids or input — are host work by
+design: numpy, wrapped as one tensor by Model.new_context and uploaded through pinned memory,
+which waits for nothing — so the host hash's frames and new_context's wrapping are not
+counted.)"""
 from __future__ import annotations
 
 import collections
@@ -41,7 +42,8 @@ class HostReads(TorchDispatchMode):
         if name in READS_BACK or (name == "repeat_interleave" and
                                   any(isinstance(a, torch.Tensor) for a in args[1:])):
             where = [f for f in traceback.extract_stack() if "/strata/" in f.filename][-1:]
-            if where and where[0].filename.endswith("model/ngram_hash.py"):
+            if where and (where[0].filename.endswith("model/ngram_hash.py") or (
+                    where[0].name == "new_context" and name.startswith("lift_fresh"))):
                 return func(*args, **(kwargs or {}))
             self.seen[(name, *(f"{f.filename.split('strata/')[-1]}:{f.lineno}"
                                for f in where))] += 1

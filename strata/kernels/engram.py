@@ -89,8 +89,6 @@ if triton is not None:
             tl.store(out_ptr + t * so_row + i * so_copy + k,
                      _round_out(y, out_ptr.dtype.element_ty), mask=m)
 
-
-if triton is not None:
     @triton.jit
     def _ngram_ids_kernel(hist_ptr, tok_ptr, map_ptr, mult_ptr, primes_ptr, offsets_ptr,
                           out_ptr, T, S, pad_class, N: tl.constexpr, H: tl.constexpr,

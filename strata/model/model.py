@@ -248,7 +248,7 @@ class Model:
             raise ValueError("forward needs at least one token")
         # Checked where the ids are (the host, for every caller here): a check on the device
         # would wait for all the work queued before it. They stay there (the state's token
-        # history and the Engram hash are host work); the forward moves them to the device.
+        # history is host work); the forward moves them to the device.
         tokens = tokens.cpu().long()
         ids = tokens.numpy()  # (numpy: a decode step's host time is its GPU's idle time)
         if ids.min() < 0 or ids.max() >= cfg.vocab_size:
