@@ -5,10 +5,11 @@ StaticStep.prepare — inputs hashed and uploaded —, each graph part's replay(
 sampling with the token's read, Engram prefetch), and with
 CUDA events from just before the first part's launch to just after the last's (the GPU's
 span, including any wait for a launch). Prints the medians (µs) and the GPU idle the step's
-host work leaves: wall − GPU span.
+host work leaves: wall − GPU span, and a hash of the session's tokens (variants must agree).
 With PROFILE=1, then cProfile's table of STEPS more steps (the host's time by function).
 One-off diagnostic (GPU): source scripts/device_env.sh && python scripts/probe_host.py [STEPS]"""
 import cProfile
+import hashlib
 import os
 import pstats
 import statistics
@@ -64,8 +65,10 @@ for _ in range(steps):
 torch.cuda.synchronize()
 spans = [a.elapsed_time(b) * 1e3 for a, b in events]
 med = statistics.median
+tokens = s.state.tokens[:s.state.position].numpy().tobytes()
 print(f"steps {steps}: wall {med(walls):.1f} µs, GPU span (first launch → last kernel) "
-      f"{med(spans):.1f} µs, GPU idle per step {med(walls) - med(spans):.1f} µs")
+      f"{med(spans):.1f} µs, GPU idle per step {med(walls) - med(spans):.1f} µs; tokens' "
+      f"sha256 {hashlib.sha256(tokens).hexdigest()[:12]}")
 for name, v in rec.items():
     print(f"  {name:16s} {med(v):8.1f} µs host (n={len(v)})")
 if os.environ.get("PROFILE"):  # the host's own time by function, over more steps
