@@ -286,36 +286,18 @@ class Model:
 
     def new_context(self, tokens: torch.Tensor, state: State, nx: Numerics,
                     inputs: torch.Tensor | None = None) -> ForwardContext:
-        """A fresh context for tokens [T] (int64, on the host) at state.position: its inputs
-        (host_inputs) uploaded in one copy (ForwardContext.inputs; into `inputs` if given —
-        a graphed step's fixed buffer) — each small upload or device op costs a decode
-        step's idle GPU a launch."""
-        T = tokens.numel()
-        host, ids = self.host_inputs(tokens, state)
-        inputs = upload(torch.from_numpy(host), self.device, inputs)
-        ctx = ForwardContext(self.cfg, nx, state.position, inputs[T:2 * T], tokens,
-                             inputs=inputs, device_tokens=inputs[:T])
-        at = 2 * T
-        if self.hasher is not None and self.hashes_on_device:
-            ctx.engram_history, ctx.engram_hasher = inputs[at:], self.hasher
-        for layer, v in ids.items():
-            ctx.engram_ids[layer] = inputs[at:at + v.numel()].view(v.shape)
-            at += v.numel()
-        return ctx
-
-    def host_inputs(self, tokens: torch.Tensor, state: State
-                    ) -> tuple[np.ndarray, dict[int, torch.Tensor]]:
-        """A forward's int64 inputs as one host array — the token ids [T], their positions
-        [T], then each Engram layer's row ids hashed here (host_ids: {layer: [T, n_ids]}, also
-        returned) or, hashing on the device (`hashes_on_device`), the max_ngram − 1 ids
-        before the tokens (−1 before the sequence's start). Assembled in numpy: a decode
-        step's ~15 small torch ops on the host cost ~250 µs its GPU sat idle through
-        (scripts/probe_host.py)."""
+        """A fresh context for tokens [T] (int64, on the host) at state.position: the token
+        ids, positions and the Engram row ids — or, hashing on the device, the ids before
+        the tokens — made on the host and uploaded in one copy (ForwardContext.inputs; into
+        `inputs` if given — a graphed step's fixed buffer) — each small upload or device op
+        costs a decode step's idle GPU a launch."""
         T = tokens.numel()
         start = state.position
+        # (assembled in numpy: a decode step's ~15 small torch ops on the host cost ~250 µs
+        # that its GPU sat idle through, scripts/probe_host.py)
         parts = [tokens.numpy(), np.arange(start, start + T)]
-        ids = {}
-        if self.hasher is not None and self.hashes_on_device:
+        ids, on_device = {}, self.hasher is not None and self.hashes_on_device
+        if on_device:  # the ids before the tokens, −1 before the start: hashed in the forward
             history = self._history(state).numpy()
             parts += [np.full(self.cfg.engram_max_ngram_size - 1 - history.size, -1), history]
         elif self.hasher is not None:
@@ -328,7 +310,17 @@ class Model:
             for layer, store in self.engram_stores.items():
                 store.prefetch(ids[layer])
             parts += [v.reshape(-1).numpy() for v in ids.values()]
-        return np.concatenate(parts).astype(np.int64, copy=False), ids
+        inputs = upload(torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False)),
+                        self.device, inputs)
+        ctx = ForwardContext(self.cfg, nx, start, inputs[T:2 * T], tokens, inputs=inputs,
+                             device_tokens=inputs[:T])
+        at = 2 * T
+        if on_device:
+            ctx.engram_history, ctx.engram_hasher = inputs[at:], self.hasher
+        for layer, v in ids.items():
+            ctx.engram_ids[layer] = inputs[at:at + v.numel()].view(v.shape)
+            at += v.numel()
+        return ctx
 
     @property
     def hashes_on_device(self) -> bool:

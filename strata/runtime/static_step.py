@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from strata.current_device import upload
 from strata.model.context import ForwardContext
 from strata.runtime.state import State
 
@@ -37,30 +36,27 @@ class StaticStep:
         self._h = self._pre = None  # the stream between parts
 
     def prepare(self, tokens: torch.Tensor) -> ForwardContext:
-        """This step's inputs into the fixed buffers; returns the context (for `finish`): the
-        first call's, which stays the fixed one, its host fields (tokens, start) this step's."""
+        """This step's inputs into the fixed buffers; returns the step's own context (for
+        `finish`). The first call's context becomes the fixed one."""
         model, state = self.model, self.state
         tokens = model.check_forward(tokens, state, self.mode)
         if tokens.numel() != self.T:
             raise ValueError(f"this static step takes {self.T} tokens, got {tokens.numel()}")
-        if self.ctx is None:
-            ctx = self.ctx = model.new_context(tokens, state, model.numerics)
-            ids = ctx.engram_ids
-        else:
-            # Later steps: the inputs straight into the first step's buffer, and its context's
-            # host fields (bookkeeping only: no op reads them) — no new context a step.
-            host, ids = model.host_inputs(tokens, state)
-            upload(torch.from_numpy(host), model.device, self.ctx.inputs)
-            ctx = self.ctx
-            ctx.tokens, ctx.start = tokens, state.position
+        # (after the first step, uploaded straight into the first step's buffer)
+        ctx = model.new_context(tokens, state, model.numerics,
+                                None if self.ctx is None else self.ctx.inputs)
         # Disk tables: the step's records are read here, on the host (the store's cache and
         # reads cannot run inside a graph), into a fixed device buffer the region dequantises.
         for layer, store in model.engram_stores.items():
-            raw = torch.from_numpy(store.records(ids[layer]))
-            if layer not in ctx.engram_records:
+            raw = torch.from_numpy(store.records(ctx.engram_ids[layer]))
+            if self.ctx is None:
                 ctx.engram_records[layer] = raw.to(model.device)
             else:
-                ctx.engram_records[layer].copy_(raw)
+                self.ctx.engram_records[layer].copy_(raw)
+        if self.ctx is None:
+            self.ctx = ctx
+        else:
+            self.ctx.start = ctx.start  # (host bookkeeping only: no op reads it)
         return ctx
 
     def run(self) -> None:
