@@ -13,6 +13,7 @@ import torch
 from strata.model.model import Model
 from strata.model.numerics import Numerics
 from strata.runtime.graphs import CudaGraphs, EagerReplay, GraphedForward, no_cyclic_gc
+from strata.runtime.sampling import SamplingParams
 from strata.runtime.session import Session
 from strata.runtime.speculative import SpecConfig
 from util import continuation_drafts, random_tokens, windows_roll_back_alike
@@ -257,3 +258,54 @@ def test_the_collector_stays_off_until_the_capture_has_ended(monkeypatch):
     CudaGraphs().capture(lambda: seen.append(("run", gc.isenabled())), state=None)
     assert seen == [("begin", False), ("run", False), ("end", False)]
     assert gc.isenabled()
+
+
+def _first_new(tokens: list[int], at_least: int) -> int:
+    """The index (≥ at_least) of a token that does not occur before it."""
+    return next(i for i in range(at_least, len(tokens)) if tokens[i] not in tokens[:i])
+
+
+def test_the_plain_loop_runs_a_step_ahead_with_the_plain_loops_tokens_and_state(tiny_dir):
+    """Session.generate's graphed plain loop launches each step before it reads the token
+    the step consumes (Session._plain_ahead): greedy and a seeded sampler give the eager
+    loop's tokens; a stop token abandons the step already launched on it — the state stays
+    at the stop (not advanced) and its live tensors equal the eager loop's — and so does a
+    cancellation; a later turn on the same states continues alike; the last token of
+    max_tokens launches no step."""
+    model = Model.load(tiny_dir, "cpu", Numerics("vendor"))
+    prompt = random_tokens(40, seed=9)
+    sampler = SamplingParams(temperature=0.8, top_p=0.9, seed=4)
+    for params in (SamplingParams(), sampler):
+        want = Session(model, 160).run(prompt, 24, params, mode="plain").tokens
+        s = Session(model, 160)
+        g = _graphed(model, s)
+        assert s._runs_ahead("plain", None)
+        assert s.run(prompt, 24, params, mode="plain").tokens == want
+        assert g.captures + g.replays == 23  # no step for the 24th token
+    stop = _first_new(want, 5)
+    more = random_tokens(7, seed=10)
+    ref, s = Session(model, 160), Session(model, 160)
+    _graphed(model, s)
+    cut = [list(x.generate(prompt, 24, sampler, stop_ids=frozenset({want[stop]}),
+                           mode="plain")) for x in (ref, s)]
+    assert cut[0] == cut[1] == want[:stop + 1]
+    assert s.state.position == ref.state.position == len(prompt) + stop
+    live, ref_live = s.state.live_tensors(), ref.state.live_tensors()
+    assert all(torch.equal(live[k], ref_live[k]) for k in ref_live)
+    nxt = [x.run(more, 10, sampler, mode="plain").tokens for x in (ref, s)]
+    assert nxt[0] == nxt[1]
+    # a cancellation after 6 tokens, and the next turn
+    ref, s = Session(model, 160), Session(model, 160)
+    _graphed(model, s)
+    got = []
+    for x in (ref, s):
+        seen = []
+        gen = x.generate(prompt, 24, sampler, mode="plain",
+                         should_stop=lambda seen=seen: len(seen) >= 6)
+        for t in gen:
+            seen.append(t)
+        got.append(seen)
+    assert got[0] == got[1] == want[:6]
+    assert s.state.position == ref.state.position
+    nxt = [x.run(more, 10, sampler, mode="plain").tokens for x in (ref, s)]
+    assert nxt[0] == nxt[1]

@@ -344,6 +344,16 @@ class GraphedForward:
                                                             ForwardContext]:
         """The graph path (the caller checked `usable`; in a group, rank 0 did, and every
         rank runs it). Logits None where the route computes none (a group's other ranks)."""
+        c, ctx = self.launch(tokens, logits)
+        out = None if c.step.logits is None else c.step.logits.clone()
+        c.step.finish(ctx)
+        return out, c.step.ctx
+
+    def launch(self, tokens: torch.Tensor, logits: str) -> tuple[Captured, ForwardContext]:
+        """`run` up to the replay: the forward is queued (captured first where its key is
+        new), the state not yet advanced — `Captured.step.finish(ctx)` does that, and
+        `Captured.step.logits` holds the logits until the next replay. `tokens` on the host,
+        or on the device (StaticStep.prepare: a sample the host has not read)."""
         model, state = self.model, self.state
         T = tokens.numel()
         journaled = state.journal is not None
@@ -360,9 +370,7 @@ class GraphedForward:
                 if journaled:
                     state.journal.writes.extend(w.shifted(ctx.start - c.start)
                                                 for w in c.writes)
-            out = None if c.step.logits is None else c.step.logits.clone()
-            c.step.finish(ctx)
-        return out, c.step.ctx
+        return c, ctx
 
     def can_draft(self) -> bool:
         """Whether the draft can replay: not with the stages' experts in a host-managed cache

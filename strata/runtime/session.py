@@ -6,16 +6,24 @@ The token picked at position p is `sample(logits of row p-1, p, params)`.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from strata.current_device import upload
 from strata.errors import StrataError
 from strata.model.model import Model
+from strata.runtime.graphs import GraphedForward
 from strata.runtime.sampling import SamplingParams, sample
 from strata.runtime.speculative import DraftOverride, DSparkDecoder, SpecConfig, SpecStats
 from strata.runtime.state import State
+
+
+# The graphed plain loop launches each step before it reads the token the step consumes
+# (Session._plain_ahead); environment STRATA_RUN_AHEAD=0: off (the same tokens), for A/B.
+RUN_AHEAD = os.environ.get("STRATA_RUN_AHEAD", "1") != "0"
 
 
 @dataclass
@@ -121,6 +129,9 @@ class Session:
         stop_ids = frozenset({cfg.eos_token_id}) if stop_ids is None else stop_ids
         self.state.check_room(prompt.numel() + max(max_tokens - 1, 0))
         logits = self.prefill(prompt)
+        if self._runs_ahead(mode, scripted):
+            yield from self._plain_ahead(logits, params, stop_ids, max_tokens, should_stop)
+            return
         tok = self._pick(logits, params, scripted, 0)
         if mode == "dspark":
             decoder = DSparkDecoder(self, self.speculative, self.draft_override,
@@ -150,6 +161,59 @@ class Session:
                 if t in stop_ids or (should_stop and should_stop()):
                     return
             tok = more[-1]
+
+    def _runs_ahead(self, mode: str, scripted: Sequence[int] | None) -> bool:
+        """Whether the plain loop launches each step before it reads the token the step
+        consumes (`_plain_ahead`): graphed on one device (a group's graphs run through its
+        driver), no script, no DSpark windows to keep, no Engram tables on disk (their reads
+        need the token on the host), and on a GPU the Engram ids hashed there."""
+        m, g = self.model, self.graphed
+        return (RUN_AHEAD and mode == "plain" and scripted is None
+                and self.speculative is None and type(g) is GraphedForward and g.usable()
+                and not m.engram_stores
+                and (m.device.type == "cpu" or m.hasher is None or m.hashes_on_device))
+
+    def _plain_ahead(self, logits: torch.Tensor, params: SamplingParams,
+                     stop_ids: frozenset[int], max_tokens: int,
+                     should_stop: Callable[[], bool] | None) -> Iterator[int]:
+        """generate's plain loop one step ahead of the host. Each step is launched on the
+        token its predecessor's sampler left on the device; that token's copy to the host is
+        queued before the step, so reading it waits only for the step before, and the host
+        handles it (yield, stop checks) while the GPU runs the step that consumes it — on
+        a graphed GPU step the host's ~0.5 ms between steps was GPU idle time
+        (scripts/probe_host.py). A stop abandons the step already launched: the state is not
+        advanced, and the step's writes lie at the state's position, where the next forward
+        rewrites them — ring rows tagged with that position (the row each evicts is older
+        than any window reaches: the rings keep spare rows for verify windows) and cache
+        entries past the committed ones (tests: the same tokens, live state and next turn
+        as the plain loop's). No step is launched for the last token of max_tokens."""
+        g, state = self.graphed, self.state
+        dev = self._sample_at(logits.view(1, -1), state.position, params)
+        read = torch.empty(1, dtype=torch.long, pin_memory=dev.is_cuda)
+        emitted = 0
+        while True:
+            read.copy_(dev, non_blocking=True)
+            arrived = torch.cuda.Event() if dev.is_cuda else None
+            if arrived is not None:  # (the copy's stream: the one of dev's device)
+                arrived.record(torch.cuda.current_stream(dev.device))
+            last = emitted + 1 >= max_tokens
+            if not last:  # the step consuming dev, and its sample, queued behind the copy
+                c, ctx = g.launch(dev, "last")
+                dev = self._sample_at(c.step.logits.view(1, -1), state.position + 1, params)
+            if arrived is not None:
+                arrived.synchronize()
+            tok = int(read[0])
+            yield tok
+            emitted += 1
+            if last or tok in stop_ids or (should_stop and should_stop()):
+                return
+            c.step.finish(ctx, torch.tensor([tok]))
+
+    def _sample_at(self, logits: torch.Tensor, position: int,
+                   params: SamplingParams) -> torch.Tensor:
+        """sample() of one row at `position`, left on the device (the position uploaded
+        through pinned memory: a pageable upload would wait for the queued step)."""
+        return sample(logits, upload(torch.tensor([position]), logits.device), params)
 
     def forward(self, tokens: torch.Tensor, logits: str):
         """A decode-time forward on the session's state (a step, a verify window): replayed

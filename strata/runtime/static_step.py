@@ -37,8 +37,20 @@ class StaticStep:
 
     def prepare(self, tokens: torch.Tensor) -> ForwardContext:
         """This step's inputs into the fixed buffers; returns the step's own context (for
-        `finish`). The first call's context becomes the fixed one."""
+        `finish`). The first call's context becomes the fixed one.
+        `tokens` on the host, or on the model's GPU — a sampler's output the host has not
+        read (Session.generate's plain loop runs a step ahead): then the inputs are uploaded
+        with placeholder ids and the ids copied in after them on the stream (nothing read
+        back; the GPU hashes the Engram ids), and the context's host tokens stay None until
+        `finish` is given them."""
         model, state = self.model, self.state
+        on_device = tokens.device.type != "cpu"
+        if on_device:
+            if model.hasher is not None and not model.hashes_on_device:
+                raise ValueError("a step's tokens can stay on the device only where the GPU "
+                                 "hashes the Engram ids (not with tables on disk)")
+            device_tokens, tokens = tokens.view(-1), torch.zeros(tokens.numel(),
+                                                                 dtype=torch.long)
         tokens = model.check_forward(tokens, state, self.mode)
         if tokens.numel() != self.T:
             raise ValueError(f"this static step takes {self.T} tokens, got {tokens.numel()}")
@@ -57,6 +69,9 @@ class StaticStep:
             self.ctx = ctx
         else:
             self.ctx.start = ctx.start  # (host bookkeeping only: no op reads it)
+        if on_device:
+            ctx.device_tokens.copy_(device_tokens)  # (the fixed buffer's ids: a view of it)
+            ctx.tokens = None
         return ctx
 
     def run(self) -> None:
@@ -95,6 +110,9 @@ class StaticStep:
             return run
         return [part(i, g) for i, g in enumerate(groups)]
 
-    def finish(self, ctx: ForwardContext) -> None:
-        """Record the step's tokens in the state (its position advances)."""
+    def finish(self, ctx: ForwardContext, tokens: torch.Tensor | None = None) -> None:
+        """Record the step's tokens in the state (its position advances); `tokens`: their
+        host copy, for a step prepared from tokens on the device."""
+        if tokens is not None:
+            ctx.tokens = tokens
         self.model.end_forward(ctx, self.state)

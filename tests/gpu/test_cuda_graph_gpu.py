@@ -86,6 +86,41 @@ def test_graphed_decode_gives_the_eager_tokens(cuda, request, fixture):
 
 
 @pytest.mark.parametrize("fixture", ["tiny_dir", "exl3_dir"])
+def test_graphed_plain_decode_runs_a_step_ahead_of_the_host(cuda, request, fixture,
+                                                            monkeypatch):
+    """Session._plain_ahead on CUDA graphs: each step launched on the token its
+    predecessor's sampler left on the device (StaticStep.prepare copies it into the fixed
+    inputs on the stream), the token read through pinned memory while the step runs. Greedy
+    and a seeded sampler give the eager loop's tokens; a stop abandons the step launched on
+    the stop token with the eager loop's position and live state, and the next turn
+    continues alike. A step on device tokens where the host would hash the Engram ids is
+    refused."""
+    from strata.runtime.sampling import SamplingParams
+    model = Model.load(request.getfixturevalue(fixture), cuda, Numerics.for_device(cuda))
+    prompt, more = random_tokens(60, seed=9), random_tokens(7, seed=10)
+    sampler = SamplingParams(temperature=0.8, top_p=0.9, seed=4)
+    for params in (SamplingParams(), sampler):
+        want = Session(model, 200).run(prompt, 30, params, mode="plain").tokens
+        s = Session(model, 200, graphs=True)
+        assert s._runs_ahead("plain", None)
+        assert s.run(prompt, 30, params, mode="plain").tokens == want
+    stop = next(i for i in range(5, len(want)) if want[i] not in want[:i])
+    ref, s = Session(model, 200), Session(model, 200, graphs=True)
+    cut = [list(x.generate(prompt, 30, sampler, stop_ids=frozenset({want[stop]}),
+                           mode="plain")) for x in (ref, s)]
+    assert cut[0] == cut[1] == want[:stop + 1]
+    assert s.state.position == ref.state.position == len(prompt) + stop
+    live, ref_live = s.state.live_tensors(), ref.state.live_tensors()
+    assert all(torch.equal(live[k], ref_live[k]) for k in ref_live)
+    assert ref.run(more, 12, sampler, mode="plain").tokens == \
+        s.run(more, 12, sampler, mode="plain").tokens
+    step = StaticStep(model, s.state, 1)
+    monkeypatch.setattr(Model, "hashes_on_device", property(lambda self: False))
+    with pytest.raises(ValueError, match="stay on the device"):
+        step.prepare(torch.tensor([5], device=cuda))
+
+
+@pytest.mark.parametrize("fixture", ["tiny_dir", "exl3_dir"])
 def test_graphed_verify_windows(cuda, request, fixture):
     """DSpark verify windows replayed from graphs inside journals: a replayed window rolled
     back equals the eager one ring for ring, and DSpark with rejected drafts gives plain
