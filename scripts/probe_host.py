@@ -1,8 +1,9 @@
 """Where a graphed plain step's wall time goes on the host, without a profiler (whose hooks
 slow every launch): the synthetic V4.1 as scripts/probe_session.py, STEPS plain steps, each
-timed with perf_counter around the whole step, its pieces (the forward's host time,
-StaticStep.prepare — inputs hashed and uploaded —, each graph part's replay(): its launch,
-sampling with the token's read, Engram prefetch), and with
+timed with perf_counter around the whole step, its pieces (the forward's host time — in
+the loop that runs a step ahead, GraphedForward.launch and the sampler instead of the
+forward and the pick —, StaticStep.prepare: inputs assembled and uploaded, each graph part's
+replay(): its launch, sampling with the token's read, Engram prefetch), and with
 CUDA events from just before the first part's launch to just after the last's (the GPU's
 span, including any wait for a launch). Prints the medians (µs) and the GPU idle the step's
 host work leaves: wall − GPU span, and a hash of the session's tokens (variants must agree).
@@ -41,6 +42,8 @@ def timed(name, fn):
 StaticStep.prepare = timed("prepare", StaticStep.prepare)
 Session._pick = timed("sample + read", Session._pick)
 graphs.GraphedForward.forward = timed("forward (host)", graphs.GraphedForward.forward)
+graphs.GraphedForward.launch = timed("launch (host)", graphs.GraphedForward.launch)
+Session._sample_at = timed("sample (ahead)", Session._sample_at)
 type(s.model).prefetch_engram = timed("prefetch_engram", type(s.model).prefetch_engram)
 events = []
 
