@@ -16,7 +16,7 @@ from strata.runtime.graphs import CudaGraphs, EagerReplay, GraphedForward, no_cy
 from strata.runtime.sampling import SamplingParams
 from strata.runtime.session import Session
 from strata.runtime.speculative import SpecConfig
-from util import continuation_drafts, random_tokens, windows_roll_back_alike
+from util import continuation_drafts, random_tokens, stops_alike, windows_roll_back_alike
 
 
 def _graphed(model, session) -> GraphedForward:
@@ -282,18 +282,10 @@ def test_the_plain_loop_runs_a_step_ahead_with_the_plain_loops_tokens_and_state(
         assert s._runs_ahead("plain", None)
         assert s.run(prompt, 24, params, mode="plain").tokens == want
         assert g.captures + g.replays == 23  # no step for the 24th token
-    stop = _first_new(want, 5)
     more = random_tokens(7, seed=10)
-    ref, s = Session(model, 160), Session(model, 160)
+    s = Session(model, 160)
     _graphed(model, s)
-    cut = [list(x.generate(prompt, 24, sampler, stop_ids=frozenset({want[stop]}),
-                           mode="plain")) for x in (ref, s)]
-    assert cut[0] == cut[1] == want[:stop + 1]
-    assert s.state.position == ref.state.position == len(prompt) + stop
-    live, ref_live = s.state.live_tensors(), ref.state.live_tensors()
-    assert all(torch.equal(live[k], ref_live[k]) for k in ref_live)
-    nxt = [x.run(more, 10, sampler, mode="plain").tokens for x in (ref, s)]
-    assert nxt[0] == nxt[1]
+    stops_alike(Session(model, 160), s, prompt, more, sampler, 24, want[_first_new(want, 5)])
     # a cancellation after 6 tokens, and the next turn
     ref, s = Session(model, 160), Session(model, 160)
     _graphed(model, s)

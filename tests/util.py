@@ -38,6 +38,21 @@ def windows_roll_back_alike(model, state, graphed, ref) -> None:
         assert all(torch.equal(full[k], want[k]) for k in want), f"window {i}"
 
 
+def stops_alike(ref, ahead, prompt, more, params, n: int, stop: int) -> None:
+    """`ahead` (a session whose plain loop runs a step ahead: Session._plain_ahead) and `ref`
+    (the eager loop) generate from `prompt` until the token `stop`: the same tokens, position
+    and live state — the step launched on the stop token abandoned — then the same next turn
+    on `more`."""
+    cut = [list(x.generate(prompt, n, params, stop_ids=frozenset({stop}), mode="plain"))
+           for x in (ref, ahead)]
+    assert cut[0] == cut[1] and cut[0][-1] == stop
+    assert ahead.state.position == ref.state.position == len(prompt) + len(cut[0]) - 1
+    live, want = ahead.state.live_tensors(), ref.state.live_tensors()
+    assert all(torch.equal(live[k], want[k]) for k in want)
+    assert ref.run(more, 10, params, mode="plain").tokens == \
+        ahead.run(more, 10, params, mode="plain").tokens
+
+
 def qdq_hard_values(block: int) -> torch.Tensor:
     """Rows of `block` values that stress every step: a wide range of magnitudes, signed
     zeros, all-zero blocks (the floor), amaxes on the scale's power-of-two boundaries and

@@ -190,10 +190,10 @@ class Session:
         g, state = self.graphed, self.state
         dev = self._sample_at(logits.view(1, -1), state.position, params)
         read = torch.empty(1, dtype=torch.long, pin_memory=dev.is_cuda)
+        arrived = torch.cuda.Event() if dev.is_cuda else None
         emitted = 0
         while True:
             read.copy_(dev, non_blocking=True)
-            arrived = torch.cuda.Event() if dev.is_cuda else None
             if arrived is not None:  # (the copy's stream: the one of dev's device)
                 arrived.record(torch.cuda.current_stream(dev.device))
             last = emitted + 1 >= max_tokens

@@ -15,7 +15,7 @@ from strata.model.model import Model
 from strata.model.numerics import Numerics
 from strata.runtime.session import Session
 from strata.runtime.static_step import StaticStep
-from util import continuation_drafts, random_tokens, windows_roll_back_alike
+from util import continuation_drafts, random_tokens, stops_alike, windows_roll_back_alike
 
 pytestmark = pytest.mark.gpu
 
@@ -104,16 +104,9 @@ def test_graphed_plain_decode_runs_a_step_ahead_of_the_host(cuda, request, fixtu
         s = Session(model, 200, graphs=True)
         assert s._runs_ahead("plain", None)
         assert s.run(prompt, 30, params, mode="plain").tokens == want
-    stop = next(i for i in range(5, len(want)) if want[i] not in want[:i])
-    ref, s = Session(model, 200), Session(model, 200, graphs=True)
-    cut = [list(x.generate(prompt, 30, sampler, stop_ids=frozenset({want[stop]}),
-                           mode="plain")) for x in (ref, s)]
-    assert cut[0] == cut[1] == want[:stop + 1]
-    assert s.state.position == ref.state.position == len(prompt) + stop
-    live, ref_live = s.state.live_tensors(), ref.state.live_tensors()
-    assert all(torch.equal(live[k], ref_live[k]) for k in ref_live)
-    assert ref.run(more, 12, sampler, mode="plain").tokens == \
-        s.run(more, 12, sampler, mode="plain").tokens
+    stop = next(t for i, t in enumerate(want) if i >= 5 and t not in want[:i])
+    s = Session(model, 200, graphs=True)
+    stops_alike(Session(model, 200), s, prompt, more, sampler, 30, stop)
     step = StaticStep(model, s.state, 1)
     monkeypatch.setattr(Model, "hashes_on_device", property(lambda self: False))
     with pytest.raises(ValueError, match="stay on the device"):
