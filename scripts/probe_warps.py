@@ -1,0 +1,114 @@
+"""The step's small kernels at decode shapes (1 and 6 rows, V4.1's widths) under other warp
+counts: each op's call captured CALLS times in a row in one CUDA graph (early launch as in the
+model), µs a call from the graph's replays, for each num_warps the kernel is launched with
+(the launch keyword overridden by wrapping the kernel's run; the code's own value marked *).
+What it shows is each kernel's time as a link of a chain of its own kind — the model's chain
+mixes kinds, so a winner here still needs the model-level A/B.
+One-off diagnostic (GPU): source scripts/device_env.sh && [ONLY=text] [KNOB=num_stages] python scripts/probe_warps.py"""
+import os
+
+import torch
+
+from strata.kernels import exl3, mhc, moe_ops, norm, rowwise
+
+CALLS, REPLAYS = 32, 40
+dev = torch.device("cuda")
+bf, f32 = torch.bfloat16, torch.float32
+D, H = 5120, 4
+
+
+def rnd(*shape, dtype=bf):
+    return torch.randn(*shape, device=dev).to(dtype)
+
+
+# attention's products: (k_chunk, tile) — the code's (None: tile_shape's), then others
+PRODUCT_VARIANTS = [(rowwise.K_CHUNK, None), (128, None), (rowwise.K_CHUNK, (64, 64, 64)),
+                    (rowwise.K_CHUNK, (64, 16, 64)), (rowwise.K_CHUNK, (64, 32, 32)),
+                    (rowwise.K_CHUNK, (64, 32, 128)), (256, None)]
+
+
+def ops(T: int):
+    """(name, the kernel whose warps vary, its own warps, a call) at T rows."""
+    h, pre, w = rnd(T, H, D), torch.rand(T, H, device=dev), rnd(D, dtype=f32)
+    x1280, w1280 = rnd(T, 1280), rnd(1280, dtype=f32)
+    suh = {k: rnd(k, dtype=torch.float16).sign() for k in (1280, 2304, 5120)}
+    xs = {k: rnd(T * (6 if k == 2304 else 1), k) for k in suh}
+    fn, scale, base = rnd(24, H * D, dtype=f32) * 0.01, torch.ones(3, device=dev), rnd(24, dtype=f32)
+    y, post, comb = rnd(T, D), torch.rand(T, H, device=dev), torch.rand(T, H, H, device=dev)
+    g, v, pw = rnd(6 * T, 2304, dtype=f32), rnd(6 * T, 2304, dtype=f32), torch.rand(6 * T, device=dev)
+    gate = rnd(384, D)
+    # attention's products over a query's n = 640 key rows (window 128 + 512 compressed)
+    q, rows = rnd(T, 64, 512), rnd(T, 640, 512)
+    p = torch.softmax(torch.randn(T, 64, 640, device=dev), -1)
+    return [
+        ("collapse_norm 4×5120", norm._rms_norm_kernel, 4,
+         lambda: norm.collapse_rms_norm(h, pre, w, 1e-20)),
+        ("rms_norm 1280", norm._rms_norm_kernel, 4, lambda: norm.rms_norm(x1280, w1280, 1e-20)),
+        *[(f"rotate_in {k}{' ×6' if k == 2304 else ''}", exl3._rotate_in_kernel, 4,
+           (lambda k=k: exl3.rotate_in(xs[k], suh[k], True))) for k in suh],
+        ("hc_mix (mixed_coeffs)", mhc._hc_mix_kernel, 4,
+         lambda: mhc.hc_mixed_coeffs(h, fn, scale, base, H, 1e-20, 1e-6, 20)),
+        ("hc_coeffs (mixed_coeffs)", mhc._hc_coeffs_kernel, mhc.COEFF_WARPS,
+         lambda: mhc.hc_mixed_coeffs(h, fn, scale, base, H, 1e-20, 1e-6, 20)),
+        ("hc_update", mhc._hc_update_kernel, 4, lambda: mhc.hc_update(y, h, post, comb)),
+        ("swiglu ×6", moe_ops._swiglu_kernel, 4, lambda: moe_ops.swiglu(g, v, 10.0, bf, pw)),
+        ("router 5120→384", rowwise._rowwise_kernel, rowwise.TILE_WARPS,
+         lambda: rowwise.rowwise_rows(y, gate, f32)),
+        *[(f"q·k 64×512·640 k_chunk {kc} tile {tile}", rowwise._rowwise_kernel,
+           rowwise.TILE_WARPS, (lambda kc=kc, tile=tile: rowwise.rowwise_bmm(q, rows, kc, f32, tile)))
+          for kc, tile in PRODUCT_VARIANTS],
+        *[(f"p·v 64×640·512 k_chunk {kc} tile {tile}", rowwise._rowwise_kernel,
+           rowwise.TILE_WARPS,
+           (lambda kc=kc, tile=tile: rowwise.rowwise_bmm(p, rows.transpose(1, 2), kc, None, tile)))
+          for kc, tile in PRODUCT_VARIANTS],
+    ]
+
+
+def timed(call) -> float:
+    for _ in range(2):
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            call()
+    for _ in range(3):
+        graph.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1000 / (REPLAYS * CALLS)
+
+
+# KNOB=num_stages: sweep that launch option instead (the code's own value then unmarked)
+KNOB = os.environ.get("KNOB", "num_warps")
+VALUES = (1, 2, 3, 4) if KNOB == "num_stages" else (1, 2, 4, 8, 16)
+
+
+def with_knob(kernel, value: int):
+    run = kernel.run
+
+    def patched(*args, **kwargs):
+        return run(*args, **{**kwargs, KNOB: value})
+    return run, patched
+
+
+print(f"µs a call by {KNOB}, graph of {CALLS} calls × {REPLAYS} replays; * the code's warps")
+for T in (1, 6):
+    for name, kernel, own, call in ops(T):
+        if os.environ.get("ONLY", "") not in name:  # ONLY=text: the ops whose name has it
+            continue
+        row = []
+        for value in VALUES:
+            run, kernel.run = with_knob(kernel, value)
+            mark = "*" if KNOB == "num_warps" and value == own else ""
+            try:
+                row.append(f"{value}{mark}: {timed(call):6.2f}")
+            except Exception as e:  # (a value the kernel's layout cannot take)
+                row.append(f"{value}: {type(e).__name__}")
+            finally:
+                kernel.run = run
+        print(f"T={T} {name:26s} " + "  ".join(row), flush=True)
