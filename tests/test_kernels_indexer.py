@@ -36,6 +36,9 @@ def test_matches_the_torch_steps_and_scores_stand_alone(H):
     assert torch.equal(index_scores(q[3:4], keys, w[3:4], visible[3:4]), got[3:4])
     assert torch.equal(index_scores(q[:3], keys, w[:3], visible[:3]), got[:3])
     assert torch.equal(index_scores(q, keys[:70], w, visible), got[:, :70])
+    # the weights' scale applied inside (Indexer.select's 1/√(head_dim·heads)): w·s's bits
+    s = 128 ** -0.5 * 32 ** -0.5
+    assert torch.equal(index_scores(q, keys, w, visible, s), index_scores(q, keys, w * s, visible))
     # bf16 operands (vendor numerics: fp4 values) accumulate their exact products in fp32
     qb, kb = q.to(torch.bfloat16), keys.to(torch.bfloat16)
     torch.testing.assert_close(index_scores(qb, kb, w, visible), torch_steps(qb, kb, w, visible),

@@ -42,7 +42,7 @@ if triton is not None:
     from strata.kernels.rowwise import split_bf16
 
     @triton.jit
-    def _index_scores_kernel(q_ptr, k_ptr, w_ptr, vis_ptr, o_ptr, T, H, N, D,
+    def _index_scores_kernel(q_ptr, k_ptr, w_ptr, vis_ptr, o_ptr, w_scale, T, H, N, D,
                              sqt, sqh, sqd, skn, skd, swt, swh, sot,
                              BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -80,7 +80,8 @@ if triton is not None:
                 else:
                     acc = tl.dot(qk.to(tl.float32), tl.trans(kt.to(tl.float32)), acc,
                                  input_precision="ieee")
-            wh = tl.load(w_ptr + tq * swt + heads * swh, mask=live, other=0.0)
+            # (w·w_scale rounded to fp32 on its own: torch's w * w_scale)
+            wh = tl.load(w_ptr + tq * swt + heads * swh, mask=live, other=0.0) * w_scale
             part = tl.maximum(acc, 0.0) * wh[:, None]
             # a query's heads are its BLOCK_H rows: summed apart from the other queries'
             total += tl.sum(tl.reshape(part, (BLOCK_T, BLOCK_H, BLOCK_N)), axis=1)
@@ -92,9 +93,10 @@ if triton is not None:
 
 
 def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor,
-                 visible: torch.Tensor) -> torch.Tensor:
-    """q [T, H, D], keys [n, D] (any strides), w [T, H] fp32, visible [T] (how many entries
-    each query sees) → scores [T, n] fp32, −inf at the entries a query does not see."""
+                 visible: torch.Tensor, w_scale: float = 1.0) -> torch.Tensor:
+    """q [T, H, D], keys [n, D] (any strides), w [T, H] fp32 (each times w_scale, in
+    fp32, as torch's w * w_scale), visible [T] (how many entries each query sees) → scores
+    [T, n] fp32, −inf at the entries a query does not see."""
     T, H, D = q.shape
     n = keys.shape[0]
     if keys.shape[1] != D or tuple(w.shape) != (T, H) or tuple(visible.shape) != (T,):
@@ -117,7 +119,7 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor,
         product = 0
     wf = w.float()
     _index_scores_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(n, BLOCK_N))](
-        q, keys, wf, _contig(visible), out, T, H, n, D, q.stride(0), q.stride(1), q.stride(2),
+        q, keys, wf, _contig(visible), out, float(w_scale), T, H, n, D, q.stride(0), q.stride(1), q.stride(2),
         keys.stride(0), keys.stride(1), wf.stride(0), wf.stride(1), out.stride(0),
         BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRODUCT=product,
         num_warps=NUM_WARPS)

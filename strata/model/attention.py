@@ -20,6 +20,7 @@ from strata.model.rope import apply_rope, rms_norm_rope
 from strata.quant.groups import LinearGroups, LinearSet
 from strata.quant.qdq import fp4_qdq_e4m3_scale, fp8_act_qdq
 from strata.runtime.state import PositionRing, State
+from strata.streams import both
 
 # A forward's queries attend in pieces whose fp32 scratch stays under this many bytes.
 ATTN_SCRATCH = 1 << 30
@@ -94,12 +95,19 @@ class Attention:
     def forward(self, u: torch.Tensor, ctx: ForwardContext, state: State) -> torch.Tensor:
         cfg = self.cfg
         q_a, kv, *more = self.read_u(u, ctx.numerics)
-        qr, q, index_q = self.queries(q_a, ctx)
+        if self.compressor is not None:
+            # A kv source's entries (~20 small kernels) need only u's projections: on a GPU
+            # they are made beside the queries (strata.streams). What both read is made first.
+            ctx.rope(self.ratio)
+            _, (qr, q, index_q) = both(
+                lambda: self.publish(u, ctx, state, more[:self.n_comp]),
+                lambda: self.queries(q_a, ctx), u.device)
+        else:
+            qr, q, index_q = self.queries(q_a, ctx)
         kv = self.kv_rows(kv, ctx)
 
         cache = sel = None
         if self.ratio > 0:
-            self.publish(u, ctx, state, more[:self.n_comp] if self.compressor else None)
             if self.indexer is not None:
                 ctx.sel[self.layer] = self.indexer.select(u, qr, ctx, state, q=index_q,
                                                           w=more[self.n_comp])
@@ -142,7 +150,8 @@ class Attention:
             return
         latent, entries, n = self.compressor.forward(u, ctx, state, projected)
         # each new entry rotated at its group's first position, in the cache and the index keys
-        rope = ctx.rope_at(self.ratio, entries * self.ratio)
+        r = self.ratio
+        rope = ctx.derived(("entry_rope", r), lambda: ctx.rope_at(r, entries * r))
         self._store_entries(latent, entries, rope, ctx, state)
         if self.indexer is not None:
             self.indexer.publish_keys(latent, entries, rope, ctx, state)
@@ -161,10 +170,13 @@ class Attention:
                        state: State) -> None:
         """Rotate new latents by `rope` (cos/sin at their group's first position) and store
         them at their entry indices (a device tensor)."""
-        kv = apply_rope(latent, *rope)
-        if ctx.numerics.quantize:
+        cache = state.comp_kv[self.layer]
+        quantize = ctx.numerics.quantize
+        # (cast inside the rotation's launch where nothing comes between: the same bits)
+        kv = apply_rope(latent, *rope, out_dtype=None if quantize else cache.dtype)
+        if quantize:
             kv = fp4_qdq_e4m3_scale(kv)
-        state.comp_kv[self.layer][entries] = kv.to(state.comp_kv[self.layer].dtype)
+        cache[entries] = kv.to(cache.dtype)
 
 
 def gather_rows(kv: torch.Tensor, ring: PositionRing, window: tuple[torch.Tensor, ...],

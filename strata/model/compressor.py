@@ -47,6 +47,12 @@ class Compressor:
         """What it projects u with (fp32 outputs), in the order `forward` takes them."""
         return [self.wkv] if self.wgate is None else [self.wkv, self.wgate]
 
+    def entries(self, ctx: ForwardContext) -> torch.Tensor:
+        """The entry indices this forward writes (entry_indices; the same for every source of
+        this ratio: made once a forward)."""
+        r = self.ratio
+        return ctx.derived(("entries", r), lambda: entry_indices(r, ctx.positions))
+
     def forward(self, u: torch.Tensor, ctx: ForwardContext, state: State,
                 projected: list[torch.Tensor] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -68,11 +74,11 @@ class Compressor:
             projected = self.projections(u, nx, torch.float32)
         if r == 1:
             (k,) = projected
-            return rms_norm(k, self.norm, self.cfg.rms_norm_eps), entry_indices(r, ctx.positions), n
+            return rms_norm(k, self.norm, self.cfg.rms_norm_eps), self.entries(ctx), n
         k, g = projected
         kg = torch.stack((k, g), dim=1)  # [T, 2, hd]: what the tail ring keeps
         ring = state.comp_tail[self.layer]
-        entries = entry_indices(r, ctx.positions)
+        entries = self.entries(ctx)
         # (read before this forward's rows are written: a long chunk's rows overwrite slots)
         if compressor_kernels.available(k):  # (the steps below in one launch, their bits)
             pooled = compressor_kernels.pool(ring.rows, k, g, ctx.positions, entries, r)

@@ -6,12 +6,15 @@ fresh for every forward (the persistent part lives in runtime.state.State).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, TypeVar
 
 import torch
 
 from strata.config import ModelConfig
 from strata.model.numerics import Numerics
 from strata.model.rope import rope_cos_sin, rope_inv_freq
+
+D = TypeVar("D")
 
 
 @dataclass
@@ -44,6 +47,7 @@ class ForwardContext:
     relay: dict[str, torch.Tensor] = field(default_factory=dict)
     _rope: dict[bool, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     _window: dict[tuple[int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    _derived: dict[tuple, object] = field(default_factory=dict)
 
     @property
     def T(self) -> int:
@@ -56,6 +60,7 @@ class ForwardContext:
         (runtime/static_step)."""
         self._rope.clear()
         self._window.clear()
+        self._derived.clear()
         self._engram_hashed.clear()
         self.sel.clear()
         self.candidates = None
@@ -73,6 +78,14 @@ class ForwardContext:
             self._engram_hashed.update(
                 self.engram_hasher.device_ids(self.engram_history, self.device_tokens))
         return self._engram_hashed[layer]
+
+    def derived(self, key: tuple, make: Callable[[], D]) -> D:
+        """What every layer of this forward derives alike from its inputs (a ratio's entry
+        indices, the entries each query sees…): make() at the first ask, then the same value —
+        small device ops once a forward instead of once a layer."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
 
     def inv_freq(self, ratio: int) -> torch.Tensor:
         return rope_inv_freq(self.cfg, ratio, self.positions.device)

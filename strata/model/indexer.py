@@ -117,9 +117,9 @@ class Indexer:
             # fp4 values are exact in the cache's dtype: the products are exact either way,
             # and 16-bit operands run on tensor cores
             q = fp4_qdq_ue8m0(q).to(keys.dtype)
-        w = (self.weights_proj(u, nx, torch.float32) if w is None else w) \
-            * (ihd ** -0.5 * nh ** -0.5)
-        n_visible = (ctx.positions + 1) // r
+        w = self.weights_proj(u, nx, torch.float32) if w is None else w
+        w_scale = ihd ** -0.5 * nh ** -0.5
+        n_visible = ctx.derived(("n_visible", r), lambda: (ctx.positions + 1) // r)
         source = self.layer == cfg.candidate_source_layer_id
         reindex = not source and cfg.is_reindex(self.layer)
         fused = index_kernels.available(q)
@@ -129,10 +129,12 @@ class Indexer:
         for i in range(0, ctx.T, rows):
             j = min(i + rows, ctx.T)
             if fused:  # (one launch, masked too, no per-head scratch)
-                scores = index_kernels.index_scores(q[i:j], keys, w[i:j], n_visible[i:j])
+                scores = index_kernels.index_scores(q[i:j], keys, w[i:j], n_visible[i:j],
+                                                    w_scale)
             else:
                 per_head = torch.relu(rows_bmm(q[i:j], keys.unsqueeze(0), torch.float32))
-                scores = rows_bmm(w[i:j].unsqueeze(1), per_head.transpose(1, 2)).squeeze(1)
+                scores = rows_bmm((w[i:j] * w_scale).unsqueeze(1),
+                                  per_head.transpose(1, 2)).squeeze(1)
                 del per_head  # (Σ_h w_h·relu(q_h·k) is made: free the piece's scratch now)
                 visible = torch.arange(n, device=u.device)[None] < n_visible[i:j, None]
                 scores = torch.where(visible, scores, torch.full_like(scores, float("-inf")))

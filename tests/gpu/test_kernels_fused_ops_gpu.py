@@ -341,7 +341,7 @@ def test_indexer_scores_in_one_launch_near_the_torch_code(cuda, dtype, key_dtype
     """V4.1's indexer (32 heads of 128) over 5,000 entries: Σ_h w_h·relu(q_h·k), masked to
     each query's visible entries, from one launch within fp32 rounding of the torch steps
     (rows_bmm, relu, rows_bmm, where); a query's scores alone and over fewer entries are the
-    batch's bits."""
+    batch's bits, and the weights scaled inside are torch's scaled weights' bits."""
     from strata.kernels.indexer import index_scores
     from strata.model.numerics import rows_bmm
     g = torch.Generator().manual_seed(8)
@@ -358,6 +358,8 @@ def test_indexer_scores_in_one_launch_near_the_torch_code(cuda, dtype, key_dtype
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert torch.equal(index_scores(q[5:6], keys, w[5:6], visible[5:6]), got[5:6])
     assert torch.equal(index_scores(q, keys[:1234], w, visible), got[:, :1234])
+    s = 128 ** -0.5 * 32 ** -0.5  # the weights' scale inside: torch's w * s, its bits
+    assert torch.equal(index_scores(q, keys, w, visible, s), index_scores(q, keys, w * s, visible))
 
 
 def test_ranked_topk_keys_in_one_launch_pick_as_the_torch_code(cuda, monkeypatch):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import strata.model.attention as attention_module
 import strata.model.block as block_module
 import strata.model.moe as moe_module
 from strata import streams
@@ -52,8 +53,9 @@ def test_two_exl3_pieces_side_by_side_give_their_bits_in_order(cuda):
 def test_a_forward_with_pieces_beside_each_other_gives_the_in_order_logits(
         cuda, request, monkeypatch, fixture, T):
     """A decode step's and a window's forward (eager) with the pieces beside each other (a
-    sublayer's mixes beside the sublayer, a MoE's shared expert beside its routed experts)
-    and with streams off: the same logits bit for bit, both runs through the same forks."""
+    sublayer's mixes beside the sublayer, a MoE's shared expert beside its routed experts, a
+    kv source's entries beside its queries) and with streams off: the same logits and the
+    same state bit for bit, both runs through the same forks."""
     model = Model.load(request.getfixturevalue(fixture), cuda, Numerics.for_device(cuda))
     s = Session(model, 512)
     s.prefill(random_tokens(150, seed=3))
@@ -67,10 +69,15 @@ def test_a_forward_with_pieces_beside_each_other_gives_the_in_order_logits(
         monkeypatch.setattr(module, "both", fork)
     counted(moe_module)
     counted(block_module)
-    beside, _ = model.forward(tokens, s.state.clone(), logits="all")
+    counted(attention_module)
+    state_beside, state_in_order = s.state.clone(), s.state.clone()
+    beside, _ = model.forward(tokens, state_beside, logits="all")
     monkeypatch.setattr(streams, "ENABLED", False)
-    in_order, _ = model.forward(tokens, s.state.clone(), logits="all")
-    for module in (moe_module, block_module):
+    in_order, _ = model.forward(tokens, state_in_order, logits="all")
+    for module in (moe_module, block_module, attention_module):
         on = forks.count((module.__name__, True))
         assert on == forks.count((module.__name__, False)) > 0, module.__name__
     assert torch.equal(beside, in_order)
+    for got, want in ((state_beside.comp_kv, state_in_order.comp_kv),
+                      (state_beside.index_k, state_in_order.index_k)):
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
