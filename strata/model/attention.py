@@ -20,7 +20,6 @@ from strata.model.rope import apply_rope, rms_norm_rope
 from strata.quant.groups import LinearGroups, LinearSet
 from strata.quant.qdq import fp4_qdq_e4m3_scale, fp8_act_qdq
 from strata.runtime.state import PositionRing, State
-from strata.streams import both
 
 # A forward's queries attend in pieces whose fp32 scratch stays under this many bytes.
 ATTN_SCRATCH = 1 << 30
@@ -95,19 +94,12 @@ class Attention:
     def forward(self, u: torch.Tensor, ctx: ForwardContext, state: State) -> torch.Tensor:
         cfg = self.cfg
         q_a, kv, *more = self.read_u(u, ctx.numerics)
-        if self.compressor is not None:
-            # A kv source's entries (~20 small kernels) need only u's projections: on a GPU
-            # they are made beside the queries (strata.streams). What both read is made first.
-            ctx.rope(self.ratio)
-            _, (qr, q, index_q) = both(
-                lambda: self.publish(u, ctx, state, more[:self.n_comp]),
-                lambda: self.queries(q_a, ctx), u.device)
-        else:
-            qr, q, index_q = self.queries(q_a, ctx)
+        qr, q, index_q = self.queries(q_a, ctx)
         kv = self.kv_rows(kv, ctx)
 
         cache = sel = None
         if self.ratio > 0:
+            self.publish(u, ctx, state, more[:self.n_comp] if self.compressor else None)
             if self.indexer is not None:
                 ctx.sel[self.layer] = self.indexer.select(u, qr, ctx, state, q=index_q,
                                                           w=more[self.n_comp])

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import strata.model.attention as attention_module
 import strata.model.block as block_module
 import strata.model.moe as moe_module
 from strata import streams
@@ -53,9 +52,9 @@ def test_two_exl3_pieces_side_by_side_give_their_bits_in_order(cuda):
 def test_a_forward_with_pieces_beside_each_other_gives_the_in_order_logits(
         cuda, request, monkeypatch, fixture, T):
     """A decode step's and a window's forward (eager) with the pieces beside each other (a
-    sublayer's mixes beside the sublayer, a MoE's shared expert beside its routed experts, a
-    kv source's entries beside its queries) and with streams off: the same logits and the
-    same state bit for bit, both runs through the same forks."""
+    sublayer's mixes beside the sublayer, a MoE's shared expert beside its routed experts)
+    and with streams off: the same logits and compressed state bit for bit, both runs
+    through the same forks."""
     model = Model.load(request.getfixturevalue(fixture), cuda, Numerics.for_device(cuda))
     s = Session(model, 512)
     s.prefill(random_tokens(150, seed=3))
@@ -69,12 +68,11 @@ def test_a_forward_with_pieces_beside_each_other_gives_the_in_order_logits(
         monkeypatch.setattr(module, "both", fork)
     counted(moe_module)
     counted(block_module)
-    counted(attention_module)
     state_beside, state_in_order = s.state.clone(), s.state.clone()
     beside, _ = model.forward(tokens, state_beside, logits="all")
     monkeypatch.setattr(streams, "ENABLED", False)
     in_order, _ = model.forward(tokens, state_in_order, logits="all")
-    for module in (moe_module, block_module, attention_module):
+    for module in (moe_module, block_module):
         on = forks.count((module.__name__, True))
         assert on == forks.count((module.__name__, False)) > 0, module.__name__
     assert torch.equal(beside, in_order)
