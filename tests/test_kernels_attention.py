@@ -36,6 +36,13 @@ def test_matches_the_torch_steps_and_rows_stand_alone():
     # a transposed scores view (any strides) gives the same rows
     st = s.transpose(0, 1).contiguous().transpose(0, 1)
     assert torch.equal(sink_softmax(st, mask, sink, 0.125), got)
+    # as the exact split p·v takes (rowwise.planes_bmm): three bf16 planes summing to p
+    planes = sink_softmax(s, mask, sink, 0.125, planes=True)
+    assert planes.shape == (3, T, H, n) and planes.dtype == torch.bfloat16
+    # (exact down to fp32's tiny values, whose low parts fall below bf16's normal range)
+    normal = got.abs() > 2.0 ** -100
+    assert torch.equal(planes.double().sum(0)[normal], got.double()[normal])
+    torch.testing.assert_close(planes.double().sum(0), got.double(), rtol=0, atol=2.0 ** -120)
 
 
 def _window(positions, W, ring_size):

@@ -52,6 +52,34 @@ def test_rows_split_over_tiles_give_the_same_bits():
                        one)
 
 
+def test_planes_product_is_the_split_product():
+    """planes_bmm: fp32 x given as its stored split against bf16 rows (attention's p·v) — the
+    exact products summed in fp32, rows alone / in a batch / across a head split alike, and
+    over K chunks. (Its bits equal the in-kernel split's on the GPU: the interpreter widens
+    the planes to fp32; tests/gpu/test_cuda_parity.py checks them compiled.)"""
+    from strata.kernels.rowwise import planes_bmm, split_planes
+    g = torch.Generator().manual_seed(4)
+    p = torch.softmax(torch.randn(3, 70, 150, generator=g) * 3, -1)
+    rows = torch.randn(3, 150, 40, generator=g).bfloat16()
+    v = rows.transpose(1, 2)
+    planes = split_planes(p)
+    assert torch.equal(planes.double().sum(0), p.double())
+    got = planes_bmm(planes, v)
+    assert got.dtype == torch.float32 and got.shape == (3, 70, 40)
+    torch.testing.assert_close(got.double(), torch.bmm(p.double(), rows.double()),
+                               rtol=1e-5, atol=1e-6)
+    assert torch.equal(torch.cat([planes_bmm(planes[:, i:i + 1], v[i:i + 1])
+                                  for i in range(3)]), got)
+    assert torch.equal(torch.cat([planes_bmm(planes[:, :, :20], v),
+                                  planes_bmm(planes[:, :, 20:], v)], 1), got)
+    chunked = planes_bmm(planes, v, k_chunk=64)  # K = 150 over three chunks, added in order
+    torch.testing.assert_close(chunked, got, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="planes"):
+        planes_bmm(planes.float(), v)
+    with pytest.raises(ValueError, match="M ≥ 2"):
+        planes_bmm(planes[:, :, :1], v)
+
+
 def test_shape_mismatch():
     with pytest.raises(ValueError, match="do not match"):
         rowwise_bmm(torch.zeros(2, 1, 8), torch.zeros(1, 4, 9))

@@ -536,9 +536,14 @@ ROWWISE = (("attn_qk_prefill", 243, 64, 640, 512, "bf16", "bf16", False),
            ("mhc_prefill", 4096, 1, 24, 20480, "fp32", "fp32", False),
            ("mhc_decode", 1, 1, 24, 20480, "fp32", "fp32", False),
            ("attn_qk_decode", 1, 64, 640, 512, "bf16", "bf16", False),
-           ("attn_pv_decode", 1, 64, 512, 640, "fp32", "bf16", True))
+           ("attn_pv_decode", 1, 64, 512, 640, "fp32", "bf16", True),
+           # p·v from the softmax's stored split of p (planes_bmm; the model's path)
+           ("attn_pv_planes_prefill", 243, 64, 512, 640, "fp32", "bf16", True),
+           ("attn_pv_planes_window", 6, 64, 512, 640, "fp32", "bf16", True),
+           ("attn_pv_planes_decode", 1, 64, 512, 640, "fp32", "bf16", True))
 SMOKE_ROWWISE = (("smoke_qk", 3, 4, 40, 32, "bf16", "bf16", False),
                  ("smoke_pv", 3, 4, 32, 40, "fp32", "bf16", True),
+                 ("smoke_pv_planes", 3, 4, 32, 40, "fp32", "bf16", True),
                  ("index_scores_smoke", 3, 4, 40, 32, "bf16", "bf16", False),
                  ("mhc_smoke", 3, 1, 24, 64, "fp32", "fp32", False))
 _DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -548,7 +553,7 @@ def _bench_rowwise(dev, timer, smoke) -> list[dict]:
     """The row kernel (and the fused indexer scores and mHC mix) against cuBLAS on the same
     operands: µs and TFLOP/s."""
     from strata.kernels.indexer import index_scores
-    from strata.kernels.rowwise import rowwise_bmm
+    from strata.kernels.rowwise import planes_bmm, rowwise_bmm, split_planes
     out = []
     for name, B, M, N, K, xd, wd, transposed in SMOKE_ROWWISE if smoke else ROWWISE:
         g = torch.Generator(device="cpu").manual_seed(B + N)
@@ -572,6 +577,10 @@ def _bench_rowwise(dev, timer, smoke) -> list[dict]:
             ours = timer(lambda: index_scores(x, w[0], heads, seen))
             blas = timer(lambda: torch.bmm(hc, torch.relu(torch.bmm(xc, wc))))
             flop += 2 * B * M * N
+        elif "planes" in name:
+            planes = split_planes(x)
+            ours = timer(lambda: planes_bmm(planes, w))
+            blas = timer(lambda: torch.bmm(xc, wc))
         else:
             ours = timer(lambda: rowwise_bmm(x, w, out_dtype=torch.float32))
             blas = timer(lambda: torch.bmm(xc, wc))

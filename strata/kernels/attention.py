@@ -32,6 +32,7 @@ def available(t: torch.Tensor) -> bool:
 if triton is not None:
     from strata.kernels import pdl
     from strata.kernels.pdl import wait_then_release
+    from strata.kernels.rowwise import split_bf16
 
     @triton.jit
     def _gather_rows_kernel(kv_ptr, ring_ptr, tags_ptr, kpos_ptr, exist_ptr, inch_ptr, row_ptr,
@@ -81,7 +82,8 @@ if triton is not None:
 
     @triton.jit
     def _sink_softmax_kernel(s_ptr, m_ptr, sink_ptr, o_ptr, n, scale, s_t, s_h, m_t, o_t, o_h,
-                             NB: tl.constexpr, PDL: tl.constexpr):
+                             o_plane, NB: tl.constexpr, PLANES: tl.constexpr,
+                             PDL: tl.constexpr):
         wait_then_release(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
@@ -94,7 +96,14 @@ if triton is not None:
         top = tl.maximum(tl.max(x, axis=0), sink)
         e = tl.exp(x - top)
         p = e / (tl.sum(e, axis=0) + tl.exp(sink - top))
-        tl.store(o_ptr + t * o_t + h * o_h + j, p, mask=live)
+        o = o_ptr + t * o_t + h * o_h + j
+        if PLANES:  # p's exact split, for rowwise.planes_bmm
+            hi, mid, lo = split_bf16(p)
+            tl.store(o, hi, mask=live)
+            tl.store(o + o_plane, mid, mask=live)
+            tl.store(o + 2 * o_plane, lo, mask=live)
+        else:
+            tl.store(o, p, mask=live)
 
 
 GATHER_ROWS = 16
@@ -131,17 +140,24 @@ def gather_rows(kv: torch.Tensor, ring_rows: torch.Tensor, ring_tags: torch.Tens
 
 
 def sink_softmax(s: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+                 scale: float, planes: bool = False) -> torch.Tensor:
     """s [T, H, n] fp32 scores, mask [T, n] bool (visible rows), sink [H] → the softmax over
-    [s·scale (masked to −inf), sink] without the sink's column: [T, H, n] fp32."""
+    [s·scale (masked to −inf), sink] without the sink's column: [T, H, n] fp32 — or, with
+    `planes`, its exact split [3, T, H, n] bf16 (hi, mid, lo: strata.kernels.rowwise's
+    split_bf16), the operand of planes_bmm."""
     T, H, n = s.shape
     if s.stride(-1) != 1:
         s = s.contiguous()
     m = (mask if mask.stride(-1) == 1 else mask.contiguous()).view(torch.uint8)  # (no copy)
-    out = torch.empty((T, H, n), dtype=torch.float32, device=s.device)
+    if planes:
+        out = torch.empty((3, T, H, n), dtype=torch.bfloat16, device=s.device)
+        first = out[0]
+    else:
+        out = first = torch.empty((T, H, n), dtype=torch.float32, device=s.device)
     if T and H and n:
-        _sink_softmax_kernel[(T, H)](s, m, sink.float().contiguous(), out, n, float(scale),
-                                     s.stride(0), s.stride(1), m.stride(0), out.stride(0),
-                                     out.stride(1), NB=triton.next_power_of_2(n),
+        _sink_softmax_kernel[(T, H)](s, m, sink.float().contiguous(), first, n, float(scale),
+                                     s.stride(0), s.stride(1), m.stride(0), first.stride(0),
+                                     first.stride(1), out.stride(0) if planes else 0,
+                                     NB=triton.next_power_of_2(n), PLANES=planes,
                                      enable_fp_fusion=False, **pdl.args(s.device))
     return out

@@ -59,14 +59,16 @@ if triton is not None:
 
     @triton.jit
     def _rowwise_kernel(x_ptr, w_ptr, o_ptr, M, N, K, m_blocks, k_chunk,
-                        sxb, sxm, sxk, swb, swn, swk, soc, sob, som, son,
+                        sxb, sxm, sxk, swb, swn, swk, soc, sob, som, son, sxp,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PRODUCT: tl.constexpr, PDL: tl.constexpr):
+                        PRODUCT: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr):
         # A tile of BLOCK_M rows × BLOCK_N outputs of one batch element over one K chunk: the
         # w tile is read once for BLOCK_M rows. Every output is the same fixed-order sum over
         # its chunk whatever the tile holds, BLOCK_K slices added in order; a slice's products
         # summed along k on the CUDA cores (ROW, the M = 1 kernel) or through tl.dot (the
-        # M ≥ 2 kernel, PRODUCT as in `Product`).
+        # M ≥ 2 kernel, PRODUCT as in `Product`). PLANES: x is hi, its mid and lo planes sxp
+        # and 2·sxp further (WIDEN: each widened to fp32 for IEEE dots — the interpreter's
+        # 16-bit tiles).
         wait_then_release(PDL)
         pid = tl.program_id(0)  # b · m_blocks + m_block
         b = (pid // m_blocks).to(tl.int64)  # (offsets past 2³¹ elements: long prefills)
@@ -93,6 +95,19 @@ if triton is not None:
                 acc = tl.dot(hi, wtt, acc)
                 acc = tl.dot(mid, wtt, acc)
                 acc = tl.dot(lo, wtt, acc)
+            elif PRODUCT == 4:  # PLANES: SPLIT's three products on the stored split
+                wtt = tl.trans(wt)
+                for plane in tl.static_range(3):
+                    if plane > 0:
+                        xk = tl.load(x_ptr + plane * sxp + b * sxb + offs_m[:, None] * sxm
+                                     + offs_k[None, :] * sxk,
+                                     mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_end),
+                                     other=0.0)
+                    if WIDEN:
+                        acc = tl.dot(xk.to(tl.float32), wtt.to(tl.float32), acc,
+                                     input_precision="ieee")
+                    else:
+                        acc = tl.dot(xk, wtt, acc)
             else:  # FMA
                 acc = tl.dot(xk.to(tl.float32), tl.trans(wt.to(tl.float32)), acc,
                              input_precision="ieee")
@@ -141,6 +156,8 @@ class Product:
     SPLIT = 2   # fp32 rows against bf16 (attention's p·v): x split exactly into hi + mid + lo
     #             bf16 — three tensor-core products, each exact in fp32 (~5× the FMA rate)
     FMA = 3     # any other pair: IEEE fp32 FMAs
+    PLANES = 4  # SPLIT with x given as its split (planes_bmm): the same products, in SPLIT's
+    #             order on its tile, from stored bf16 planes instead of a split in the kernel
 
 
 def product(M: int, x: torch.Tensor, w: torch.Tensor) -> int:
@@ -210,26 +227,61 @@ def rowwise_bmm(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
     tl.dot path, whatever M — rowwise_rows.)"""
     if triton is None:
         raise RuntimeError("rowwise_bmm needs triton")
+    B, M, _ = x.shape
+    prod = product(2 if tile else M, x, w)  # (a call site's tile: the tl.dot path at any M)
+    return _bmm(x, w, prod, tile or tile_shape(M, prod, B), k_chunk, out_dtype or x.dtype)
+
+
+def split_planes(x: torch.Tensor) -> torch.Tensor:
+    """fp32 x → its split [3, *x.shape] bf16 (hi, mid, lo), as split_bf16 makes it (torch's
+    round to nearest; exact down to values whose low parts leave bf16's normal range)."""
+    hi = x.bfloat16()
+    rest = x - hi.float()
+    mid = rest.bfloat16()
+    return torch.stack((hi, mid, (rest - mid.float()).bfloat16()))
+
+
+def planes_bmm(planes: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK) -> torch.Tensor:
+    """rowwise_bmm(x, w) [B, M, N] fp32 for an fp32 x [B, M, K] given as its exact split
+    `planes` [3, B, M, K] bf16 (hi, mid, lo: split_bf16(x), as strata.kernels.attention's
+    sink_softmax writes p) against bf16 w [B or 1, N, K] (M ≥ 2): SPLIT's products in its order
+    on its tile, so rowwise_bmm's bits, without the split inside the product — attention's p·v
+    at decode took 8.0 µs split in the kernel against 2.9 for bf16 x alone (H200, session 23)."""
+    if triton is None:
+        raise RuntimeError("planes_bmm needs triton")
+    if planes.dim() != 4 or planes.shape[0] != 3 or planes.dtype != torch.bfloat16 \
+            or w.dtype != torch.bfloat16:
+        raise ValueError(f"planes_bmm: planes [3, B, M, K] bf16 and bf16 w, got "
+                         f"{planes.dtype} {list(planes.shape)} and {w.dtype}")
+    _, B, M, _ = planes.shape
+    if M < 2:
+        raise ValueError("planes_bmm: rows of M ≥ 2 (the tensor-core tiles)")
+    return _bmm(planes[0], w, Product.PLANES, tile_shape(M, Product.SPLIT, B), k_chunk,
+                torch.float32, planes.stride(0))
+
+
+def _bmm(x: torch.Tensor, w: torch.Tensor, prod: int, tile: tuple[int, int, int],
+         k_chunk: int, out_dtype: torch.dtype, sxp: int = 0) -> torch.Tensor:
+    """One _rowwise_kernel launch (and the chunks' sum where K is split)."""
     B, M, K = x.shape
     Bw, N, Kw = w.shape
     if Kw != K or Bw not in (1, B):
         raise ValueError(f"rowwise_bmm: x {list(x.shape)} and w {list(w.shape)} do not match")
-    out = torch.empty((B, M, N), dtype=out_dtype or x.dtype, device=x.device)
+    out = torch.empty((B, M, N), dtype=out_dtype, device=x.device)
     if B * M == 0 or N == 0:
         return out
     swb = 0 if Bw == 1 else w.stride(0)
-    prod = product(2 if tile else M, x, w)  # (a call site's tile: the tl.dot path at any M)
-    bm, bn, bk = tile or tile_shape(M, prod, B)
+    bm, bn, bk = tile
     m_blocks = triton.cdiv(M, bm)
     chunks = triton.cdiv(K, k_chunk) if K > k_chunk else 1
     dest = out if chunks == 1 else torch.empty((chunks, B, M, N), dtype=torch.float32,
                                                device=x.device)
     args = (x, w, dest, M, N, K, m_blocks, k_chunk if chunks > 1 else K,
             x.stride(0), x.stride(1), x.stride(2), swb, w.stride(1), w.stride(2),
-            dest.stride(0) if chunks > 1 else 0, *dest.stride()[-3:])
+            dest.stride(0) if chunks > 1 else 0, *dest.stride()[-3:], sxp)
     grid = (B * m_blocks, triton.cdiv(N, bn), chunks)
     _rowwise_kernel[grid](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRODUCT=prod,
-                          num_warps=TILE_WARPS, **pdl.args(x.device))
+                          WIDEN=not x.is_cuda, num_warps=TILE_WARPS, **pdl.args(x.device))
     if chunks > 1:
         n = B * M * N
         _chunk_sum_kernel[(triton.cdiv(n, 1024),)](dest, out, n, chunks, BLOCK=1024,

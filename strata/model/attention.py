@@ -216,6 +216,11 @@ def sparse_attention(q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
     s = rows_bmm(q, rows, torch.float32)  # [T, H, n]
     from strata.kernels import attention as attn_kernels
     if attn_kernels.available(s):  # (the steps below in one launch)
+        if rows.dtype == torch.bfloat16:  # (p·v: fp32 p split into three bf16 products — the
+            # softmax stores the split; the product's bits, in less time: rowwise.planes_bmm)
+            from strata.kernels.rowwise import planes_bmm
+            return planes_bmm(attn_kernels.sink_softmax(s, mask, sink, scale, planes=True),
+                              rows.transpose(1, 2))
         return rows_bmm(attn_kernels.sink_softmax(s, mask, sink, scale), rows.transpose(1, 2))
     # (a Python scalar, not torch.tensor(-inf, device=…): that is a host → device upload per
     # layer, which on a GPU waits for the stream)

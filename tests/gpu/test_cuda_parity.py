@@ -108,6 +108,23 @@ def test_rowwise_split_and_row_tiles_compiled(cuda):
         assert torch.equal(rowwise_rows(x[t:t + 1], w, torch.float32), y[t:t + 1])
 
 
+def test_pv_from_the_stored_split_has_the_split_products_bits(cuda):
+    """Attention's p·v with the softmax storing p's split (sink_softmax planes=True, then
+    planes_bmm): the bits of the in-kernel split (rowwise_bmm on fp32 p) — a decode query, a
+    verify window, a prefill piece (the wider tile) and rows past one K chunk."""
+    from strata.kernels.attention import sink_softmax
+    from strata.kernels.rowwise import planes_bmm, rowwise_bmm
+    g = torch.Generator().manual_seed(9)
+    sink = torch.randn(64, generator=g).to(cuda)
+    for T, n in ((1, 640), (6, 640), (40, 640), (3, 1500)):
+        s = (torch.randn(T, 64, n, generator=g) * 4).to(cuda)
+        mask = (torch.rand(T, n, generator=g) > 0.2).to(cuda)
+        v = torch.randn(T, n, 512, generator=g).to(cuda, torch.bfloat16).transpose(1, 2)
+        want = rowwise_bmm(sink_softmax(s, mask, sink, 0.044), v)
+        got = planes_bmm(sink_softmax(s, mask, sink, 0.044, planes=True), v)
+        assert torch.equal(got, want), (T, n)
+
+
 @pytest.mark.parametrize("preset_dir", ["tiny_dir", "real_vocab_dir"])
 def test_cuda_greedy_tokens_match_cpu(cuda, request, preset_dir):
     path = request.getfixturevalue(preset_dir)
