@@ -119,8 +119,9 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor,
         product = 0
     wf = w.float()
     _index_scores_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(n, BLOCK_N))](
-        q, keys, wf, _contig(visible), out, float(w_scale), T, H, n, D, q.stride(0), q.stride(1), q.stride(2),
-        keys.stride(0), keys.stride(1), wf.stride(0), wf.stride(1), out.stride(0),
+        q, keys, wf, _contig(visible), out, float(w_scale), T, H, n, D,
+        q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1),
+        wf.stride(0), wf.stride(1), out.stride(0),
         BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRODUCT=product,
         num_warps=NUM_WARPS)
     return out

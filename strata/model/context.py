@@ -37,7 +37,6 @@ class ForwardContext:
     # sequence's start) and the hasher (NgramHasher.device_ids); engram_ids_of hashes once
     engram_history: torch.Tensor | None = None
     engram_hasher: object | None = None
-    _engram_hashed: dict[int, torch.Tensor] = field(default_factory=dict)
     # index-source layer -> [T, topk] selected compressed entries (ascending, -1 = empty)
     sel: dict[int, torch.Tensor] = field(default_factory=dict)
     candidates: torch.Tensor | None = None   # [T, n_entries] bool, from the candidate source
@@ -45,9 +44,7 @@ class ForwardContext:
     main_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # DSpark taps [T, D]
     # A layer split's kv-source entries passed through this rank for later ones (by carry name)
     relay: dict[str, torch.Tensor] = field(default_factory=dict)
-    _rope: dict[bool, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    _window: dict[tuple[int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict)
-    _derived: dict[tuple, object] = field(default_factory=dict)
+    _derived: dict[tuple, object] = field(default_factory=dict)  # see `derived`
 
     @property
     def T(self) -> int:
@@ -58,10 +55,7 @@ class ForwardContext:
         taps, published keys) and keep its inputs (positions, Engram ids and records): the
         context can then serve another forward whose inputs were copied into it
         (runtime/static_step)."""
-        self._rope.clear()
-        self._window.clear()
         self._derived.clear()
-        self._engram_hashed.clear()
         self.sel.clear()
         self.candidates = None
         self.published_keys.clear()
@@ -74,15 +68,13 @@ class ForwardContext:
         a graphed region hashes inside it)."""
         if self.engram_hasher is None:
             return self.engram_ids[layer]
-        if not self._engram_hashed:
-            self._engram_hashed.update(
-                self.engram_hasher.device_ids(self.engram_history, self.device_tokens))
-        return self._engram_hashed[layer]
+        return self.derived(("engram_ids",), lambda: self.engram_hasher.device_ids(
+            self.engram_history, self.device_tokens))[layer]
 
     def derived(self, key: tuple, make: Callable[[], D]) -> D:
-        """What every layer of this forward derives alike from its inputs (a ratio's entry
-        indices, the entries each query sees…): make() at the first ask, then the same value —
-        small device ops once a forward instead of once a layer."""
+        """What every layer of this forward derives alike from its inputs (RoPE tables, the
+        window, a ratio's entry indices, the entries each query sees…): make() at the first
+        ask, then the same value — small device ops once a forward instead of once a layer."""
         if key not in self._derived:
             self._derived[key] = make()
         return self._derived[key]
@@ -92,10 +84,8 @@ class ForwardContext:
 
     def rope(self, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin at this forward's positions for the table of a layer of this ratio."""
-        key = ratio > 0
-        if key not in self._rope:
-            self._rope[key] = rope_cos_sin(self.inv_freq(ratio), self.positions)
-        return self._rope[key]
+        return self.derived(("rope", ratio > 0),
+                            lambda: rope_cos_sin(self.inv_freq(ratio), self.positions))
 
     def rope_at(self, ratio: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_cos_sin(self.inv_freq(ratio), positions)
@@ -105,11 +95,10 @@ class ForwardContext:
         of the forward (made once, not per layer): kpos [T, W] (position order), existing
         (kpos ≥ 0), in_chunk (this forward's rows), row (the row of this forward's kv that
         holds it, where in_chunk) and slot (the ring slot, otherwise)."""
-        key = (W, ring_size)
-        if key not in self._window:
+        def make():
             p = self.positions
             first = p[:1]  # (a device tensor: the ops do not depend on the position)
             kpos = p[:, None] - (W - 1) + torch.arange(W, device=p.device)[None]
-            self._window[key] = (kpos, kpos >= 0, kpos >= first, (kpos - first).clamp(min=0),
-                                 kpos.clamp(min=0) % ring_size)
-        return self._window[key]
+            return (kpos, kpos >= 0, kpos >= first, (kpos - first).clamp(min=0),
+                    kpos.clamp(min=0) % ring_size)
+        return self.derived(("window", W, ring_size), make)
