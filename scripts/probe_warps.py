@@ -1,14 +1,17 @@
 """The step's small kernels at decode shapes (1 and 6 rows, V4.1's widths) under other warp
 counts: each op's call captured CALLS times in a row in one CUDA graph (early launch as in the
-model), µs a call from the graph's replays, for each num_warps the kernel is launched with
-(the launch keyword overridden by wrapping the kernel's run; the code's own value marked *).
-What it shows is each kernel's time as a link of a chain of its own kind — the model's chain
-mixes kinds, so a winner here still needs the model-level A/B.
-One-off diagnostic (GPU): source scripts/device_env.sh && [ONLY=text] [KNOB=num_stages] python scripts/probe_warps.py"""
+model), µs a call from the graph's replays (strata.bench.kernels.replay_us), for each
+num_warps the kernel is launched with (the launch keyword overridden by wrapping the kernel's
+run; the code's own value marked *) — or, with KNOB=num_stages, each pipeline depth. Attention's
+products also by K chunk and tile. What it shows is each kernel's time as a link of a chain of
+its own kind — the model's chain mixes kinds, so a winner here still needs the model-level A/B.
+One-off diagnostic (GPU): source scripts/device_env.sh &&
+  [ONLY=text] [KNOB=num_stages] python scripts/probe_warps.py"""
 import os
 
 import torch
 
+from strata.bench.kernels import replay_us
 from strata.kernels import exl3, mhc, moe_ops, norm, rowwise
 
 CALLS, REPLAYS = 32, 40
@@ -33,9 +36,11 @@ def ops(T: int):
     x1280, w1280 = rnd(T, 1280), rnd(1280, dtype=f32)
     suh = {k: rnd(k, dtype=torch.float16).sign() for k in (1280, 2304, 5120)}
     xs = {k: rnd(T * (6 if k == 2304 else 1), k) for k in suh}
-    fn, scale, base = rnd(24, H * D, dtype=f32) * 0.01, torch.ones(3, device=dev), rnd(24, dtype=f32)
+    fn, base = rnd(24, H * D, dtype=f32) * 0.01, rnd(24, dtype=f32)
+    scale = torch.ones(3, device=dev)
     y, post, comb = rnd(T, D), torch.rand(T, H, device=dev), torch.rand(T, H, H, device=dev)
-    g, v, pw = rnd(6 * T, 2304, dtype=f32), rnd(6 * T, 2304, dtype=f32), torch.rand(6 * T, device=dev)
+    g, v = rnd(6 * T, 2304, dtype=f32), rnd(6 * T, 2304, dtype=f32)
+    pw = torch.rand(6 * T, device=dev)
     gate = rnd(384, D)
     # attention's products over a query's n = 640 key rows (window 128 + 512 compressed)
     q, rows = rnd(T, 64, 512), rnd(T, 640, 512)
@@ -55,7 +60,8 @@ def ops(T: int):
         ("router 5120→384", rowwise._rowwise_kernel, rowwise.TILE_WARPS,
          lambda: rowwise.rowwise_rows(y, gate, f32)),
         *[(f"q·k 64×512·640 k_chunk {kc} tile {tile}", rowwise._rowwise_kernel,
-           rowwise.TILE_WARPS, (lambda kc=kc, tile=tile: rowwise.rowwise_bmm(q, rows, kc, f32, tile)))
+           rowwise.TILE_WARPS,
+           (lambda kc=kc, tile=tile: rowwise.rowwise_bmm(q, rows, kc, f32, tile)))
           for kc, tile in PRODUCT_VARIANTS],
         *[(f"p·v 64×640·512 k_chunk {kc} tile {tile}", rowwise._rowwise_kernel,
            rowwise.TILE_WARPS,
@@ -65,22 +71,7 @@ def ops(T: int):
 
 
 def timed(call) -> float:
-    for _ in range(2):
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            call()
-    for _ in range(3):
-        graph.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1000 / (REPLAYS * CALLS)
+    return replay_us([call] * CALLS, REPLAYS)
 
 
 # KNOB=num_stages: sweep that launch option instead (the code's own value then unmarked)
