@@ -46,11 +46,10 @@ def test_matches_the_torch_steps_and_rows_stand_alone():
 
 
 def _window(positions, W, ring_size):
-    """ForwardContext.window for these positions (it reads only them)."""
-    from types import SimpleNamespace
-
+    """ForwardContext.window for these positions (it reads only them: no config needed)."""
     from strata.model.context import ForwardContext
-    return ForwardContext.window(SimpleNamespace(positions=positions, _window={}), W, ring_size)
+    ctx = ForwardContext(cfg=None, numerics=None, start=0, positions=positions)
+    return ctx.window(W, ring_size)
 
 
 def test_gather_rows_is_the_torch_path_bit_for_bit():

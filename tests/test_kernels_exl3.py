@@ -386,8 +386,8 @@ def test_bench_smoke(tmp_path):
                 "trellis_gb_per_s"):
         assert key in row
     # the row kernel's cases against torch.bmm (smoke: tiny shapes)
-    assert [r["case"] for r in data["rowwise"]] == ["smoke_qk", "smoke_pv", "index_scores_smoke",
-                                                    "mhc_smoke"]
+    assert [r["case"] for r in data["rowwise"]] == ["smoke_qk", "smoke_pv", "smoke_pv_planes",
+                                                    "index_scores_smoke", "mhc_smoke"]
     assert all(r["ours_us"] > 0 and r["blas_us"] > 0 for r in data["rowwise"])
     assert "row kernel case" in (tmp_path / "k.md").read_text()
     assert data["checks"]["reconstruct_bit_exact"] is True

@@ -310,8 +310,6 @@ def test_attention_rows_gathered_in_one_launch_equal_the_torch_code(cuda, monkey
     """A 300-query chunk's key rows at V4.1's shapes (window 128 over a 256-slot ring, 512
     compressed picks, rows of 512 in bf16): the one-launch gather equals the torch path bit
     for bit, rows and mask."""
-    from types import SimpleNamespace
-
     from strata.model import attention as A
     from strata.model.context import ForwardContext
     from strata.runtime.state import PositionRing
@@ -325,7 +323,7 @@ def test_attention_rows_gathered_in_one_launch_equal_the_torch_code(cuda, monkey
     tags[::7] -= S                       # some of them stale
     ring.tags.copy_(tags.to(cuda))
     positions = torch.arange(1000, 1000 + T, device=cuda)
-    window = ForwardContext.window(SimpleNamespace(positions=positions, _window={}), W, S)
+    window = ForwardContext(cfg=None, numerics=None, start=1000, positions=positions).window(W, S)
     kv = torch.randn(T, hd, generator=g).to(cuda, torch.bfloat16)
     cache = torch.randn(600, hd, generator=g).to(cuda, torch.bfloat16)
     sel = torch.randint(-1, 600, (T, k), generator=g).to(cuda)
