@@ -15,7 +15,8 @@ the batch):
 - M ≥ 2 (attention: a query's heads against its rows; the indexer's torch path): tiles of
   rows through tl.dot with one fixed tile, warp count and product per operand type (`Product`:
   bf16/fp16 pairs on tensor cores; fp32 rows against bf16 — attention's p·v — as three exact
-  bf16 tensor-core products; other fp32 operands as IEEE fp32 FMAs), all accumulated in fp32.
+  bf16 tensor-core products, split in the kernel or, `planes_bmm`, stored split by the kernel
+  before; other fp32 operands as IEEE fp32 FMAs), all accumulated in fp32.
   A row's bits depend only on its own operands — an output element is the same chain of MMA
   steps over k whichever rows share its tile — so a head split (tensor parallelism) or
   another batch changes none. A long prefill's [query, heads, rows] products are a large part
