@@ -7,7 +7,8 @@
 # breakdowns (plain steps, DSpark windows, and a 4,096-row prefill chunk at the prompt's end,
 # encoder-only and full; NOMMA=1: the Triton EXL3 kernels only, --no-mma); (3) with
 # KERNELS=1, the row kernel, the indexer's scores and hc_mix against cuBLAS at the model's
-# shapes; (4) a 128K prefill. Defaults fit one 600 s call without (3). Figures to compare with: performance.md, the latest session's section.
+# shapes; (4) a 128K prefill. TOKENS: decoded per run (default 96; 24 up to session 23).
+# Defaults fit one 600 s call without (3). Figures to compare with: performance.md, the latest session's section.
 # On the device: source scripts/device_env.sh && bash scripts/device_perf.sh
 set -o pipefail
 timeout ${T1:-240} python -m pytest -v -m gpu \
@@ -20,7 +21,7 @@ timeout ${T1:-240} python -m pytest -v -m gpu \
     "tests/gpu/test_kernels_exl3_gpu.py::test_exl3_fixture_ladder_through_kernels" \
     -rf --tb=short --durations=8 2>&1 | tee $OUT/gpu_tests.log
 timeout ${T2:-250} python -m strata bench synthetic --device cuda:0 --layers 0-9,20-29 \
-    --modes plain+graphs,oracle+graphs,oracle:2.9+graphs --tokens 24 --runs 1 --warmup 1 \
+    --modes plain+graphs,oracle+graphs,oracle:2.9+graphs --tokens ${TOKENS:-96} --runs 1 --warmup 1 \
     --breakdown 2 --prefill ${PREFILLS:-32K} --prefill-skip both --prefill-chunk 4096 \
     ${NOMMA:+--no-mma} --json $OUT/synthetic_1gpu.json 2>&1 | grep -v CUDAGraph.cpp \
     | tee $OUT/synthetic_1gpu.log
