@@ -7,7 +7,8 @@
 # scripts/ab_overlay.sh REV V — carried as an ignored folder) copied over it. The order
 # alternates (AB: default "before kept kept before") so drift between runs shows. TOKENS: per
 # run (default 96 — 16 DSpark windows, so a run's one-time costs weigh less than with the 24
-# of sessions ≤ 23, whose oracle figures spread ±5 % between copies of one tree).
+# of sessions ≤ 23, whose oracle figures spread ±5 % between copies of one tree); PROMPT: the
+# prompt's tokens (default 512; e.g. 32768 for decode at an agent's context length).
 # On the device: source scripts/device_env.sh && bash scripts/device_probes.sh
 set -o pipefail
 [ -n "$NO_TESTS" ] || timeout ${T1:-200} python -m pytest -q -m gpu -rf --tb=short \
@@ -22,7 +23,7 @@ for v in ${AB:-before kept kept before}; do
   [ $v = kept ] || cp -r $repo/.ab/$v/. /tmp/ab_$v/
   (cd /tmp/ab_$v && PYTHONPATH=/tmp/site:/tmp/ab_$v timeout ${T3:-150} python -m strata bench \
       synthetic --device cuda:0 --layers 0-9,20-29 \
-      --modes plain+graphs,oracle+graphs,oracle:2.9+graphs --tokens ${TOKENS:-96} --runs 2 --warmup 1 \
+      --modes plain+graphs,oracle+graphs,oracle:2.9+graphs --tokens ${TOKENS:-96} --runs 2 --warmup 1 --prompt-tokens ${PROMPT:-512} \
       --json $OUT/synthetic_${i}_$v.json 2>&1 | grep -E "^measured|identical|Error|error" \
       > $OUT/synthetic_${i}_$v.log)
   echo "== $i $v"; cat $OUT/synthetic_${i}_$v.log
