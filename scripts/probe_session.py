@@ -1,5 +1,6 @@
 """The decode session the GPU probes (scripts/probe_*.py) run: the synthetic V4.1 with half the
-layers (as scripts/device_probes.sh), a 512-token random prompt, greedy, and a mode of
+layers (as scripts/device_probes.sh), a random prompt of PROMPT tokens (environment, default
+512; e.g. 32768: a step at an agent's context length), greedy, and a mode of
 `strata bench synthetic` (plain, oracle, oracle:X, each + "+graphs"); oracle drafts are
 plain decoding's own continuation. Imported by the probes (run from the repo root as
 `python scripts/probe_….py`: this folder is on their path)."""
@@ -29,7 +30,8 @@ def probe_session(mode: str, steps: int):
     cfg = v41_flash_config()
     model, _ = build_synthetic(cfg, "cuda:0", layers=parse_layers("0-9,20-29", cfg.n_layers))
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(3, 100_000, (512,), generator=g).tolist()
+    prompt = torch.randint(3, 100_000, (int(os.environ.get("PROMPT", 512)),),
+                           generator=g).tolist()
     window = not mode.removesuffix(GRAPHS).startswith("plain")
     per = cfg.dspark_block_size + 1 if window else 1
     n = (steps + WARM_UP + 3) * per + 1
