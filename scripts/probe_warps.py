@@ -2,9 +2,11 @@
 counts: each op's call captured CALLS times in a row in one CUDA graph (early launch as in the
 model), µs a call from the graph's replays (strata.bench.kernels.replay_us), for each
 num_warps the kernel is launched with (the launch keyword overridden by wrapping the kernel's
-run; the code's own value marked *) — or, with KNOB=num_stages, each pipeline depth. Attention's
-products also by K chunk and tile. What it shows is each kernel's time as a link of a chain of
-its own kind — the model's chain mixes kinds, so a winner here still needs the model-level A/B.
+run; the code's own value marked *) — or, with KNOB=num_stages, each pipeline depth.
+Attention's products also by K chunk and tile, and from the stored split; the indexer's
+selection at 768, 32K and 128K entries (a decode step's at those context lengths:
+ONLY=index). What it shows is each kernel's time as a link of a chain of its own kind — the
+model's chain mixes kinds, so a winner here still needs the model-level A/B.
 One-off diagnostic (GPU): source scripts/device_env.sh &&
   [ONLY=text] [KNOB=num_stages] python scripts/probe_warps.py"""
 import os
@@ -12,7 +14,8 @@ import os
 import torch
 
 from strata.bench.kernels import replay_us
-from strata.kernels import exl3, mhc, moe_ops, norm, rowwise
+from strata.kernels import exl3, indexer, mhc, moe_ops, norm, ranking, rowwise
+from strata.model.indexer import topk_lowest_index
 
 CALLS, REPLAYS = 32, 40
 dev = torch.device("cuda")
@@ -45,6 +48,10 @@ def ops(T: int):
     # attention's products over a query's n = 640 key rows (window 128 + 512 compressed)
     q, rows = rnd(T, 64, 512), rnd(T, 640, 512)
     p = torch.softmax(torch.randn(T, 64, 640, device=dev), -1)
+    planes = rowwise.split_planes(p)
+    # the indexer's selection for T queries over n entries (its scores, then the top 512)
+    sel = {n: (rnd(T, 32, 128, dtype=f32), rnd(n, 128), torch.rand(T, 32, device=dev),
+               torch.full((T,), n, device=dev)) for n in (768, 32768, 131072)}
     return [
         ("collapse_norm 4×5120", norm._rms_norm_kernel, 4,
          lambda: norm.collapse_rms_norm(h, pre, w, 1e-20)),
@@ -67,6 +74,13 @@ def ops(T: int):
            rowwise.TILE_WARPS,
            (lambda kc=kc, tile=tile: rowwise.rowwise_bmm(p, rows.transpose(1, 2), kc, None, tile)))
           for kc, tile in PRODUCT_VARIANTS],
+        ("p·v 64×640·512 from the stored split", rowwise._rowwise_kernel, rowwise.TILE_WARPS,
+         lambda: rowwise.planes_bmm(planes, rows.transpose(1, 2))),
+        *[(f"index scores n={n}", indexer._index_scores_kernel, indexer.NUM_WARPS,
+           (lambda n=n: indexer.index_scores(*sel[n], 0.0156))) for n in sel],
+        *[(f"index scores + top 512 n={n}", ranking._sorted_picks_kernel, 4,
+           (lambda n=n: topk_lowest_index(indexer.index_scores(*sel[n], 0.0156), 512)))
+          for n in sel],
     ]
 
 
