@@ -34,6 +34,12 @@ def entry_indices(ratio: int, positions: torch.Tensor) -> torch.Tensor:
     return first + torch.arange(entries_written(ratio, positions.numel()), device=first.device)
 
 
+def forward_entries(ctx: ForwardContext, ratio: int) -> torch.Tensor:
+    """entry_indices of a forward's positions, made once a forward (the same for every
+    source of this ratio, and for a layer split's hops)."""
+    return ctx.derived(("entries", ratio), lambda: entry_indices(ratio, ctx.positions))
+
+
 class Compressor:
     def __init__(self, cfg: ModelConfig, layer: int, w: WeightReader, prefix: str) -> None:
         self.cfg, self.layer, self.ratio = cfg, layer, cfg.ratio(layer)
@@ -46,12 +52,6 @@ class Compressor:
     def linears(self) -> list:
         """What it projects u with (fp32 outputs), in the order `forward` takes them."""
         return [self.wkv] if self.wgate is None else [self.wkv, self.wgate]
-
-    def entries(self, ctx: ForwardContext) -> torch.Tensor:
-        """The entry indices this forward writes (entry_indices; the same for every source of
-        this ratio: made once a forward)."""
-        r = self.ratio
-        return ctx.derived(("entries", r), lambda: entry_indices(r, ctx.positions))
 
     def forward(self, u: torch.Tensor, ctx: ForwardContext, state: State,
                 projected: list[torch.Tensor] | None = None
@@ -74,11 +74,11 @@ class Compressor:
             projected = self.projections(u, nx, torch.float32)
         if r == 1:
             (k,) = projected
-            return rms_norm(k, self.norm, self.cfg.rms_norm_eps), self.entries(ctx), n
+            return rms_norm(k, self.norm, self.cfg.rms_norm_eps), forward_entries(ctx, r), n
         k, g = projected
         kg = torch.stack((k, g), dim=1)  # [T, 2, hd]: what the tail ring keeps
         ring = state.comp_tail[self.layer]
-        entries = self.entries(ctx)
+        entries = forward_entries(ctx, r)
         # (read before this forward's rows are written: a long chunk's rows overwrite slots)
         if compressor_kernels.available(k):  # (the steps below in one launch, their bits)
             pooled = compressor_kernels.pool(ring.rows, k, g, ctx.positions, entries, r)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from strata.model.compressor import entries_written, entry_indices
+from strata.model.compressor import entries_written, forward_entries
 from strata.model.context import ForwardContext
 from strata.model.model import Model
 from strata.model.numerics import Numerics
@@ -190,7 +190,7 @@ class LayerExecutor:
                 if cache is None:  # a source only later ranks read: pass it on
                     ctx.relay[name] = t
                 else:
-                    cache[entry_indices(self.cfg.ratio(s), ctx.positions)] = t
+                    cache[forward_entries(ctx, self.cfg.ratio(s))] = t
 
     def _send_carry(self, r: int, h, pre, ctx: ForwardContext, state: State,
                     decoder: bool) -> None:
@@ -210,5 +210,5 @@ class LayerExecutor:
                 else:
                     s = int(key)
                     cache = state.comp_kv[s] if kind == "kv" else state.index_k[s]
-                    vals[name] = cache[entry_indices(self.cfg.ratio(s), ctx.positions)]
+                    vals[name] = cache[forward_entries(ctx, self.cfg.ratio(s))]
         self.comm.send(lay.pack(vals, self.m.device), r + 1)
