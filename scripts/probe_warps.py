@@ -78,7 +78,7 @@ def ops(T: int):
          lambda: rowwise.planes_bmm(planes, rows.transpose(1, 2))),
         *[(f"index scores n={n}", indexer._index_scores_kernel, indexer.NUM_WARPS,
            (lambda n=n: indexer.index_scores(*sel[n], 0.0156))) for n in sel],
-        *[(f"index scores + top 512 n={n}", ranking._sorted_picks_kernel, 4,
+        *[(f"index scores + top 512 n={n}", ranking._top_picks_kernel, ranking.PICKS_WARPS,
            (lambda n=n: topk_lowest_index(indexer.index_scores(*sel[n], 0.0156), 512)))
           for n in sel],
     ]

@@ -390,6 +390,11 @@ def test_bench_smoke(tmp_path):
                                                     "index_scores_smoke", "mhc_smoke"]
     assert all(r["ours_us"] > 0 and r["blas_us"] > 0 for r in data["rowwise"])
     assert "row kernel case" in (tmp_path / "k.md").read_text()
+    # the indexer's selection against torch's top-k (smoke: one tiny case)
+    assert [r["case"] for r in data["selection"]] == ["selection_smoke"]
+    assert all(r["ours_us"] > 0 and r["torch_topk_sort_us"] > 0 and r["exact_torch_us"] > 0
+               for r in data["selection"])
+    assert "indexer selection" in (tmp_path / "k.md").read_text()
     assert data["checks"]["reconstruct_bit_exact"] is True
     assert (tmp_path / "k.md").read_text().startswith("|")
     from strata.errors import StrataError

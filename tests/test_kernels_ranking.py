@@ -43,26 +43,31 @@ def test_no_entries_or_no_rows_give_empty_keys():
         assert keys.shape == shape and keys.dtype == torch.int64
 
 
-def test_sorted_picks_are_the_indexers_torch_ops():
-    """topk_lowest_index's picks in one launch (strata.kernels.ranking.sorted_picks) against
-    its torch ops (the CPU path): finite picks ascending, then −1 — with fewer finite scores
-    than picks, ties, a selection wider than the entries (m < k) and non-power-of-2 widths."""
-    from strata.kernels.ranking import sorted_picks
+def test_top_picks_are_the_indexers_torch_ops(monkeypatch):
+    """The indexer's selection in one launch (strata.kernels.ranking.top_picks, blocks of 256
+    here so the passes span several) against topk_lowest_index's torch ops (the CPU path):
+    finite picks ascending, then −1 — with fewer finite scores than picks, ties across blocks
+    (the lowest indices), rounded rows, −0 against +0 (equal), +inf, a selection wider than
+    the entries and non-power-of-2 widths; no rows and no entries."""
+    from strata.kernels import ranking
     from strata.model.indexer import topk_lowest_index
+    monkeypatch.setattr(ranking, "PICKS_BLOCK", 256)
     g = torch.Generator().manual_seed(5)
-    scores = torch.randn(4, 300, generator=g)
+    scores = torch.randn(6, 1000, generator=g)
     scores[0, 40:] = float("-inf")  # 40 finite entries
-    scores[1, 100:180] = 0.5        # ties
+    scores[1, 100:700] = 0.5        # ties
     scores[2, ::3] = float("-inf")
-    for k in (16, 100, 300, 512):
-        m = min(k, scores.shape[1])
-        idx = torch.topk(torch_keys(scores), m, dim=-1, sorted=False).indices
+    scores[3] = scores[3].round()
+    scores[4, :500] = -0.0
+    scores[4, 500:] = 0.0
+    scores[5, 7] = float("inf")
+    for k in (1, 100, 300, 512, 999, 1000, 1500):
+        got = ranking.top_picks(scores, k)
         want = topk_lowest_index(scores, k)
-        got = sorted_picks(idx, scores, k)
-        assert got.dtype == torch.int64 and got.shape == (4, k) and torch.equal(got, want), k
-        if m == scores.shape[1]:  # every entry picked: the indexer passes one broadcast row
-            every = torch.arange(m).expand(4, m)
-            assert torch.equal(sorted_picks(every, scores, k), want), k
+        assert got.dtype == torch.int64 and got.shape == (6, k) and torch.equal(got, want), k
+    assert torch.equal(ranking.top_picks(scores[:, ::2], 64), topk_lowest_index(scores[:, ::2], 64))
+    assert ranking.top_picks(torch.zeros(0, 9), 4).shape == (0, 4)
+    assert torch.equal(ranking.top_picks(torch.zeros(3, 0), 4), torch.full((3, 4), -1))
 
 
 @pytest.mark.parametrize("n", [1, 5, 64, 65, 300])

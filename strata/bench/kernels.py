@@ -20,7 +20,11 @@ Targets (issue): ours ≥ exllamav3's rate at 1 row, ≥ 1.5× at 6 rows (report
 model gives it — a prefill piece's attention q·k (bf16, tensor cores) and p·v (fp32 × bf16),
 the indexer's q·k over 32K entries, mHC's long row products, and a decode step's q·k — in
 TFLOP/s, against cuBLAS's torch.bmm on the same operands in the same run (not batch-invariant:
-the speed the exactness costs).
+the speed the exactness costs). With it, the indexer's selection (strata.kernels.ranking.top_picks:
+the k largest finite scores of a row, ties to the lower index, ascending) at decode, window,
+candidate-block and prefill-piece shapes against torch.topk + torch.sort of the picks (not
+tie-exact) and against the exact selection in torch ops (int64 keys' top-k, a gather, a sort:
+the CPU path, run on the GPU).
 
 `--smoke`: tiny shapes, CPU under TRITON_INTERPRET=1 (the harness logic, for the test suite).
 Output: a markdown table on stdout, JSON (--json) with a .md beside it.
@@ -352,10 +356,11 @@ def run(args) -> dict:
         meta["peer"] = _merge_peer(args, rows, checks)
     moe = _bench_moe(X, dev, timer, copy_gbs, smoke, args.codebook) if args.moe or smoke else []
     rowwise = _bench_rowwise(dev, timer, smoke) if args.rowwise or smoke else []
+    selection = _bench_selection(dev, timer, smoke) if args.rowwise or smoke else []
     meta["timing"] = ("cuda-graph replay" if timer.graph else "eager") + (
         f" ({timer.eager_fallbacks} eager fallbacks)" if timer.eager_fallbacks else "")
-    return {"meta": meta, "rows": rows, "moe": moe, "rowwise": rowwise, "checks": checks,
-            "targets": _targets(rows)}
+    return {"meta": meta, "rows": rows, "moe": moe, "rowwise": rowwise, "selection": selection,
+            "checks": checks, "targets": _targets(rows)}
 
 
 def _peer_argv(args) -> list[str]:
@@ -590,6 +595,39 @@ def _bench_rowwise(dev, timer, smoke) -> list[dict]:
     return out
 
 
+# (name, rows, entries, picks): a decode query against 8K, 32K and 131K entries (a ratio-4
+# layer at 32K, 128K and 512K tokens), a DSpark window's 6 queries, a candidate source's
+# blocks, a prefill piece (indexer.SCORE_SCRATCH's rows at 16K entries)
+SELECTION = (("decode_8k", 1, 8192, 512), ("decode_32k", 1, 32768, 512),
+             ("decode_131k", 1, 131072, 512), ("window_32k", 6, 32768, 512),
+             ("candidate_blocks", 1, 16384, 2048), ("prefill_piece", 2048, 16384, 512))
+SMOKE_SELECTION = (("selection_smoke", 3, 300, 16),)
+
+
+def _bench_selection(dev, timer, smoke) -> list[dict]:
+    """The indexer's selection in one launch against torch's top-k and sort, and against the
+    exact torch path (strata.model.indexer.topk_lowest_index with the kernels off)."""
+    from strata.kernels import ranking
+    from strata.model import indexer
+    out = []
+    for name, T, n, k in SMOKE_SELECTION if smoke else SELECTION:
+        g = torch.Generator(device="cpu").manual_seed(n + T)
+        scores = torch.randn(T, n, generator=g)
+        scores[:, n - n // 8:] = float("-inf")  # (a bucket's entries past the visible ones)
+        scores = scores.to(dev)
+        ours = timer(lambda: ranking.top_picks(scores, k))
+        peer = timer(lambda: torch.sort(torch.topk(scores, k, sorted=False).indices).values)
+        available = ranking.available
+        ranking.available = lambda t: False
+        try:
+            exact = timer(lambda: indexer.topk_lowest_index(scores, k))
+        finally:
+            ranking.available = available
+        out.append({"case": name, "rows": T, "entries": n, "picks": k, "ours_us": ours,
+                    "torch_topk_sort_us": peer, "exact_torch_us": exact})
+    return out
+
+
 def _targets(rows: list[dict]) -> list[dict]:
     out = []
     for r in rows:
@@ -643,6 +681,13 @@ def markdown(res: dict) -> str:
                   f"{r['ours_us']:.1f} | {r['ours_tflops']:.1f} | {r['blas_us']:.1f} | "
                   f"{r['blas_tflops']:.1f} | {r['ours_over_blas_time']:.2f} |"
                   for r in res["rowwise"]]
+    if res.get("selection"):
+        lines += ["", "| indexer selection | rows × entries → picks | ours µs | torch top-k + "
+                  "sort µs | exact torch path µs | ours/top-k time |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['case']} | {r['rows']} × {r['entries']} → {r['picks']} | "
+                  f"{r['ours_us']:.1f} | {r['torch_topk_sort_us']:.1f} | "
+                  f"{r['exact_torch_us']:.1f} | {r['ours_us'] / r['torch_topk_sort_us']:.2f} |"
+                  for r in res["selection"]]
     if res["moe"]:
         lines += ["", "| MoE gate+up: tokens | slots | distinct experts | µs | Gw/s | GB/s |",
                   "|---|---|---|---|---|---|"]

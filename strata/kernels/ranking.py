@@ -1,5 +1,5 @@
 """ranked_topk's keys in one launch on CUDA (strata.model.numerics.ranked_topk), the
-indexer's picks put in order in one launch (strata.model.indexer.topk_lowest_index), and
+indexer's selection in one launch (top_picks, for strata.model.indexer.topk_lowest_index), and
 greedy sampling's argmax (argmax_rows: the same keys, largest first).
 
 A stable descending top-k is a top-k over distinct int64 keys: the score's float bits mapped to
@@ -20,9 +20,11 @@ except ImportError:  # CPU-only installs: the torch definition is used
 BLOCK = 1024
 # argmax_rows: values per program of its first pass (a 129,280-wide row: 64 programs)
 ARGMAX_BLOCK = 2048
-# sorted_picks sorts a row of up to this many picks in registers (the indexer's 512); wider
-# selections keep the torch ops
-MAX_PICKS = 4096
+# top_picks: entries a program reads at once in each of its passes over a row, its warps, and
+# the copies of each radix count (one for each lane of a warp)
+PICKS_BLOCK = 4096
+PICKS_WARPS = 8
+PICKS_COPIES = 32
 
 
 def available(t: torch.Tensor) -> bool:
@@ -34,10 +36,19 @@ if triton is not None:
     from strata.kernels.pdl import wait_then_release
 
     @triton.jit
-    def _ordered(s):
-        """An fp32's bits as an int64 of the same order (−0 ranks as +0)."""
+    def _ordered32(s):
+        """An fp32's bits as an int32 of the same order (−0 ranks as +0)."""
         bits = tl.where(s == 0.0, 0, s.to(tl.int32, bitcast=True))
-        return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+        return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+    @triton.jit
+    def _ordered(s):
+        return _ordered32(s).to(tl.int64)
+
+    @triton.jit
+    def _unsigned_key(s):
+        """The same order as a uint32: −inf the least of the scores', above 0."""
+        return _ordered32(s).to(tl.uint32, bitcast=True) ^ 0x80000000
 
     @triton.jit
     def _rank_keys_kernel(s_ptr, o_ptr, n, s_row, BLOCK: tl.constexpr):
@@ -72,31 +83,89 @@ if triton is not None:
         tl.store(o_ptr + row, n - 1 - (key & 0xFFFFFFFF))
 
     @triton.jit
-    def _sorted_picks_kernel(idx_ptr, s_ptr, o_ptr, n, m, k, s_idx, s_row, s_out,
-                             B: tl.constexpr):
+    def _top_picks_kernel(s_ptr, o_ptr, n, k, s_row, o_row, BLOCK: tl.constexpr,
+                          COPIES: tl.constexpr):
+        # One row: the k largest finite scores (ties to the lower index) by a radix select on
+        # their 32-bit ordered keys, 8 bits a pass from the top (each pass counts, among the
+        # entries whose higher bits match the k-th largest's found so far, each value of the
+        # next 8 bits; none when the row has no more than k entries), then one pass that
+        # writes the picks in index order.
         row = tl.program_id(0).to(tl.int64)
-        lanes = tl.arange(0, B)
-        live = lanes < m
-        i = tl.load(idx_ptr + row * s_idx + lanes, mask=live, other=0)
-        v = tl.load(s_ptr + row * s_row + i, mask=live, other=float("-inf"))
-        # a pick with no finite score, and the lanes past m, sort last as n, then read −1
-        i = tl.where(live & (v > float("-inf")), i, n).to(tl.int32)
-        i = tl.sort(i, 0)
-        tl.store(o_ptr + row * s_out + lanes, tl.where(i < n, i, -1).to(tl.int64),
-                 mask=lanes < k)
+        base = s_ptr + row * s_row
+        bins = tl.arange(0, 256)
+        # Each count is kept in COPIES copies, a lane's in the copy of its place in the warp
+        # (a thread holds 4 adjacent entries): the histogram adds in shared memory one atomic
+        # an entry, and the scores of a row share their top bits, so with one copy a warp's
+        # adds to one count ran one after another (session 24: 5× slower at 131K entries).
+        copy = (tl.arange(0, BLOCK) // 4) % COPIES
+        # Every finite entry when the row has no more than k (keys of finite scores are > 0).
+        threshold = tl.zeros((), tl.uint32)
+        ties = 0  # entries equal to the threshold to take, the lowest first
+        if n > k:
+            prefix = tl.zeros((), tl.uint32)  # the k-th largest key's bits found so far
+            want = k  # its rank among the entries that match them
+            finite = 0
+            for p in tl.static_range(4):
+                shift = 24 - 8 * p
+                copies = tl.zeros((256 * COPIES,), tl.int32)
+                for start in range(0, n, BLOCK):
+                    cols = start + tl.arange(0, BLOCK)
+                    s = tl.load(base + cols, mask=cols < n,
+                                other=float("-inf")).to(tl.float32)
+                    u = _unsigned_key(s)
+                    live = s > float("-inf")
+                    if p > 0:
+                        live = live & ((u >> (shift + 8)) == prefix)
+                    bits = ((u >> shift) & 255).to(tl.int32)
+                    copies += tl.histogram(bits * COPIES + copy, 256 * COPIES, mask=live)
+                hist = tl.sum(tl.reshape(copies, (256, COPIES)), 1)
+                if p == 0:
+                    finite = tl.sum(hist)
+                # the digit holding the sought rank: the largest whose entries at or above it
+                # number at least `want`
+                at_or_above = tl.sum(hist) - tl.cumsum(hist, 0) + hist
+                digit = tl.max(tl.where(at_or_above >= want, bins, 0))
+                want -= tl.sum(tl.where(bins > digit, hist, 0))
+                prefix = (prefix << 8) | digit.to(tl.uint32)
+            threshold = tl.where(finite > k, prefix, threshold)
+            ties = tl.where(finite > k, want, 0)
+        taken = 0
+        equal_seen = 0
+        for start in range(0, n, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            s = tl.load(base + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
+            u = _unsigned_key(s)
+            live = s > float("-inf")
+            equal = (live & (u == threshold)).to(tl.int32)
+            take = (live & (u > threshold)) | ((equal != 0) & (
+                equal_seen + tl.cumsum(equal, 0) - equal < ties))
+            take_i = take.to(tl.int32)
+            tl.store(o_ptr + row * o_row + taken + tl.cumsum(take_i, 0) - take_i,
+                     cols.to(tl.int64), mask=take)
+            taken += tl.sum(take_i)
+            equal_seen += tl.sum(equal)
+        for start in range(0, k, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            tl.store(o_ptr + row * o_row + cols, tl.full((BLOCK,), -1, tl.int64),
+                     mask=(cols >= taken) & (cols < k))
 
 
-def sorted_picks(idx: torch.Tensor, scores: torch.Tensor, k: int) -> torch.Tensor:
-    """[T, k] int64: the picks idx [T, m] (m ≤ k) of scores [T, n] whose score is finite, in
-    ascending order, then −1 — what topk_lowest_index's torch ops make of them (a gather, two
-    wheres, a sort and a pad), in one launch."""
-    T, m = idx.shape
-    n = scores.shape[1]
-    out = torch.empty((T, k), dtype=torch.int64, device=idx.device)
-    if T:
-        _sorted_picks_kernel[(T,)](idx, scores, out, n, m, k, idx.stride(0), scores.stride(0),
-                                   out.stride(0), B=triton.next_power_of_2(max(k, 2)),
-                                   num_warps=4)
+def top_picks(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """[T, k] int64: for each row of scores [T, n] (float; rows may be strided), the indices
+    of its k largest finite scores, ties to the lower index, in ascending order, then −1 —
+    strata.model.indexer.topk_lowest_index's definition, in one launch: one program a row
+    reads the row at most five times (four 8-bit radix passes over 32-bit keys, then the
+    picks in index order), where torch radix-selected over int64 keys written to memory first
+    and sorted the picks after (four launches at least; ~60–75 µs a decode query's row of 8K
+    entries, H200)."""
+    T, n = scores.shape
+    if scores.stride(1) != 1:
+        scores = scores.contiguous()
+    out = torch.empty((T, k), dtype=torch.int64, device=scores.device)
+    if T and k:
+        _top_picks_kernel[(T,)](scores, out, n, k, scores.stride(0), out.stride(0),
+                                BLOCK=PICKS_BLOCK, COPIES=PICKS_COPIES,
+                                num_warps=PICKS_WARPS)
     return out
 
 

@@ -24,11 +24,12 @@ from strata.runtime.state import State, entry_bucket
 
 # Queries are scored in pieces whose largest temporaries stay under this many bytes: a 4,096-row
 # prefill chunk against a 524K context's 262K entries would otherwise make a [T, heads, n] fp32
-# tensor of 137 GB (the torch path: 4 bytes per head and entry), or [T, n] top-k keys of
-# 8.6 GB and their temporaries (the CUDA kernel keeps the heads in registers: about
-# TOPK_BYTES per entry remain). Every query's selection is its own: the pieces change no bit.
+# tensor of 137 GB (the torch path: 4 bytes per head and entry), or [T, n] scores and
+# selection temporaries of several GB (the CUDA kernels keep the heads in registers and select
+# without keys in memory: under TOPK_BYTES per entry remain). Every query's selection is its
+# own: the pieces change no bit.
 SCORE_SCRATCH = 1 << 30
-TOPK_BYTES = 32  # the scores, their int64 ranking keys and the keys' temporaries
+TOPK_BYTES = 32  # the scores, and a candidate source's padded block copy, masks and wheres
 
 
 def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -36,15 +37,14 @@ def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     sorted ascending; slots with no finite score left are −1. Always k wide, so the
     attention that consumes it has the same shape whatever the number of entries."""
     from strata.kernels import ranking
+    if ranking.available(scores):
+        return ranking.top_picks(scores, k)  # (the ops below in one launch)
     T, n = scores.shape
     m = min(k, n)
     if m == n:  # every entry is a pick (a context of few entries): nothing to select
         idx = torch.arange(n, device=scores.device).expand(T, n)
     else:
         idx = ranked_topk(scores, m, sorted=False)  # (a radix select, not a sort of the row)
-    if (ranking.available(scores) and n and scores.stride(1) == 1
-            and k <= ranking.MAX_PICKS):
-        return ranking.sorted_picks(idx, scores, k)  # (the ops below in one launch)
     val = scores.gather(1, idx)
     idx = torch.where(val > float("-inf"), idx, torch.full_like(idx, n))
     idx = torch.sort(idx, dim=-1).values

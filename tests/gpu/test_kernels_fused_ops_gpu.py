@@ -395,9 +395,9 @@ def test_greedy_argmax_in_two_launches_gives_torchs_ids(cuda):
 
 
 def test_the_indexers_picks_in_one_launch_equal_the_torch_code(cuda, monkeypatch):
-    """topk_lowest_index with its picks ordered in one launch (ranking.sorted_picks): the
-    torch code's [T, k] at an indexer piece's shape and a candidate-block shape (fewer entries
-    than picks), infinities and ties included."""
+    """topk_lowest_index in one launch (ranking.top_picks): the torch code's [T, k] at an
+    indexer piece's shape, a candidate-block shape (fewer entries than picks), a candidate
+    source's 2,048 blocks and a decode query's 131K entries, infinities and ties included."""
     from strata.model.indexer import topk_lowest_index
     g = torch.Generator().manual_seed(11)
     scores = torch.randn(64, 20000, generator=g)
@@ -405,7 +405,10 @@ def test_the_indexers_picks_in_one_launch_equal_the_torch_code(cuda, monkeypatch
     scores[1, 100:900] = 0.5
     scores[2, ::2] = float("-inf")
     scores = scores.to(cuda)
-    for s, k in ((scores, 512), (scores[:, :200].contiguous(), 512), (scores[:, :700], 64)):
+    long = torch.randn(2, 131072, generator=g).to(cuda)
+    long[1, 5000:90000] = 0.125
+    for s, k in ((scores, 512), (scores[:, :200].contiguous(), 512), (scores[:, :700], 64),
+                 (scores[:, :10000], 2048), (long, 512)):
         got = topk_lowest_index(s, k)
         want = torch_path(monkeypatch, topk_lowest_index, s, k)
         assert torch.equal(got, want), (s.shape, k)
