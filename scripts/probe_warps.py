@@ -8,7 +8,7 @@ selection at 768, 32K and 128K entries (a decode step's at those context lengths
 ONLY=index). What it shows is each kernel's time as a link of a chain of its own kind — the
 model's chain mixes kinds, so a winner here still needs the model-level A/B.
 One-off diagnostic (GPU): source scripts/device_env.sh &&
-  [ONLY=text] [KNOB=num_stages] python scripts/probe_warps.py"""
+  [ONLY=text] [KNOB=num_stages | KNOB=keyword VALUES="v …"] python scripts/probe_warps.py"""
 import os
 
 import torch
@@ -88,9 +88,12 @@ def timed(call) -> float:
     return replay_us([call] * CALLS, REPLAYS)
 
 
-# KNOB=num_stages: sweep that launch option instead (the code's own value then unmarked)
+# KNOB=num_stages: sweep that launch option instead (the code's own value then unmarked), or
+# any launch keyword of the kernel — a constexpr too — with VALUES, e.g. KNOB=COPIES
+# VALUES="1 4 8 32" ONLY=top (the selection's copies of each count)
 KNOB = os.environ.get("KNOB", "num_warps")
-VALUES = (1, 2, 3, 4) if KNOB == "num_stages" else (1, 2, 4, 8, 16)
+VALUES = tuple(int(v) for v in os.environ.get(
+    "VALUES", "1 2 3 4" if KNOB == "num_stages" else "1 2 4 8 16").split())
 
 
 def with_knob(kernel, value: int):
