@@ -5,8 +5,9 @@ num_warps the kernel is launched with (the launch keyword overridden by wrapping
 run; the code's own value marked *) — or, with KNOB=num_stages, each pipeline depth.
 Attention's products also by K chunk and tile, and from the stored split; the indexer's
 selection at 768, 32K and 128K entries (a decode step's at those context lengths:
-ONLY=index). What it shows is each kernel's time as a link of a chain of its own kind — the
-model's chain mixes kinds, so a winner here still needs the model-level A/B.
+ONLY=index), and the selection alone up to 512K entries by how a row is split (ONLY=top).
+What it shows is each kernel's time as a link of a chain of its own kind — the model's chain
+mixes kinds, so a winner here still needs the model-level A/B.
 One-off diagnostic (GPU): source scripts/device_env.sh &&
   [ONLY=text] [KNOB=num_stages | KNOB=keyword VALUES="v …"] python scripts/probe_warps.py"""
 import os
@@ -52,6 +53,7 @@ def ops(T: int):
     # the indexer's selection for T queries over n entries (its scores, then the top 512)
     sel = {n: (rnd(T, 32, 128, dtype=f32), rnd(n, 128), torch.rand(T, 32, device=dev),
                torch.full((T,), n, device=dev)) for n in (768, 32768, 131072)}
+    scores = {n: torch.randn(T, n, device=dev) for n in (8192, 32768, 131072, 524288)}
     return [
         ("collapse_norm 4×5120", norm._rms_norm_kernel, 4,
          lambda: norm.collapse_rms_norm(h, pre, w, 1e-20)),
@@ -81,7 +83,24 @@ def ops(T: int):
         *[(f"index scores + top 512 n={n}", ranking._top_picks_kernel, ranking.PICKS_WARPS,
            (lambda n=n: topk_lowest_index(indexer.index_scores(*sel[n], 0.0156), 512)))
           for n in sel],
+        # the selection alone, a row in parts of `part` entries (2^30: one program a row);
+        # the warps varied are the parts' count kernel's
+        *[(f"top 512 n={n} part {part}", ranking._split_counts_kernel, ranking.PICKS_WARPS,
+           parted(part, lambda n=n: topk_lowest_index(scores[n], 512)))
+          for n in scores for part in (2048, 4096, 8192, 1 << 30)],
     ]
+
+
+def parted(part: int, call):
+    """call with ranking.PICKS_PART = part (the row's split chosen inside the call)."""
+    def run():
+        own = ranking.PICKS_PART
+        ranking.PICKS_PART = part
+        try:
+            return call()
+        finally:
+            ranking.PICKS_PART = own
+    return run
 
 
 def timed(call) -> float:

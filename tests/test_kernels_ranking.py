@@ -43,15 +43,19 @@ def test_no_entries_or_no_rows_give_empty_keys():
         assert keys.shape == shape and keys.dtype == torch.int64
 
 
-def test_top_picks_are_the_indexers_torch_ops(monkeypatch):
-    """The indexer's selection in one launch (strata.kernels.ranking.top_picks, blocks of 256
-    here so the passes span several) against topk_lowest_index's torch ops (the CPU path):
-    finite picks ascending, then −1 — with fewer finite scores than picks, ties across blocks
-    (the lowest indices), rounded rows, −0 against +0 (equal), +inf, a selection wider than
-    the entries and non-power-of-2 widths; no rows and no entries."""
+@pytest.mark.parametrize("split", [False, True])
+def test_top_picks_are_the_indexers_torch_ops(monkeypatch, split):
+    """The indexer's selection (strata.kernels.ranking.top_picks) against topk_lowest_index's
+    torch ops (the CPU path): finite picks ascending, then −1 — with fewer finite scores than
+    picks, ties across blocks and parts (the lowest indices), rounded rows, −0 against +0
+    (equal), +inf, a selection wider than the entries and non-power-of-2 widths; no rows and
+    no entries. Blocks of 64 here so a pass spans several; each row in one program, or
+    (`split`) in parts of ≥ 128 entries, a program each, their counts added per pass."""
     from strata.kernels import ranking
     from strata.model.indexer import topk_lowest_index
-    monkeypatch.setattr(ranking, "PICKS_BLOCK", 256)
+    monkeypatch.setattr(ranking, "PICKS_BLOCK", 64)
+    monkeypatch.setattr(ranking, "PICKS_PART", 128)
+    monkeypatch.setattr(ranking, "PICKS_PROGRAMS", 48 if split else 1)
     g = torch.Generator().manual_seed(5)
     scores = torch.randn(6, 1000, generator=g)
     scores[0, 40:] = float("-inf")  # 40 finite entries
@@ -65,7 +69,8 @@ def test_top_picks_are_the_indexers_torch_ops(monkeypatch):
         got = ranking.top_picks(scores, k)
         want = topk_lowest_index(scores, k)
         assert got.dtype == torch.int64 and got.shape == (6, k) and torch.equal(got, want), k
-    assert torch.equal(ranking.top_picks(scores[:, ::2], 64), topk_lowest_index(scores[:, ::2], 64))
+    strided = scores[:, ::2]
+    assert torch.equal(ranking.top_picks(strided, 64), topk_lowest_index(strided, 64))
     assert ranking.top_picks(torch.zeros(0, 9), 4).shape == (0, 4)
     assert torch.equal(ranking.top_picks(torch.zeros(3, 0), 4), torch.full((3, 4), -1))
 

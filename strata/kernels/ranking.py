@@ -1,6 +1,7 @@
 """ranked_topk's keys in one launch on CUDA (strata.model.numerics.ranked_topk), the
-indexer's selection in one launch (top_picks, for strata.model.indexer.topk_lowest_index), and
-greedy sampling's argmax (argmax_rows: the same keys, largest first).
+indexer's selection without keys in memory (top_picks, for
+strata.model.indexer.topk_lowest_index), and greedy sampling's argmax (argmax_rows: the same
+keys, largest first).
 
 A stable descending top-k is a top-k over distinct int64 keys: the score's float bits mapped to
 an integer of the same order (−0 made +0 first), above the reversed index. In torch that is
@@ -20,11 +21,16 @@ except ImportError:  # CPU-only installs: the torch definition is used
 BLOCK = 1024
 # argmax_rows: values per program of its first pass (a 129,280-wide row: 64 programs)
 ARGMAX_BLOCK = 2048
-# top_picks: entries a program reads at once in each of its passes over a row, its warps, and
-# the copies of each radix count (one for each lane of a warp)
+# top_picks: entries a program reads at once in each pass over its part of a row, its warps,
+# the copies of each radix count (one for each lane of a warp), and how a row is split: into
+# parts of at least PICKS_PART entries while all the rows' parts number at most PICKS_PROGRAMS
+# (two a streaming multiprocessor of an H200), so a decode query's long row is read by many
+# programs at once and a prefill piece's many rows one program each
 PICKS_BLOCK = 4096
 PICKS_WARPS = 8
 PICKS_COPIES = 32
+PICKS_PART = 4096
+PICKS_PROGRAMS = 264
 
 
 def available(t: torch.Tensor) -> bool:
@@ -82,90 +88,202 @@ if triton is not None:
                              other=-9223372036854775807), axis=0)  # (int64's least + 1)
         tl.store(o_ptr + row, n - 1 - (key & 0xFFFFFFFF))
 
+    # The selection (top_picks): the k largest finite scores of a row, ties to the lower
+    # index, by a radix select over their 32-bit ordered keys — 8 bits a pass from the top,
+    # each pass counting, among the entries whose higher bits match the k-th largest key's
+    # found so far, each value of the next 8 bits — then the picks written in index order.
+
     @triton.jit
-    def _top_picks_kernel(s_ptr, o_ptr, n, k, s_row, o_row, BLOCK: tl.constexpr,
-                          COPIES: tl.constexpr):
-        # One row: the k largest finite scores (ties to the lower index) by a radix select on
-        # their 32-bit ordered keys, 8 bits a pass from the top (each pass counts, among the
-        # entries whose higher bits match the k-th largest's found so far, each value of the
-        # next 8 bits; none when the row has no more than k entries), then one pass that
-        # writes the picks in index order.
-        row = tl.program_id(0).to(tl.int64)
-        base = s_ptr + row * s_row
-        bins = tl.arange(0, 256)
-        # Each count is kept in COPIES copies, a lane's in the copy of its place in the warp
-        # (a thread holds 4 adjacent entries): the histogram adds in shared memory one atomic
-        # an entry, and the scores of a row share their top bits, so with one copy a warp's
-        # adds to one count ran one after another (session 24: 5× slower at 131K entries).
+    def _part_counts(base, lo, hi, prefix, P: tl.constexpr, BLOCK: tl.constexpr,
+                     COPIES: tl.constexpr):
+        """Counts [256] of byte P (from the top) of the keys of the finite scores at [lo, hi)
+        whose higher bytes are prefix's. Each count is kept in COPIES copies, a lane's adds in
+        the copy of its place in the warp (a thread loads 4 adjacent entries): tl.histogram
+        adds in shared memory one atomic an entry, and a row's scores share their top bits,
+        so with one copy a warp's 32 adds to one count ran one after another (session 24:
+        4.6× slower than torch at 131K entries)."""
+        shift = 24 - 8 * P
         copy = (tl.arange(0, BLOCK) // 4) % COPIES
-        # Every finite entry when the row has no more than k (keys of finite scores are > 0).
-        threshold = tl.zeros((), tl.uint32)
-        ties = 0  # entries equal to the threshold to take, the lowest first
-        if n > k:
-            prefix = tl.zeros((), tl.uint32)  # the k-th largest key's bits found so far
-            want = k  # its rank among the entries that match them
-            finite = 0
-            for p in tl.static_range(4):
-                shift = 24 - 8 * p
-                copies = tl.zeros((256 * COPIES,), tl.int32)
-                for start in range(0, n, BLOCK):
-                    cols = start + tl.arange(0, BLOCK)
-                    s = tl.load(base + cols, mask=cols < n,
-                                other=float("-inf")).to(tl.float32)
-                    u = _unsigned_key(s)
-                    live = s > float("-inf")
-                    if p > 0:
-                        live = live & ((u >> (shift + 8)) == prefix)
-                    bits = ((u >> shift) & 255).to(tl.int32)
-                    copies += tl.histogram(bits * COPIES + copy, 256 * COPIES, mask=live)
-                hist = tl.sum(tl.reshape(copies, (256, COPIES)), 1)
-                if p == 0:
-                    finite = tl.sum(hist)
-                # the digit holding the sought rank: the largest whose entries at or above it
-                # number at least `want`
-                at_or_above = tl.sum(hist) - tl.cumsum(hist, 0) + hist
-                digit = tl.max(tl.where(at_or_above >= want, bins, 0))
-                want -= tl.sum(tl.where(bins > digit, hist, 0))
-                prefix = (prefix << 8) | digit.to(tl.uint32)
-            threshold = tl.where(finite > k, prefix, threshold)
-            ties = tl.where(finite > k, want, 0)
-        taken = 0
-        equal_seen = 0
-        for start in range(0, n, BLOCK):
+        copies = tl.zeros((256 * COPIES,), tl.int32)
+        for start in range(lo, hi, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            s = tl.load(base + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
+            s = tl.load(base + cols, mask=cols < hi, other=float("-inf")).to(tl.float32)
             u = _unsigned_key(s)
             live = s > float("-inf")
+            if P > 0:
+                live = live & ((u >> (shift + 8)) == prefix)
+            bits = ((u >> shift) & 255).to(tl.int32)
+            copies += tl.histogram(bits * COPIES + copy, 256 * COPIES, mask=live)
+        return tl.sum(tl.reshape(copies, (256, COPIES)), 1)
+
+    @triton.jit
+    def _narrowed(hist, prefix, want):
+        """The k-th largest key's next byte from the row's counts of it: the largest value
+        whose entries at or above it number at least `want` (its rank among the entries that
+        match prefix) — prefix extended by it, and the rank among those that match that."""
+        bins = tl.arange(0, 256)
+        at_or_above = tl.sum(hist) - tl.cumsum(hist, 0) + hist
+        digit = tl.max(tl.where(at_or_above >= want, bins, 0))
+        above = tl.sum(tl.where(bins > digit, hist, 0))
+        return (prefix << 8) | digit.to(tl.uint32), want - above
+
+    @triton.jit
+    def _part_picks(base, lo, hi, threshold, ties, equal_before, BLOCK: tl.constexpr,
+                    out, taken):
+        """Counts (above, equal) of the finite scores at [lo, hi) whose key is above / equal
+        to the threshold; with `out`, the picks among them written there from slot `taken` in
+        index order: every entry above, and an equal one while fewer than `ties` equal ones
+        come before it (`equal_before` of them before lo)."""
+        above = 0
+        equal_seen = tl.zeros((), tl.int32) + equal_before  # (tensors, though given as 0)
+        taken = tl.zeros((), tl.int32) + taken
+        for start in range(lo, hi, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            s = tl.load(base + cols, mask=cols < hi, other=float("-inf")).to(tl.float32)
+            u = _unsigned_key(s)
+            live = s > float("-inf")
+            is_above = live & (u > threshold)
             equal = (live & (u == threshold)).to(tl.int32)
-            take = (live & (u > threshold)) | ((equal != 0) & (
-                equal_seen + tl.cumsum(equal, 0) - equal < ties))
-            take_i = take.to(tl.int32)
-            tl.store(o_ptr + row * o_row + taken + tl.cumsum(take_i, 0) - take_i,
-                     cols.to(tl.int64), mask=take)
-            taken += tl.sum(take_i)
+            if out is not None:
+                take = is_above | ((equal != 0) & (
+                    equal_seen + tl.cumsum(equal, 0) - equal < ties))
+                take_i = take.to(tl.int32)
+                tl.store(out + taken + tl.cumsum(take_i, 0) - take_i, cols.to(tl.int64),
+                         mask=take)
+                taken += tl.sum(take_i)
+            above += tl.sum(is_above.to(tl.int32))
             equal_seen += tl.sum(equal)
+        return above, equal_seen - equal_before, taken
+
+    @triton.jit
+    def _fill_empty(out, taken, k, BLOCK: tl.constexpr):
         for start in range(0, k, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            tl.store(o_ptr + row * o_row + cols, tl.full((BLOCK,), -1, tl.int64),
+            tl.store(out + cols, tl.full((BLOCK,), -1, tl.int64),
                      mask=(cols >= taken) & (cols < k))
+
+    @triton.jit
+    def _top_picks_kernel(s_ptr, o_ptr, n, k, s_row, o_row, BLOCK: tl.constexpr,
+                          COPIES: tl.constexpr, PDL: tl.constexpr):
+        # A row in one program: the four passes (none when the row has no more than k
+        # entries: then every finite one is a pick), then the picks.
+        wait_then_release(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        base = s_ptr + row * s_row
+        threshold = tl.zeros((), tl.uint32)  # (keys of finite scores are > 0)
+        ties = 0
+        if n > k:
+            hist = _part_counts(base, 0, n, threshold, 0, BLOCK, COPIES)
+            finite = tl.sum(hist)
+            prefix, want = _narrowed(hist, threshold, k)
+            for p in tl.static_range(1, 4):
+                prefix, want = _narrowed(_part_counts(base, 0, n, prefix, p, BLOCK, COPIES),
+                                         prefix, want)
+            threshold = tl.where(finite > k, prefix, threshold)
+            ties = tl.where(finite > k, want, 0)
+        out = o_ptr + row * o_row
+        _, _, taken = _part_picks(base, 0, n, threshold, ties, 0, BLOCK, out, 0)
+        _fill_empty(out, taken, k, BLOCK)
+
+    @triton.jit
+    def _selected(hist_ptr, row, rows, n, k, P: tl.constexpr):
+        """A split row's k-th largest key's bytes found by its passes before P (their counts
+        at hist_ptr [4, rows, 256]): (the bytes, the rank sought among the entries that match
+        them, the row's finite entries — n before the first pass)."""
+        prefix = tl.zeros((), tl.uint32)
+        want = k
+        finite = n
+        for q in tl.static_range(P):
+            hist = tl.load(hist_ptr + (q * rows + row) * 256 + tl.arange(0, 256))
+            if q == 0:
+                finite = tl.sum(hist)
+            prefix, want = _narrowed(hist, prefix, want)
+        return prefix, want, finite
+
+    @triton.jit
+    def _split_counts_kernel(s_ptr, hist_ptr, n, k, rows, s_row, part, P: tl.constexpr,
+                             BLOCK: tl.constexpr, COPIES: tl.constexpr, PDL: tl.constexpr):
+        # Pass P over one part of a row, its counts added to the row's.
+        wait_then_release(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        lo = tl.program_id(1) * part
+        prefix, _, finite = _selected(hist_ptr, row, rows, n, k, P)
+        if finite > k:  # (else every finite entry is a pick: no bytes to find)
+            hist = _part_counts(s_ptr + row * s_row, lo, tl.minimum(lo + part, n), prefix, P,
+                                BLOCK, COPIES)
+            tl.atomic_add(hist_ptr + (P * rows + row) * 256 + tl.arange(0, 256), hist,
+                          mask=hist != 0, sem="relaxed")
+
+    @triton.jit
+    def _split_picks_kernel(s_ptr, hist_ptr, part_ptr, o_ptr, n, k, rows, s_row, o_row, part,
+                            parts, WRITE: tl.constexpr, PARTS: tl.constexpr,
+                            BLOCK: tl.constexpr, PDL: tl.constexpr):
+        # One part of a row: its entries above and equal to the threshold counted (into
+        # part_ptr [rows, parts, 2]); with WRITE, its picks written after those of the parts
+        # before it, and the last part fills the row's empty slots.
+        wait_then_release(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
+        lo = c * part
+        prefix, want, finite = _selected(hist_ptr, row, rows, n, k, 4)
+        threshold = tl.where(finite > k, prefix, tl.zeros((), tl.uint32))
+        ties = tl.where(finite > k, want, 0)
+        base = s_ptr + row * s_row
+        counts = part_ptr + row * parts * 2
+        if WRITE:
+            i = tl.arange(0, PARTS)
+            before = i < c
+            above_before = tl.sum(tl.load(counts + 2 * i, mask=before, other=0))
+            equal_before = tl.sum(tl.load(counts + 2 * i + 1, mask=before, other=0))
+            out = o_ptr + row * o_row
+            _, _, taken = _part_picks(base, lo, tl.minimum(lo + part, n), threshold, ties,
+                                      equal_before, BLOCK, out,
+                                      above_before + tl.minimum(equal_before, ties))
+            if c == parts - 1:
+                _fill_empty(out, taken, k, BLOCK)
+        else:
+            above, equal, _ = _part_picks(base, lo, tl.minimum(lo + part, n), threshold, ties,
+                                          0, BLOCK, None, 0)
+            tl.store(counts + 2 * c, above)
+            tl.store(counts + 2 * c + 1, equal)
 
 
 def top_picks(scores: torch.Tensor, k: int) -> torch.Tensor:
     """[T, k] int64: for each row of scores [T, n] (float; rows may be strided), the indices
     of its k largest finite scores, ties to the lower index, in ascending order, then −1 —
-    strata.model.indexer.topk_lowest_index's definition, in one launch: one program a row
-    reads the row at most five times (four 8-bit radix passes over 32-bit keys, then the
-    picks in index order), where torch radix-selected over int64 keys written to memory first
-    and sorted the picks after (four launches at least; ~60–75 µs a decode query's row of 8K
-    entries, H200)."""
+    strata.model.indexer.topk_lowest_index's definition, with no keys in memory and no sort:
+    where torch radix-selected over int64 keys written first and sorted the picks after (four
+    launches at least; ~60–75 µs a decode query's row of 8K entries, H200). A row is read five
+    times (four 8-bit radix passes, then the picks in index order): by one program in one
+    launch, or — a long row among few (a decode query at long context) — in parts, a program
+    each, with a launch a pass (the parts' counts added in the row's) and two for the picks
+    (each part's counts, then its picks at its offset)."""
     T, n = scores.shape
     if scores.stride(1) != 1:
         scores = scores.contiguous()
     out = torch.empty((T, k), dtype=torch.int64, device=scores.device)
-    if T and k:
+    if not (T and k):
+        return out
+    parts = min(triton.cdiv(n, PICKS_PART), max(1, PICKS_PROGRAMS // T)) if n > k else 1
+    launch = dict(num_warps=PICKS_WARPS, **pdl.args(scores.device))
+    if parts == 1:
         _top_picks_kernel[(T,)](scores, out, n, k, scores.stride(0), out.stride(0),
-                                BLOCK=PICKS_BLOCK, COPIES=PICKS_COPIES,
-                                num_warps=PICKS_WARPS)
+                                BLOCK=PICKS_BLOCK, COPIES=PICKS_COPIES, **launch)
+        return out
+    # (parts of a multiple of 64 entries: with n a multiple of 16 — the indexer's buckets —
+    # Triton then knows each part's loads 4-wide aligned)
+    part = triton.cdiv(triton.cdiv(n, parts), 64) * 64
+    parts = triton.cdiv(n, part)
+    hist = torch.zeros((4, T, 256), dtype=torch.int32, device=scores.device)
+    counts = torch.empty((T, parts, 2), dtype=torch.int32, device=scores.device)
+    for p in range(4):
+        _split_counts_kernel[(T, parts)](scores, hist, n, k, T, scores.stride(0), part, P=p,
+                                         BLOCK=PICKS_BLOCK, COPIES=PICKS_COPIES, **launch)
+    for write in (False, True):
+        _split_picks_kernel[(T, parts)](scores, hist, counts, out, n, k, T, scores.stride(0),
+                                        out.stride(0), part, parts, WRITE=write,
+                                        PARTS=triton.next_power_of_2(parts), BLOCK=PICKS_BLOCK,
+                                        **launch)
     return out
 
 

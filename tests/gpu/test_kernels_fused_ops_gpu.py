@@ -394,11 +394,16 @@ def test_greedy_argmax_in_two_launches_gives_torchs_ids(cuda):
     assert torch.equal(argmax_rows(x[5:6])[0], got[5])
 
 
-def test_the_indexers_picks_in_one_launch_equal_the_torch_code(cuda, monkeypatch):
-    """topk_lowest_index in one launch (ranking.top_picks): the torch code's [T, k] at an
-    indexer piece's shape, a candidate-block shape (fewer entries than picks), a candidate
-    source's 2,048 blocks and a decode query's 131K entries, infinities and ties included."""
+@pytest.mark.parametrize("programs", [None, 1])
+def test_the_indexers_picks_in_one_launch_equal_the_torch_code(cuda, monkeypatch, programs):
+    """topk_lowest_index by ranking.top_picks: the torch code's [T, k] at an indexer piece's
+    shape, a candidate-block shape (fewer entries than picks), a candidate source's 2,048
+    blocks and a decode query's 131K entries, infinities and ties included — rows split in
+    parts as the code chooses, and (programs=1) every row in one program."""
+    from strata.kernels import ranking
     from strata.model.indexer import topk_lowest_index
+    if programs is not None:
+        monkeypatch.setattr(ranking, "PICKS_PROGRAMS", programs)
     g = torch.Generator().manual_seed(11)
     scores = torch.randn(64, 20000, generator=g)
     scores[0, 300:] = float("-inf")
@@ -408,7 +413,7 @@ def test_the_indexers_picks_in_one_launch_equal_the_torch_code(cuda, monkeypatch
     long = torch.randn(2, 131072, generator=g).to(cuda)
     long[1, 5000:90000] = 0.125
     for s, k in ((scores, 512), (scores[:, :200].contiguous(), 512), (scores[:, :700], 64),
-                 (scores[:, :10000], 2048), (long, 512)):
+                 (scores[:, :10000], 2048), (long, 512), (long[:1], 512)):
         got = topk_lowest_index(s, k)
         want = torch_path(monkeypatch, topk_lowest_index, s, k)
         assert torch.equal(got, want), (s.shape, k)
