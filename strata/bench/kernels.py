@@ -20,11 +20,11 @@ Targets (issue): ours ≥ exllamav3's rate at 1 row, ≥ 1.5× at 6 rows (report
 model gives it — a prefill piece's attention q·k (bf16, tensor cores) and p·v (fp32 × bf16),
 the indexer's q·k over 32K entries, mHC's long row products, and a decode step's q·k — in
 TFLOP/s, against cuBLAS's torch.bmm on the same operands in the same run (not batch-invariant:
-the speed the exactness costs). With it, the indexer's selection (strata.kernels.ranking.top_picks:
-the k largest finite scores of a row, ties to the lower index, ascending) at decode, window,
-candidate-block and prefill-piece shapes against torch.topk + torch.sort of the picks (not
-tie-exact) and against the exact selection in torch ops (int64 keys' top-k, a gather, a sort:
-the CPU path, run on the GPU).
+the speed the exactness costs). With it, the indexer's selection
+(strata.kernels.ranking.top_picks: the k largest finite scores of a row, ties to the lower
+index, ascending) at decode (up to 524K entries), window, candidate-block and prefill-piece
+shapes against torch.topk + torch.sort of the picks (not tie-exact) and against the exact
+selection in torch ops (int64 keys' top-k, a gather, a sort: the CPU path, run on the GPU).
 
 `--smoke`: tiny shapes, CPU under TRITON_INTERPRET=1 (the harness logic, for the test suite).
 Output: a markdown table on stdout, JSON (--json) with a .md beside it.
@@ -595,12 +595,13 @@ def _bench_rowwise(dev, timer, smoke) -> list[dict]:
     return out
 
 
-# (name, rows, entries, picks): a decode query against 8K, 32K and 131K entries (a ratio-4
-# layer at 32K, 128K and 512K tokens), a DSpark window's 6 queries, a candidate source's
-# blocks, a prefill piece (indexer.SCORE_SCRATCH's rows at 16K entries)
+# (name, rows, entries, picks): a decode query against 8K to 524K entries (a ratio-1 layer at
+# that many tokens of context), a DSpark window's 6 queries, a candidate source's blocks, a
+# prefill piece (indexer.SCORE_SCRATCH's rows at 16K entries)
 SELECTION = (("decode_8k", 1, 8192, 512), ("decode_32k", 1, 32768, 512),
-             ("decode_131k", 1, 131072, 512), ("window_32k", 6, 32768, 512),
-             ("candidate_blocks", 1, 16384, 2048), ("prefill_piece", 2048, 16384, 512))
+             ("decode_131k", 1, 131072, 512), ("decode_524k", 1, 524288, 512),
+             ("window_32k", 6, 32768, 512), ("candidate_blocks", 1, 16384, 2048),
+             ("prefill_piece", 2048, 16384, 512))
 SMOKE_SELECTION = (("selection_smoke", 3, 300, 16),)
 
 
