@@ -38,7 +38,7 @@ def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     attention that consumes it has the same shape whatever the number of entries."""
     from strata.kernels import ranking
     if ranking.available(scores):
-        return ranking.top_picks(scores, k)  # (the ops below in one launch)
+        return ranking.top_picks(scores, k)  # (the ops below, no keys in memory, no sort)
     T, n = scores.shape
     m = min(k, n)
     if m == n:  # every entry is a pick (a context of few entries): nothing to select

@@ -395,7 +395,7 @@ def test_greedy_argmax_in_two_launches_gives_torchs_ids(cuda):
 
 
 @pytest.mark.parametrize("programs", [None, 1])
-def test_the_indexers_picks_in_one_launch_equal_the_torch_code(cuda, monkeypatch, programs):
+def test_the_indexers_selection_kernels_equal_the_torch_code(cuda, monkeypatch, programs):
     """topk_lowest_index by ranking.top_picks: the torch code's [T, k] at an indexer piece's
     shape, a candidate-block shape (fewer entries than picks), a candidate source's 2,048
     blocks and a decode query's 131K entries, infinities and ties included — rows split in
