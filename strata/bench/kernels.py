@@ -658,6 +658,12 @@ def _md_line(r: dict) -> str:
             f"{_f(r.get('linear_max_rel_diff_vs_peer'), '.1e')} |")
 
 
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table after a blank line."""
+    return (["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+            + ["| " + " | ".join(r) + " |" for r in rows])
+
+
 def markdown(res: dict) -> str:
     m = res["meta"]
     lines = [HEADER] + [_md_line(r) for r in res["rows"]]
@@ -676,24 +682,25 @@ def markdown(res: dict) -> str:
         lines.append(f"Targets met (the whole linear, ours against exllamav3's): "
                      f"{met}/{len(res['targets'])}.")
     if res.get("rowwise"):
-        lines += ["", "| row kernel case | B×M×N×K | x·w | ours µs | TFLOP/s | cuBLAS µs | "
-                  "TFLOP/s | ours/cuBLAS time |", "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['case']} | {r['B']}×{r['M']}×{r['N']}×{r['K']} | {r['x']}·{r['w']} | "
-                  f"{r['ours_us']:.1f} | {r['ours_tflops']:.1f} | {r['blas_us']:.1f} | "
-                  f"{r['blas_tflops']:.1f} | {r['ours_over_blas_time']:.2f} |"
-                  for r in res["rowwise"]]
+        lines += _table(
+            ["row kernel case", "B×M×N×K", "x·w", "ours µs", "TFLOP/s", "cuBLAS µs", "TFLOP/s",
+             "ours/cuBLAS time"],
+            [[r["case"], f"{r['B']}×{r['M']}×{r['N']}×{r['K']}", f"{r['x']}·{r['w']}",
+              f"{r['ours_us']:.1f}", f"{r['ours_tflops']:.1f}", f"{r['blas_us']:.1f}",
+              f"{r['blas_tflops']:.1f}", f"{r['ours_over_blas_time']:.2f}"]
+             for r in res["rowwise"]])
     if res.get("selection"):
-        lines += ["", "| indexer selection | rows × entries → picks | ours µs | torch top-k + "
-                  "sort µs | exact torch path µs | ours/top-k time |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r['case']} | {r['rows']} × {r['entries']} → {r['picks']} | "
-                  f"{r['ours_us']:.1f} | {r['torch_topk_sort_us']:.1f} | "
-                  f"{r['exact_torch_us']:.1f} | {r['ours_us'] / r['torch_topk_sort_us']:.2f} |"
-                  for r in res["selection"]]
+        lines += _table(
+            ["indexer selection", "rows × entries → picks", "ours µs", "torch top-k + sort µs",
+             "exact torch path µs", "ours/top-k time"],
+            [[r["case"], f"{r['rows']} × {r['entries']} → {r['picks']}", f"{r['ours_us']:.1f}",
+              f"{r['torch_topk_sort_us']:.1f}", f"{r['exact_torch_us']:.1f}",
+              f"{r['ours_us'] / r['torch_topk_sort_us']:.2f}"] for r in res["selection"]])
     if res["moe"]:
-        lines += ["", "| MoE gate+up: tokens | slots | distinct experts | µs | Gw/s | GB/s |",
-                  "|---|---|---|---|---|---|"]
-        lines += [f"| {r['T']} | {r['slots']} | {r['distinct']} | {r['median_us']:.1f} | "
-                  f"{r['gweights_per_s']:.0f} | {r['trellis_gb_per_s']:.0f} |" for r in res["moe"]]
+        lines += _table(
+            ["MoE gate+up: tokens", "slots", "distinct experts", "µs", "Gw/s", "GB/s"],
+            [[str(r["T"]), str(r["slots"]), str(r["distinct"]), f"{r['median_us']:.1f}",
+              f"{r['gweights_per_s']:.0f}", f"{r['trellis_gb_per_s']:.0f}"] for r in res["moe"]])
     return "\n".join(lines)
 
 
