@@ -387,7 +387,8 @@ def test_bench_smoke(tmp_path):
         assert key in row
     # the row kernel's cases against torch.bmm (smoke: tiny shapes)
     assert [r["case"] for r in data["rowwise"]] == ["smoke_qk", "smoke_pv", "smoke_pv_planes",
-                                                    "index_scores_smoke", "mhc_smoke"]
+                                                    "index_scores_smoke",
+                                                    "index_candidates_smoke", "mhc_smoke"]
     assert all(r["ours_us"] > 0 and r["blas_us"] > 0 for r in data["rowwise"])
     assert "row kernel case" in (tmp_path / "k.md").read_text()
     # the indexer's selection against torch's top-k (smoke: one tiny case)

@@ -52,3 +52,70 @@ def test_shapes_must_agree():
     with pytest.raises(ValueError, match="do not match"):
         index_scores(torch.zeros(2, 3, 8), torch.zeros(5, 8), torch.zeros(2, 3),
                      torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="entries"):
+        index_scores(torch.zeros(2, 3, 8), torch.zeros(5, 8), torch.zeros(2, 3),
+                     torch.zeros(2, dtype=torch.long), entries=torch.zeros(3, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("H", [3, 40])
+def test_a_querys_own_entries_have_their_bits_among_all(H):
+    """`entries` (a reindex layer's candidates: each query's own ids, ascending, −1 none):
+    each score has the bits it has among all the entries; −1, unseen and past-the-keys ids
+    give −inf; more ids than a tile, and a query alone."""
+    g = torch.Generator().manual_seed(10 + H)
+    T, n, D = 3, 300, 72
+    q = torch.randn(T, H, D, generator=g)
+    keys = torch.randn(n, D, generator=g)
+    w = torch.randn(T, H, generator=g)
+    visible = torch.tensor([300, 120, 0])
+    full = index_scores(q, keys, w, visible)
+    ids = torch.stack([torch.randperm(n, generator=g)[:200].sort().values for _ in range(T)])
+    ids[0, 190:] = -1
+    ids[1, 0] = n + 5  # (no such key row)
+    got = index_scores(q, keys, w, visible, entries=ids)
+    assert got.shape == (T, 200)
+    want = torch.where(ids >= 0, full.gather(1, ids.clamp(0, n - 1)), float("-inf"))
+    want[1, 0] = float("-inf")
+    assert torch.equal(got, want)
+    assert torch.isinf(got[0, 190:]).all() and torch.isinf(got[2]).all()
+    assert torch.isfinite(got[1][(ids[1] < 120) & (ids[1] >= 0)]).all()
+    assert torch.equal(index_scores(q[1:2], keys, w[1:2], visible[1:2], entries=ids[1:2]),
+                       got[1:2])
+
+
+def test_a_reindex_layers_picks_from_its_candidates_alone(tiny_reference, monkeypatch):
+    """Indexer.select's CUDA path for a reindex layer — its candidate entries alone scored
+    (`entries`), their top-k mapped back to entry ids — run here under the interpreter by
+    reporting the kernels available on CPU: the picks the torch path makes from all the
+    entries masked to the candidates, in a 200-token forward whose candidate source keeps 3
+    of 25 blocks a query."""
+    from strata.kernels import indexer as kernels
+    from strata.kernels import ranking
+    from strata.model import indexer
+    from util import random_tokens
+    model, cfg = tiny_reference, tiny_reference.cfg
+    layer = next(l for l in cfg.index_source_layer_ids if cfg.is_reindex(l))
+    select, calls = indexer.Indexer.select, []
+
+    def spy(self, *args, **kwargs):
+        picks = select(self, *args, **kwargs)
+        if self.layer == layer:
+            calls.append((self, args, kwargs, picks))
+        return picks
+
+    monkeypatch.setattr(indexer.Indexer, "select", spy)
+    model.forward(random_tokens(200, seed=9, vocab=cfg.vocab_size), model.new_state(256),
+                  logits="none")
+    (idx, args, kwargs, want), = calls
+    ctx = args[2]
+    assert ctx.candidates.shape == (200, cfg.candidate_topk_blocks)
+    assert (want >= 0).sum(1).max() == cfg.index_topk  # (the candidates bind: 24 of ~200)
+    scored = []
+    score = kernels.index_scores
+    monkeypatch.setattr(kernels, "index_scores",
+                        lambda *a, **k: scored.append(k.get("entries")) or score(*a, **k))
+    monkeypatch.setattr(kernels, "available", lambda t: True)
+    monkeypatch.setattr(ranking, "available", lambda t: True)
+    got = select(idx, *args, **kwargs)
+    assert len(scored) == 1 and scored[0].shape == (200, 8 * cfg.candidate_topk_blocks)
+    assert torch.equal(got, want)

@@ -48,8 +48,8 @@ def test_top_picks_are_the_indexers_torch_ops(monkeypatch, split):
     """The indexer's selection (strata.kernels.ranking.top_picks) against topk_lowest_index's
     torch ops (the CPU path): finite picks ascending, then −1 — with fewer finite scores than
     picks, ties across blocks and parts (the lowest indices), rounded rows, −0 against +0
-    (equal), +inf, a selection wider than the entries and non-power-of-2 widths; no rows and
-    no entries. Blocks of 64 here so a pass spans several; each row in one program, or
+    (equal), +inf, a selection wider than the entries and non-power-of-2 widths, the picks
+    given as ids; no rows and no entries. Blocks of 64 here so a pass spans several; each row in one program, or
     (`split`) in parts of ≥ 128 entries, a program each, their counts added per pass."""
     from strata.kernels import ranking
     from strata.model.indexer import topk_lowest_index
@@ -71,6 +71,13 @@ def test_top_picks_are_the_indexers_torch_ops(monkeypatch, split):
         assert got.dtype == torch.int64 and got.shape == (6, k) and torch.equal(got, want), k
     strided = scores[:, ::2]
     assert torch.equal(ranking.top_picks(strided, 64), topk_lowest_index(strided, 64))
+    # the picks as ids (a reindex layer's candidates: entry ids, −1 none)
+    ids = torch.randint(0, 1 << 40, (6, 1000), generator=g)
+    for k in (100, 999):
+        want = topk_lowest_index(scores, k)
+        want = torch.where(want >= 0, ids.gather(1, want.clamp(min=0)), want)
+        assert torch.equal(ranking.top_picks(scores, k, ids), want)
+        assert torch.equal(topk_lowest_index(scores, k, ids), want)  # (the torch path's)
     assert ranking.top_picks(torch.zeros(0, 9), 4).shape == (0, 4)
     assert torch.equal(ranking.top_picks(torch.zeros(3, 0), 4), torch.full((3, 4), -1))
 

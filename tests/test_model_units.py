@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from strata.config import v41_flash_config
 from strata.model.engram import Engram
-from strata.model.indexer import select_candidate_blocks, topk_lowest_index
+from strata.model.indexer import (candidate_entries, candidate_mask,
+                                  select_candidate_blocks, topk_lowest_index)
 from strata.model.mhc import HcWeights, collapse, hc_mixes, hc_update, sinkhorn
 from strata.model.moe import GATHER_PAIRS, MoE, swiglu
 from strata.model.numerics import Numerics
@@ -553,7 +554,9 @@ def test_select_candidate_blocks_hand_examples():
         [NEG] * 10,                                           # nothing visible
     ])
     n_vis = torch.tensor([10, 6, 9, 3, 0])
-    got = select_candidate_blocks(s, n_vis, block=4, n_blocks=2)
+    blocks = select_candidate_blocks(s, n_vis, block=4, n_blocks=2)
+    assert blocks.tolist() == [[1, 2], [0, 1], [0, 2], [0, -1], [-1, -1]]
+    got = candidate_mask(blocks, 4, 10)
     B0, B1, B2 = [True] * 4 + [False] * 6, [False] * 4 + [True] * 4 + [False] * 2, \
         [False] * 8 + [True] * 2
     OR = lambda a, b: [x or y for x, y in zip(a, b)]  # noqa: E731
@@ -574,8 +577,13 @@ def test_select_candidate_blocks_random():
     n_vis = torch.randint(0, n + 1, (T,), generator=gen)
     s = torch.where(torch.arange(n)[None] < n_vis[:, None], s, torch.full_like(s, NEG))
     for n_blocks in (1, 2, 3, 10):
-        got = select_candidate_blocks(s, n_vis, block=8, n_blocks=n_blocks)
+        blocks = select_candidate_blocks(s, n_vis, block=8, n_blocks=n_blocks)
+        assert blocks.shape == (T, min(n_blocks, 4))  # (29 entries: 4 blocks at most)
+        got = candidate_mask(blocks, 8, n)
+        entries = candidate_entries(blocks, 8)
         for t in range(T):
+            ids = [j for j in entries[t].tolist() if j >= 0]
+            assert ids == sorted(ids) and ids == [j for j in range(32) if j // 8 in blocks[t]]
             assert got[t].tolist() == spec_candidates(s[t].tolist(), int(n_vis[t]), 8, n_blocks)
 
 
@@ -594,16 +602,19 @@ def test_selection_visibility_in_model(runs):
                     if cfg.is_kv_source(l):  # scores of visible entries are all finite
                         assert len(picks) == min(cfg.index_topk, (p + 1) // r)
                     if cfg.is_reindex(l):
-                        cand = ctx.candidates[t]
-                        assert all(bool(cand[j]) for j in picks)
-                        n_fin = int(cand[:(p + 1) // r].sum())
+                        kept = set(ctx.candidates[t].tolist())
+                        assert all(j // cfg.candidate_block_size in kept for j in picks)
+                        n_fin = sum(j // cfg.candidate_block_size in kept
+                                    for j in range((p + 1) // r))
                         assert len(picks) == min(cfg.index_topk, n_fin)
             if ctx.candidates is not None:
                 blk = cfg.candidate_block_size
                 for t, p in enumerate(pos):
                     nv = (p + 1) // cfg.ratio(cfg.candidate_source_layer_id)
-                    kept = ctx.candidates[t].nonzero().flatten().tolist()
-                    blocks = sorted({j // blk for j in kept})
+                    ids = ctx.candidates[t].tolist()
+                    blocks = [b for b in ids if b >= 0]
+                    assert ids == blocks + [-1] * (len(ids) - len(blocks))  # −1 last
+                    assert blocks == sorted(set(blocks))
                     assert len(blocks) <= cfg.candidate_topk_blocks
                     if nv:
                         assert (nv - 1) // blk in blocks  # the newest visible block is pinned
@@ -647,7 +658,8 @@ def test_indexer_scores_recomputed(tiny_reference):
             score = (wts[t][:, None] * torch.relu(qt @ keys[:nvis].T)).sum(0)  # [nvis]
             allowed = list(range(nvis))
             if cfg.is_reindex(l):
-                allowed = [j for j in allowed if bool(ctx.candidates[t, j])]
+                kept = set(ctx.candidates[t].tolist())
+                allowed = [j for j in allowed if j // cfg.candidate_block_size in kept]
             picks = [j for j in ctx.sel[l][t].tolist() if j >= 0]
             assert len(picks) == min(cfg.index_topk, len(allowed))
             rest = [j for j in allowed if j not in picks]

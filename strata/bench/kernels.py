@@ -531,13 +531,16 @@ def _bench_moe(X, dev, timer, copy_gbs, smoke, cb) -> list[dict]:
 # indexer's 32 heads × 128 against 32K keys for 64 queries. Two fused kernels time what the
 # model runs instead of the row kernel: "index_scores", the indexer's whole score
 # Σ_h w_h·relu(q_h·k) in one launch (strata.kernels.indexer) against cuBLAS's q·k (bf16 out)
-# + relu + the heads' weighted sum; "mhc", mHC's products and the stream's sum of squares in
+# + relu + the heads' weighted sum ("index_candidates": a query's own entries alone, gathered
+# by id, against torch's gather and the same products); "mhc", mHC's products and the stream's sum of squares in
 # one pass (strata.kernels.mhc.hc_mix, 4·D-long rows for a 4,096-row chunk and for one decode
 # row) against cuBLAS's product and torch's mean square.
 ROWWISE = (("attn_qk_prefill", 243, 64, 640, 512, "bf16", "bf16", False),
            ("attn_pv_prefill", 243, 64, 512, 640, "fp32", "bf16", True),
            ("index_qk_prefill", 64, 32, 32768, 128, "bf16", "bf16", False),
            ("index_scores_prefill", 64, 32, 32768, 128, "bf16", "bf16", False),
+           # a reindex layer's decode query: its 2,048 candidate blocks of 8 alone, of 524K
+           ("index_candidates_decode", 1, 32, 16384, 128, "bf16", "bf16", False),
            ("mhc_prefill", 4096, 1, 24, 20480, "fp32", "fp32", False),
            ("mhc_decode", 1, 1, 24, 20480, "fp32", "fp32", False),
            ("attn_qk_decode", 1, 64, 640, 512, "bf16", "bf16", False),
@@ -550,6 +553,7 @@ SMOKE_ROWWISE = (("smoke_qk", 3, 4, 40, 32, "bf16", "bf16", False),
                  ("smoke_pv", 3, 4, 32, 40, "fp32", "bf16", True),
                  ("smoke_pv_planes", 3, 4, 32, 40, "fp32", "bf16", True),
                  ("index_scores_smoke", 3, 4, 40, 32, "bf16", "bf16", False),
+                 ("index_candidates_smoke", 3, 4, 16, 32, "bf16", "bf16", False),
                  ("mhc_smoke", 3, 1, 24, 64, "fp32", "fp32", False))
 _DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -575,6 +579,19 @@ def _bench_rowwise(dev, timer, smoke) -> list[dict]:
             x2, fn = x.view(B, K), w[0]
             ours = timer(lambda: hc_mix(x2.view(B, 4, K // 4), fn))
             blas = timer(lambda: (torch.mm(x2, fn.T), (x2 * x2).mean(-1)))
+        elif name.startswith("index_candidates"):  # N of 32·N keys, each query its own
+            from strata.model.indexer import candidate_entries
+            heads = torch.randn(B, M, generator=g).to(dev)
+            keys = torch.randn(32 * N, K, generator=g).to(dev, _DT[wd])
+            blocks = torch.stack([torch.randperm(4 * N, generator=g)[:N // 8].sort().values
+                                  for _ in range(B)]).to(dev)
+            entries = candidate_entries(blocks, 8)
+            seen = torch.full((B,), 32 * N, dtype=torch.long, device=dev)
+            ours = timer(lambda: index_scores(x, keys, heads, seen, entries=entries))
+            hc = heads.to(common).unsqueeze(1)
+            blas = timer(lambda: torch.bmm(hc, torch.relu(torch.bmm(
+                xc, keys[entries].to(common).transpose(1, 2)))))
+            flop += 2 * B * M * N
         elif name.startswith("index_scores"):
             heads = torch.randn(B, M, generator=g).to(dev)
             hc = heads.to(common).unsqueeze(1)

@@ -42,21 +42,33 @@ if triton is not None:
     from strata.kernels.rowwise import split_bf16
 
     @triton.jit
-    def _index_scores_kernel(q_ptr, k_ptr, w_ptr, vis_ptr, o_ptr, w_scale, T, H, N, D,
-                             sqt, sqh, sqd, skn, skd, swt, swh, sot,
+    def _index_scores_kernel(q_ptr, k_ptr, w_ptr, vis_ptr, e_ptr, o_ptr, w_scale, T, H, N, M,
+                             D, sqt, sqh, sqd, skn, skd, swt, swh, set_, sot,
                              BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             PRODUCT: tl.constexpr):
+                             PRODUCT: tl.constexpr, GATHER: tl.constexpr):
         # A tile row is one (query, head): BLOCK_T queries' heads share the keys' tile loads.
         # A score's q·k is its own chain of MMA steps over the head dimension whatever row of
         # the tile holds it, and a query's sum over its heads reduces its own BLOCK_H rows:
         # the same bits for a query alone or in any row of a batch (tests/gpu checks a query
-        # in the second row against alone).
-        t0 = tl.program_id(0).to(tl.int64) * BLOCK_T
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        live_n = offs_n < N
-        r = tl.arange(0, BLOCK_T * BLOCK_H)
-        tq = t0 + r // BLOCK_H
+        # in the second row against alone). GATHER: one query a program, its own entries
+        # (ids at e_ptr [T, M], −1 none) as the tile's keys, every row block holding the query
+        # (the same tile shapes, so the same bits as its scores among all entries; the copies
+        # past the first are not stored).
+        if GATHER:
+            t0 = tl.program_id(0).to(tl.int64)
+            cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            offs_n = tl.load(e_ptr + t0 * set_ + cols, mask=cols < M, other=-1)
+            live_n = (offs_n >= 0) & (offs_n < N)
+            r = tl.arange(0, BLOCK_T * BLOCK_H)
+            tq = t0 + 0 * r
+        else:
+            t0 = tl.program_id(0).to(tl.int64) * BLOCK_T
+            offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            cols = offs_n
+            live_n = offs_n < N
+            r = tl.arange(0, BLOCK_T * BLOCK_H)
+            tq = t0 + r // BLOCK_H
         total = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
         for h0 in range(0, H, BLOCK_H):
             heads = h0 + r % BLOCK_H
@@ -85,26 +97,38 @@ if triton is not None:
             part = tl.maximum(acc, 0.0) * wh[:, None]
             # a query's heads are its BLOCK_H rows: summed apart from the other queries'
             total += tl.sum(tl.reshape(part, (BLOCK_T, BLOCK_H, BLOCK_N)), axis=1)
-        ts = t0 + tl.arange(0, BLOCK_T)
+        slot = tl.arange(0, BLOCK_T)
+        ts = t0 + (0 * slot if GATHER else slot)
         visible = tl.load(vis_ptr + ts, mask=ts < T, other=0)  # entries the query may see
-        total = tl.where(offs_n[None, :] < visible[:, None], total, float("-inf"))
-        tl.store(o_ptr + ts[:, None] * sot + offs_n[None, :], total,
-                 mask=(ts[:, None] < T) & live_n[None, :])
+        seen = live_n[None, :] & (offs_n[None, :] < visible[:, None])
+        total = tl.where(seen, total, float("-inf"))
+        stored = (ts[:, None] < T) & (cols[None, :] < (M if GATHER else N))
+        if GATHER:
+            stored = stored & (slot[:, None] == 0)
+        tl.store(o_ptr + ts[:, None] * sot + cols[None, :], total, mask=stored)
 
 
 def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor,
-                 visible: torch.Tensor, w_scale: float = 1.0) -> torch.Tensor:
+                 visible: torch.Tensor, w_scale: float = 1.0,
+                 entries: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D], keys [n, D] (any strides), w [T, H] fp32 (each times w_scale, in
     fp32, as torch's w * w_scale), visible [T] (how many entries each query sees) → scores
-    [T, n] fp32, −inf at the entries a query does not see."""
+    [T, n] fp32, −inf at the entries a query does not see. With `entries` [T, m] (each query's
+    own entry ids, −1 none): scores [T, m] of those entries only, each with the bits it has
+    among all n (−inf for −1 and unseen ones) — a reindex layer scores its candidates alone."""
     T, H, D = q.shape
     n = keys.shape[0]
     if keys.shape[1] != D or tuple(w.shape) != (T, H) or tuple(visible.shape) != (T,):
         raise ValueError(f"index_scores: q {list(q.shape)}, keys {list(keys.shape)}, "
                          f"w {list(w.shape)} and visible {list(visible.shape)} do not match")
-    out = torch.empty((T, n), dtype=torch.float32, device=q.device)
-    if T == 0 or n == 0:
+    if entries is not None and (entries.dim() != 2 or entries.shape[0] != T):
+        raise ValueError(f"index_scores: entries {list(entries.shape)} for {T} queries")
+    m = n if entries is None else entries.shape[1]
+    out = torch.empty((T, m), dtype=torch.float32, device=q.device)
+    if T == 0 or m == 0:
         return out
+    if entries is not None and n == 0:
+        return out.fill_(float("-inf"))
     # (as in kernels/rowwise: the interpreter multiplies 16-bit tiles as integers, so on CPU
     # the operands are widened to fp32 — exact, the same products and accumulation)
     # fp32 queries against bf16 keys (the reference numerics' cache) take the split product:
@@ -118,10 +142,12 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor,
     else:
         product = 0
     wf = w.float()
-    _index_scores_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(n, BLOCK_N))](
-        q, keys, wf, _contig(visible), out, float(w_scale), T, H, n, D,
+    e = out if entries is None else _contig(entries)
+    rows = T if entries is not None else triton.cdiv(T, BLOCK_T)
+    _index_scores_kernel[(rows, triton.cdiv(m, BLOCK_N))](
+        q, keys, wf, _contig(visible), e, out, float(w_scale), T, H, n, m, D,
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1),
-        wf.stride(0), wf.stride(1), out.stride(0),
+        wf.stride(0), wf.stride(1), e.stride(0), out.stride(0),
         BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRODUCT=product,
-        num_warps=NUM_WARPS)
+        GATHER=entries is not None, num_warps=NUM_WARPS)
     return out

@@ -129,11 +129,12 @@ if triton is not None:
 
     @triton.jit
     def _part_picks(base, lo, hi, threshold, ties, equal_before, BLOCK: tl.constexpr,
-                    out, taken):
+                    out, taken, ids):
         """Counts (above, equal) of the finite scores at [lo, hi) whose key is above / equal
         to the threshold; with `out`, the picks among them written there from slot `taken` in
         index order: every entry above, and an equal one while fewer than `ties` equal ones
-        come before it (`equal_before` of them before lo)."""
+        come before it (`equal_before` of them before lo) — each as its index, or as the
+        row's ids (`ids`, int64) hold at it."""
         above = 0
         equal_seen = tl.zeros((), tl.int32) + equal_before  # (tensors, though given as 0)
         taken = tl.zeros((), tl.int32) + taken
@@ -148,8 +149,11 @@ if triton is not None:
                 take = is_above | ((equal != 0) & (
                     equal_seen + tl.cumsum(equal, 0) - equal < ties))
                 take_i = take.to(tl.int32)
-                tl.store(out + taken + tl.cumsum(take_i, 0) - take_i, cols.to(tl.int64),
-                         mask=take)
+                if ids is not None:
+                    pick = tl.load(ids + cols, mask=take, other=-1)
+                else:
+                    pick = cols.to(tl.int64)
+                tl.store(out + taken + tl.cumsum(take_i, 0) - take_i, pick, mask=take)
                 taken += tl.sum(take_i)
             above += tl.sum(is_above.to(tl.int32))
             equal_seen += tl.sum(equal)
@@ -163,8 +167,8 @@ if triton is not None:
                      mask=(cols >= taken) & (cols < k))
 
     @triton.jit
-    def _top_picks_kernel(s_ptr, o_ptr, n, k, s_row, o_row, BLOCK: tl.constexpr,
-                          COPIES: tl.constexpr, PDL: tl.constexpr):
+    def _top_picks_kernel(s_ptr, o_ptr, i_ptr, n, k, s_row, o_row, i_row, BLOCK: tl.constexpr,
+                          COPIES: tl.constexpr, IDS: tl.constexpr, PDL: tl.constexpr):
         # A row in one program: the four passes (none when the row has no more than k
         # entries: then every finite one is a pick), then the picks.
         wait_then_release(PDL)
@@ -182,7 +186,8 @@ if triton is not None:
             threshold = tl.where(finite > k, prefix, threshold)
             ties = tl.where(finite > k, want, 0)
         out = o_ptr + row * o_row
-        _, _, taken = _part_picks(base, 0, n, threshold, ties, 0, BLOCK, out, 0)
+        ids = i_ptr + row * i_row if IDS else None
+        _, _, taken = _part_picks(base, 0, n, threshold, ties, 0, BLOCK, out, 0, ids)
         _fill_empty(out, taken, k, BLOCK)
 
     @triton.jit
@@ -215,9 +220,9 @@ if triton is not None:
                           mask=hist != 0, sem="relaxed")
 
     @triton.jit
-    def _split_picks_kernel(s_ptr, hist_ptr, part_ptr, o_ptr, n, k, rows, s_row, o_row, part,
-                            parts, WRITE: tl.constexpr, PARTS: tl.constexpr,
-                            BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _split_picks_kernel(s_ptr, hist_ptr, part_ptr, o_ptr, i_ptr, n, k, rows, s_row, o_row,
+                            i_row, part, parts, WRITE: tl.constexpr, PARTS: tl.constexpr,
+                            IDS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         # One part of a row: its entries above and equal to the threshold counted (into
         # part_ptr [rows, parts, 2]); with WRITE, its picks written after those of the parts
         # before it, and the last part fills the row's empty slots.
@@ -236,21 +241,23 @@ if triton is not None:
             above_before = tl.sum(tl.load(counts + 2 * i, mask=before, other=0))
             equal_before = tl.sum(tl.load(counts + 2 * i + 1, mask=before, other=0))
             out = o_ptr + row * o_row
+            ids = i_ptr + row * i_row if IDS else None
             _, _, taken = _part_picks(base, lo, tl.minimum(lo + part, n), threshold, ties,
                                       equal_before, BLOCK, out,
-                                      above_before + tl.minimum(equal_before, ties))
+                                      above_before + tl.minimum(equal_before, ties), ids)
             if c == parts - 1:
                 _fill_empty(out, taken, k, BLOCK)
         else:
             above, equal, _ = _part_picks(base, lo, tl.minimum(lo + part, n), threshold, ties,
-                                          0, BLOCK, None, 0)
+                                          0, BLOCK, None, 0, None)
             tl.store(counts + 2 * c, above)
             tl.store(counts + 2 * c + 1, equal)
 
 
-def top_picks(scores: torch.Tensor, k: int) -> torch.Tensor:
+def top_picks(scores: torch.Tensor, k: int, ids: torch.Tensor | None = None) -> torch.Tensor:
     """[T, k] int64: for each row of scores [T, n] (float; rows may be strided), the indices
-    of its k largest finite scores, ties to the lower index, in ascending order, then −1 —
+    of its k largest finite scores, ties to the lower index, in ascending order, then −1 (with
+    `ids` [T, n] int64: ids[t, index] in their place) —
     strata.model.indexer.topk_lowest_index's definition, with no keys in memory and no sort:
     where torch radix-selected over int64 keys written first and sorted the picks after (four
     launches at least; ~60–75 µs a decode query's row of 8K entries, H200). A row is read five
@@ -261,14 +268,18 @@ def top_picks(scores: torch.Tensor, k: int) -> torch.Tensor:
     T, n = scores.shape
     if scores.stride(1) != 1:
         scores = scores.contiguous()
+    if ids is not None and (tuple(ids.shape) != (T, n) or ids.dtype != torch.int64):
+        raise ValueError(f"top_picks: ids {list(ids.shape)} {ids.dtype} for scores [{T}, {n}]")
+    idv = scores if ids is None else (ids if ids.stride(1) == 1 else ids.contiguous())
     out = torch.empty((T, k), dtype=torch.int64, device=scores.device)
     if not (T and k):
         return out
     parts = min(triton.cdiv(n, PICKS_PART), max(1, PICKS_PROGRAMS // T)) if n > k else 1
     launch = dict(num_warps=PICKS_WARPS, **pdl.args(scores.device))
     if parts == 1:
-        _top_picks_kernel[(T,)](scores, out, n, k, scores.stride(0), out.stride(0),
-                                BLOCK=PICKS_BLOCK, COPIES=PICKS_COPIES, **launch)
+        _top_picks_kernel[(T,)](scores, out, idv, n, k, scores.stride(0), out.stride(0),
+                                idv.stride(0), BLOCK=PICKS_BLOCK, COPIES=PICKS_COPIES,
+                                IDS=ids is not None, **launch)
         return out
     # (parts of a multiple of 64 entries: with n a multiple of 16 — the indexer's buckets —
     # Triton then knows each part's loads 4-wide aligned)
@@ -280,10 +291,10 @@ def top_picks(scores: torch.Tensor, k: int) -> torch.Tensor:
         _split_counts_kernel[(T, parts)](scores, hist, n, k, T, scores.stride(0), part, P=p,
                                          BLOCK=PICKS_BLOCK, COPIES=PICKS_COPIES, **launch)
     for write in (False, True):
-        _split_picks_kernel[(T, parts)](scores, hist, counts, out, n, k, T, scores.stride(0),
-                                        out.stride(0), part, parts, WRITE=write,
-                                        PARTS=triton.next_power_of_2(parts), BLOCK=PICKS_BLOCK,
-                                        **launch)
+        _split_picks_kernel[(T, parts)](scores, hist, counts, out, idv, n, k, T,
+                                        scores.stride(0), out.stride(0), idv.stride(0), part,
+                                        parts, WRITE=write, PARTS=triton.next_power_of_2(parts),
+                                        IDS=ids is not None, BLOCK=PICKS_BLOCK, **launch)
     return out
 
 

@@ -39,7 +39,8 @@ class ForwardContext:
     engram_hasher: object | None = None
     # index-source layer -> [T, topk] selected compressed entries (ascending, -1 = empty)
     sel: dict[int, torch.Tensor] = field(default_factory=dict)
-    candidates: torch.Tensor | None = None   # [T, n_entries] bool, from the candidate source
+    # the candidate source's kept blocks [T, ≤ candidate_topk_blocks] (ascending, −1 = none)
+    candidates: torch.Tensor | None = None
     published_keys: list[int] = field(default_factory=list)  # kv sources with new keys
     main_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # DSpark taps [T, D]
     # A layer split's kv-source entries passed through this rank for later ones (by carry name)

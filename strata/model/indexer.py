@@ -32,13 +32,18 @@ SCORE_SCRATCH = 1 << 30
 TOPK_BYTES = 32  # the scores, and a candidate source's padded block copy, masks and wheres
 
 
-def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
+def topk_lowest_index(scores: torch.Tensor, k: int,
+                      ids: torch.Tensor | None = None) -> torch.Tensor:
     """Indices [T, k] of the k largest finite scores per row, ties to the lowest index,
     sorted ascending; slots with no finite score left are −1. Always k wide, so the
-    attention that consumes it has the same shape whatever the number of entries."""
+    attention that consumes it has the same shape whatever the number of entries. With
+    `ids` [T, n] (int64): ids[t, index] in each index's place."""
     from strata.kernels import ranking
     if ranking.available(scores):
-        return ranking.top_picks(scores, k)  # (the ops below, no keys in memory, no sort)
+        return ranking.top_picks(scores, k, ids)  # (the ops below, no keys in memory, no sort)
+    if ids is not None:
+        at = topk_lowest_index(scores, k)
+        return torch.where(at >= 0, ids.gather(1, at.clamp(min=0)), at)
     T, n = scores.shape
     m = min(k, n)
     if m == n:  # every entry is a pick (a context of few entries): nothing to select
@@ -56,8 +61,10 @@ def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 def select_candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, block: int,
                             n_blocks: int) -> torch.Tensor:
-    """Entry mask [T, n] of the top `n_blocks` blocks by max score; the block holding each
-    query's newest visible entry is always kept; blocks with no finite score never are."""
+    """Ids [T, min(n_blocks, nb)] (ascending, −1 = none) of the top `n_blocks` blocks of
+    `block` entries by max score, of the nb = ⌈n/block⌉ blocks; the block holding each query's
+    newest visible entry is always kept; blocks with no finite score never are. (No more than
+    nb blocks exist: the width is fixed by n's bucket, and far below n's.)"""
     T, n = scores.shape
     nb = (n + block - 1) // block
     padded = torch.full((T, nb * block), float("-inf"), dtype=scores.dtype, device=scores.device)
@@ -66,10 +73,22 @@ def select_candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, block
     newest = (n_visible - 1).clamp(min=0) // block
     pin = (n_visible > 0)[:, None] & (torch.arange(nb, device=scores.device)[None] == newest[:, None])
     bscore = torch.where(pin, torch.full_like(bscore, float("inf")), bscore)
-    keep = topk_lowest_index(bscore, n_blocks)
-    mask_blocks = torch.zeros((T, nb + 1), dtype=torch.bool, device=scores.device)
-    mask_blocks.scatter_(1, torch.where(keep >= 0, keep, torch.full_like(keep, nb)), True)
-    return mask_blocks[:, :nb].repeat_interleave(block, dim=1)[:, :n]
+    return topk_lowest_index(bscore, min(n_blocks, nb))
+
+
+def candidate_mask(blocks: torch.Tensor, block: int, n: int) -> torch.Tensor:
+    """Entry mask [T, n] of candidate block ids [T, m] (−1 = none)."""
+    T, nb = blocks.shape[0], (n + block - 1) // block
+    mask = torch.zeros((T, nb + 1), dtype=torch.bool, device=blocks.device)
+    mask.scatter_(1, torch.where(blocks >= 0, blocks, torch.full_like(blocks, nb)), True)
+    return mask[:, :nb].repeat_interleave(block, dim=1)[:, :n]
+
+
+def candidate_entries(blocks: torch.Tensor, block: int) -> torch.Tensor:
+    """Entry ids [T, m·block] of candidate block ids [T, m] (ascending, −1 = none): each
+    block's entries in order, so ascending too."""
+    ids = blocks[:, :, None] * block + torch.arange(block, device=blocks.device)
+    return torch.where(blocks[:, :, None] >= 0, ids, torch.full_like(ids, -1)).flatten(1)
 
 
 class Indexer:
@@ -128,6 +147,12 @@ class Indexer:
         picks, candidates = [], []
         for i in range(0, ctx.T, rows):
             j = min(i + rows, ctx.T)
+            if reindex and fused:
+                entries = ctx.derived(("candidate_entries",), lambda: candidate_entries(
+                    ctx.candidates, cfg.candidate_block_size))  # (one for every reindex layer)
+                picks.append(self._select_candidates(q[i:j], keys, w[i:j], n_visible[i:j],
+                                                     w_scale, entries[i:j]))
+                continue
             if fused:  # (one launch, masked too, no per-head scratch)
                 scores = index_kernels.index_scores(q[i:j], keys, w[i:j], n_visible[i:j],
                                                     w_scale)
@@ -142,12 +167,21 @@ class Indexer:
                 candidates.append(select_candidate_blocks(
                     scores, n_visible[i:j], cfg.candidate_block_size, cfg.candidate_topk_blocks))
             elif reindex:
-                scores = torch.where(ctx.candidates[i:j], scores,
-                                     torch.full_like(scores, float("-inf")))
+                cand = candidate_mask(ctx.candidates[i:j], cfg.candidate_block_size, n)
+                scores = torch.where(cand, scores, torch.full_like(scores, float("-inf")))
             picks.append(topk_lowest_index(scores, cfg.index_topk))
         if source:
             ctx.candidates = _joined(candidates)
         return _joined(picks)
+
+    def _select_candidates(self, q, keys, w, n_visible, w_scale, entries) -> torch.Tensor:
+        """A reindex layer's picks on CUDA: its candidate entries (ids [T, m], ascending, −1
+        none) alone scored, each with the bits it has among all the entries
+        (strata.kernels.indexer), the top-k of those as entry ids — ascending as the
+        candidates are, ties to the lowest. At long context the candidates are a few percent
+        of the entries (2,048 blocks of 8 against 524K), and no [T, n] mask is made."""
+        scores = index_kernels.index_scores(q, keys, w, n_visible, w_scale, entries=entries)
+        return topk_lowest_index(scores, self.cfg.index_topk, entries)
 
 
 def _joined(pieces: list[torch.Tensor]) -> torch.Tensor:

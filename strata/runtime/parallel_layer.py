@@ -97,7 +97,7 @@ class LayerExecutor:
                       decoder: bool = True) -> Layout:
         """The message rank r sends to rank r+1 (what the layers after it that run read; the
         kv-source entries go on either way: later ranks keep them for later forwards). Its
-        shape depends on T and the candidate mask's entry bucket only, never on the position
+        shape depends on T and the candidate source's entry bucket only, never on the position
         within the bucket: a rank's forward can be captured in a CUDA graph."""
         cfg = self.cfg
         hi = self.ranges[r].stop
@@ -108,7 +108,8 @@ class LayerExecutor:
             pieces.append((f"sel.{done[-1]}", (T, cfg.index_topk), torch.int64))
         c = cfg.candidate_source_layer_id
         if cfg.candidates_enabled and c < hi and any(cfg.is_reindex(l) for l in later):
-            pieces.append(("cand", (T, entry_bucket((start + T) // cfg.ratio(c))), torch.bool))
+            nb = -(-entry_bucket((start + T) // cfg.ratio(c)) // cfg.candidate_block_size)
+            pieces.append(("cand", (T, min(cfg.candidate_topk_blocks, nb)), torch.int64))
         for s in sorted(self._needed_after(r)):
             if s < hi:
                 m = entries_written(cfg.ratio(s), T)

@@ -35,7 +35,7 @@ def entry_bucket(n: int) -> int:
     to a multiple of max(256, 2^(bits(n) − 4)) — at most ~6 % more past 4K entries, ~16 sizes
     per doubling. Invisible entries are masked to −inf, which the selection never picks, so
     the result is that of scoring n. (The index-key caches are sized to the bucket of their
-    capacity; the layer split's carry sizes the candidate mask with it.)"""
+    capacity; the layer split's carry sizes the candidate blocks with it.)"""
     step = max(256, 1 << max(0, n.bit_length() - 4))
     return -(-n // step) * step
 

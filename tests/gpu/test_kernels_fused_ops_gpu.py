@@ -518,3 +518,29 @@ def test_a_rollbacks_batched_restores_equal_the_torch_undo(cuda, monkeypatch):
         result.append([(r.rows.clone(), r.tags.clone()) for r in rings])
     for (a, ta), (b, tb) in zip(*result):
         assert torch.equal(a, b) and torch.equal(ta, tb)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_querys_own_entries_score_with_their_bits_among_all(cuda, dtype):
+    """index_scores with `entries` (a reindex layer's candidates, each query's own, ascending,
+    −1 none) at V4.1's indexer shapes: every score has the bits the query's scores over all
+    the entries give it — the same tile shapes and MMA chain — so the picks from candidates
+    alone equal the picks from all entries masked to them; −1 and unseen ids give −inf."""
+    from strata.kernels.indexer import index_scores
+    from strata.model.indexer import candidate_entries
+    g = torch.Generator().manual_seed(21)
+    T, H, D, n = 6, 32, 128, 20480
+    q = torch.randn(T, H, D, generator=g).to(cuda, dtype)
+    keys = torch.randn(n, D, generator=g).to(cuda, torch.bfloat16)
+    w = torch.rand(T, H, generator=g).to(cuda)
+    visible = torch.tensor([20480, 20000, 9000, 1, 0, 15000], device=cuda)
+    full = index_scores(q, keys, w, visible, 0.0156)
+    blocks = torch.stack([torch.randperm(n // 8, generator=g)[:2048].sort().values
+                          for _ in range(T)]).to(cuda)
+    blocks[1, 2000:] = -1
+    entries = candidate_entries(blocks, 8)
+    got = index_scores(q, keys, w, visible, 0.0156, entries=entries)
+    want = torch.where(entries >= 0, full.gather(1, entries.clamp(min=0)), float("-inf"))
+    assert torch.equal(got, want)
+    assert torch.equal(index_scores(q[2:3], keys, w[2:3], visible[2:3], 0.0156,
+                                    entries=entries[2:3]), got[2:3])
