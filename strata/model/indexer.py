@@ -29,7 +29,7 @@ from strata.runtime.state import State, entry_bucket
 # without keys in memory: under TOPK_BYTES per entry remain). Every query's selection is its
 # own: the pieces change no bit.
 SCORE_SCRATCH = 1 << 30
-TOPK_BYTES = 32  # the scores, and a candidate source's padded block copy, masks and wheres
+TOPK_BYTES = 32  # the scores, a candidate source's padded block copy, a reindex layer's ids
 
 
 def topk_lowest_index(scores: torch.Tensor, k: int,
