@@ -532,9 +532,9 @@ def _bench_moe(X, dev, timer, copy_gbs, smoke, cb) -> list[dict]:
 # model runs instead of the row kernel: "index_scores", the indexer's whole score
 # Σ_h w_h·relu(q_h·k) in one launch (strata.kernels.indexer) against cuBLAS's q·k (bf16 out)
 # + relu + the heads' weighted sum ("index_candidates": a query's own entries alone, gathered
-# by id, against torch's gather and the same products); "mhc", mHC's products and the stream's sum of squares in
-# one pass (strata.kernels.mhc.hc_mix, 4·D-long rows for a 4,096-row chunk and for one decode
-# row) against cuBLAS's product and torch's mean square.
+# by id, against torch's gather and the same products); "mhc", mHC's products and the
+# stream's sum of squares in one pass (strata.kernels.mhc.hc_mix, 4·D-long rows for a
+# 4,096-row chunk and for one decode row) against cuBLAS's product and torch's mean square.
 ROWWISE = (("attn_qk_prefill", 243, 64, 640, 512, "bf16", "bf16", False),
            ("attn_pv_prefill", 243, 64, 512, 640, "fp32", "bf16", True),
            ("index_qk_prefill", 64, 32, 32768, 128, "bf16", "bf16", False),
@@ -623,8 +623,9 @@ SMOKE_SELECTION = (("selection_smoke", 3, 300, 16),)
 
 
 def _bench_selection(dev, timer, smoke) -> list[dict]:
-    """The indexer's selection in one launch against torch's top-k and sort, and against the
-    exact torch path (strata.model.indexer.topk_lowest_index with the kernels off)."""
+    """The indexer's selection (strata.kernels.ranking.top_picks) against torch's top-k and
+    sort, and against the exact torch path (strata.model.indexer.topk_lowest_index with the
+    kernels off)."""
     from strata.kernels import ranking
     from strata.model import indexer
     out = []
