@@ -65,7 +65,7 @@ def test_top_picks_are_the_indexers_torch_ops(monkeypatch, split):
     scores[4, :500] = -0.0
     scores[4, 500:] = 0.0
     scores[5, 7] = float("inf")
-    for k in (1, 100, 300, 512, 999, 1000, 1500):
+    for k in (1, 300, 999, 1500):
         got = ranking.top_picks(scores, k)
         want = topk_lowest_index(scores, k)
         assert got.dtype == torch.int64 and got.shape == (6, k) and torch.equal(got, want), k
