@@ -131,10 +131,10 @@ if triton is not None:
     def _part_picks(base, lo, hi, threshold, ties, equal_before, BLOCK: tl.constexpr,
                     out, taken, ids):
         """Counts (above, equal) of the finite scores at [lo, hi) whose key is above / equal
-        to the threshold; with `out`, the picks among them written there from slot `taken` in
-        index order: every entry above, and an equal one while fewer than `ties` equal ones
-        come before it (`equal_before` of them before lo) — each as its index, or as the
-        row's ids (`ids`, int64) hold at it."""
+        to the threshold (above: only without `out`); with `out`, the picks among them
+        written there from slot `taken` in index order: every entry above, and an equal one
+        while fewer than `ties` equal ones come before it (`equal_before` of them before lo)
+        — each as its index, or as the row's ids (`ids`, int64) hold at it."""
         above = 0
         equal_seen = tl.zeros((), tl.int32) + equal_before  # (tensors, though given as 0)
         taken = tl.zeros((), tl.int32) + taken
@@ -155,7 +155,8 @@ if triton is not None:
                     pick = cols.to(tl.int64)
                 tl.store(out + taken + tl.cumsum(take_i, 0) - take_i, pick, mask=take)
                 taken += tl.sum(take_i)
-            above += tl.sum(is_above.to(tl.int32))
+            else:  # (a writing pass needs only the equal ones counted)
+                above += tl.sum(is_above.to(tl.int32))
             equal_seen += tl.sum(equal)
         return above, equal_seen - equal_before, taken
 
