@@ -5,11 +5,13 @@ num_warps the kernel is launched with (the launch keyword overridden by wrapping
 run; the code's own value marked *) — or, with KNOB=num_stages, each pipeline depth.
 Attention's products also by K chunk and tile, and from the stored split; the indexer's
 selection at 768, 32K and 128K entries (a decode step's at those context lengths:
-ONLY=index), and the selection alone up to 512K entries by how a row is split (ONLY=top).
+ONLY=index), and the selection alone up to 512K entries by how a row is split, beside the
+torch ops it replaces (ONLY=top).
 What it shows is each kernel's time as a link of a chain of its own kind — the model's chain
 mixes kinds, so a winner here still needs the model-level A/B.
 One-off diagnostic (GPU): source scripts/device_env.sh &&
-  [ONLY=text] [KNOB=num_stages | KNOB=keyword VALUES="v …"] python scripts/probe_warps.py"""
+  [ONLY=text] [KNOB=num_stages | KNOB=keyword VALUES="v …"] [RANKING="NAME=v …"]
+  python scripts/probe_warps.py"""
 import os
 
 import torch
@@ -19,6 +21,10 @@ from strata.kernels import exl3, indexer, mhc, moe_ops, norm, ranking, rowwise
 from strata.model.indexer import topk_lowest_index
 
 CALLS, REPLAYS = 32, 40
+# RANKING="PICKS_BLOCK=2048 PICKS_PROGRAMS=132": the selection's module settings for this run
+for setting in os.environ.get("RANKING", "").split():
+    name, value = setting.split("=")
+    setattr(ranking, name, int(value))
 dev = torch.device("cuda")
 bf, f32 = torch.bfloat16, torch.float32
 D, H = 5120, 4
@@ -88,7 +94,22 @@ def ops(T: int):
         *[(f"top 512 n={n} part {part}", ranking._split_counts_kernel, ranking.PICKS_WARPS,
            parted(part, lambda n=n: topk_lowest_index(scores[n], 512)))
           for n in scores for part in (2048, 4096, 8192, 1 << 30)],
+        # the torch ops the selection replaces (topk_lowest_index's CPU path), for scale
+        *[(f"top 512 n={n} torch ops", ranking._split_counts_kernel, ranking.PICKS_WARPS,
+           torch_ops(lambda n=n: topk_lowest_index(scores[n], 512))) for n in scores],
     ]
+
+
+def torch_ops(call):
+    """call with the selection's kernels unavailable (topk_lowest_index's torch path)."""
+    def run():
+        own = ranking.available
+        ranking.available = lambda t: False
+        try:
+            return call()
+        finally:
+            ranking.available = own
+    return run
 
 
 def parted(part: int, call):
@@ -108,8 +129,8 @@ def timed(call) -> float:
 
 
 # KNOB=num_stages: sweep that launch option instead (the code's own value then unmarked), or
-# any launch keyword of the kernel — a constexpr too — with VALUES, e.g. KNOB=COPIES
-# VALUES="1 4 8 32" ONLY=top (the selection's copies of each count)
+# any launch keyword of the kernel — a constexpr too — with VALUES, e.g. KNOB=BLOCK
+# VALUES="1024 2048 4096" ONLY="part 4096" (the selection's count passes' block)
 KNOB = os.environ.get("KNOB", "num_warps")
 VALUES = tuple(int(v) for v in os.environ.get(
     "VALUES", "1 2 3 4" if KNOB == "num_stages" else "1 2 4 8 16").split())

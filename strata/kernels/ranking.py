@@ -22,13 +22,12 @@ BLOCK = 1024
 # argmax_rows: values per program of its first pass (a 129,280-wide row: 64 programs)
 ARGMAX_BLOCK = 2048
 # top_picks: entries a program reads at once in each pass over its part of a row, its warps,
-# the copies of each radix count (one for each lane of a warp), and how a row is split: into
-# parts of at least PICKS_PART entries while all the rows' parts number at most PICKS_PROGRAMS
-# (two a streaming multiprocessor of an H200), so a decode query's long row is read by many
-# programs at once and a prefill piece's many rows one program each
+# and how a row is split: into parts of at least PICKS_PART entries while all the rows' parts
+# number at most PICKS_PROGRAMS (two a streaming multiprocessor of an H200), so a decode
+# query's long row is read by many programs at once and a prefill piece's many rows one
+# program each
 PICKS_BLOCK = 4096
 PICKS_WARPS = 8
-PICKS_COPIES = 32
 PICKS_PART = 4096
 PICKS_PROGRAMS = 264
 
@@ -94,17 +93,13 @@ if triton is not None:
     # found so far, each value of the next 8 bits — then the picks written in index order.
 
     @triton.jit
-    def _part_counts(base, lo, hi, prefix, P: tl.constexpr, BLOCK: tl.constexpr,
-                     COPIES: tl.constexpr):
+    def _part_counts(base, lo, hi, prefix, P: tl.constexpr, BLOCK: tl.constexpr):
         """Counts [256] of byte P (from the top) of the keys of the finite scores at [lo, hi)
-        whose higher bytes are prefix's. Each count is kept in COPIES copies, a lane's adds in
-        the copy of its place in the warp (a thread loads 4 adjacent entries): tl.histogram
-        adds in shared memory one atomic an entry, and a row's scores share their top bits,
-        so with one copy a warp's 32 adds to one count ran one after another (session 24:
-        4.6× slower than torch at 131K entries)."""
+        whose higher bytes are prefix's. (Measured slower: each count in 2 or 32 copies, a
+        lane's adds in its own — tl.histogram's time grows with its bins — and 4-bit digits,
+        twice the passes; session 25, H200.)"""
         shift = 24 - 8 * P
-        copy = (tl.arange(0, BLOCK) // 4) % COPIES
-        copies = tl.zeros((256 * COPIES,), tl.int32)
+        hist = tl.zeros((256,), tl.int32)
         for start in range(lo, hi, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             s = tl.load(base + cols, mask=cols < hi, other=float("-inf")).to(tl.float32)
@@ -113,8 +108,8 @@ if triton is not None:
             if P > 0:
                 live = live & ((u >> (shift + 8)) == prefix)
             bits = ((u >> shift) & 255).to(tl.int32)
-            copies += tl.histogram(bits * COPIES + copy, 256 * COPIES, mask=live)
-        return tl.sum(tl.reshape(copies, (256, COPIES)), 1)
+            hist += tl.histogram(bits, 256, mask=live)
+        return hist
 
     @triton.jit
     def _narrowed(hist, prefix, want):
@@ -169,7 +164,7 @@ if triton is not None:
 
     @triton.jit
     def _top_picks_kernel(s_ptr, o_ptr, i_ptr, n, k, s_row, o_row, i_row, BLOCK: tl.constexpr,
-                          COPIES: tl.constexpr, IDS: tl.constexpr, PDL: tl.constexpr):
+                          IDS: tl.constexpr, PDL: tl.constexpr):
         # A row in one program: the four passes (none when the row has no more than k
         # entries: then every finite one is a pick), then the picks.
         wait_then_release(PDL)
@@ -178,12 +173,12 @@ if triton is not None:
         threshold = tl.zeros((), tl.uint32)  # (keys of finite scores are > 0)
         ties = 0
         if n > k:
-            hist = _part_counts(base, 0, n, threshold, 0, BLOCK, COPIES)
+            hist = _part_counts(base, 0, n, threshold, 0, BLOCK)
             finite = tl.sum(hist)
             prefix, want = _narrowed(hist, threshold, k)
             for p in tl.static_range(1, 4):
-                prefix, want = _narrowed(_part_counts(base, 0, n, prefix, p, BLOCK, COPIES),
-                                         prefix, want)
+                prefix, want = _narrowed(_part_counts(base, 0, n, prefix, p, BLOCK), prefix,
+                                         want)
             threshold = tl.where(finite > k, prefix, threshold)
             ties = tl.where(finite > k, want, 0)
         out = o_ptr + row * o_row
@@ -208,7 +203,7 @@ if triton is not None:
 
     @triton.jit
     def _split_counts_kernel(s_ptr, hist_ptr, n, k, rows, s_row, part, P: tl.constexpr,
-                             BLOCK: tl.constexpr, COPIES: tl.constexpr, PDL: tl.constexpr):
+                             BLOCK: tl.constexpr, PDL: tl.constexpr):
         # Pass P over one part of a row, its counts added to the row's.
         wait_then_release(PDL)
         row = tl.program_id(0).to(tl.int64)
@@ -216,7 +211,7 @@ if triton is not None:
         prefix, _, finite = _selected(hist_ptr, row, rows, n, k, P)
         if finite > k:  # (else every finite entry is a pick: no bytes to find)
             hist = _part_counts(s_ptr + row * s_row, lo, tl.minimum(lo + part, n), prefix, P,
-                                BLOCK, COPIES)
+                                BLOCK)
             tl.atomic_add(hist_ptr + (P * rows + row) * 256 + tl.arange(0, 256), hist,
                           mask=hist != 0, sem="relaxed")
 
@@ -260,8 +255,9 @@ def top_picks(scores: torch.Tensor, k: int, ids: torch.Tensor | None = None) -> 
     of its k largest finite scores, ties to the lower index, in ascending order, then −1 (with
     `ids` [T, n] int64: ids[t, index] in their place) —
     strata.model.indexer.topk_lowest_index's definition, with no keys in memory and no sort:
-    where torch radix-selected over int64 keys written first and sorted the picks after (four
-    launches at least; ~60–75 µs a decode query's row of 8K entries, H200). A row is read five
+    where torch radix-selected over int64 keys written first and sorted the picks after (a
+    decode query's row of 8K–512K entries: 27–29 µs here, 88–217 µs torch's ops; H200,
+    scripts/probe_warps.py ONLY=top, session 25). A row is read five
     times (four 8-bit radix passes, then the picks in index order): by one program in one
     launch, or — a long row among few (a decode query at long context) — in parts, a program
     each, with a launch a pass (the parts' counts added in the row's) and two for the picks
@@ -279,8 +275,8 @@ def top_picks(scores: torch.Tensor, k: int, ids: torch.Tensor | None = None) -> 
     launch = dict(num_warps=PICKS_WARPS, **pdl.args(scores.device))
     if parts == 1:
         _top_picks_kernel[(T,)](scores, out, idv, n, k, scores.stride(0), out.stride(0),
-                                idv.stride(0), BLOCK=PICKS_BLOCK, COPIES=PICKS_COPIES,
-                                IDS=ids is not None, **launch)
+                                idv.stride(0), BLOCK=PICKS_BLOCK, IDS=ids is not None,
+                                **launch)
         return out
     # (parts of a multiple of 64 entries: with n a multiple of 16 — the indexer's buckets —
     # Triton then knows each part's loads 4-wide aligned)
@@ -290,7 +286,7 @@ def top_picks(scores: torch.Tensor, k: int, ids: torch.Tensor | None = None) -> 
     counts = torch.empty((T, parts, 2), dtype=torch.int32, device=scores.device)
     for p in range(4):
         _split_counts_kernel[(T, parts)](scores, hist, n, k, T, scores.stride(0), part, P=p,
-                                         BLOCK=PICKS_BLOCK, COPIES=PICKS_COPIES, **launch)
+                                         BLOCK=PICKS_BLOCK, **launch)
     for write in (False, True):
         _split_picks_kernel[(T, parts)](scores, hist, counts, out, idv, n, k, T,
                                         scores.stride(0), out.stride(0), idv.stride(0), part,
