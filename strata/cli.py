@@ -541,7 +541,8 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--runs", type=int, default=3)
     bd.add_argument("--warmup", type=int, default=1)
     bd.add_argument("--length", type=int, default=None,
-                    help="fixed verify length for dspark (default: adaptive)")
+                    help="fixed verify length for dspark (default: adaptive) and the oracle "
+                         "modes (default: the draft block)")
     bd.add_argument("--json", help="write the results as JSON here")
     bd.set_defaults(fn=cmd_bench_decode)
     from strata.bench.kernels import add_arguments as add_bench_kernels_arguments
@@ -583,6 +584,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="memory for retained conversation states (default 2048)")
     sv.add_argument("--max-body-mb", type=int, default=16, help="request size limit")
     sv.add_argument("--speculative", action="store_true", help="decode with DSpark")
+    sv.add_argument("--draft-length", type=int, default=None,
+                    help="with --speculative: verify this many drafts a window (default: "
+                         "adaptive, from the draft's confidences and window prices measured "
+                         "at start-up)")
     _add_graphs_arg(sv)
     sv.add_argument("--drain-timeout", type=int, default=300,
                     help="seconds to wait for requests in flight on shutdown")

@@ -125,3 +125,32 @@ def test_bench_decode_oracle_at_a_target_acceptance(tiny_dir, tmp_path):
     rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
     assert abs(rows["oracle:2.9"]["mean_committed_per_window"] - 2.9) < 0.25
     assert main(["bench", "decode", "--model", str(tiny_dir), "--modes", "oracle:9"]) == 2
+
+
+def test_bench_decode_oracle_per_draft_acceptance_at_a_length(tiny_dir, tmp_path):
+    """oracle:pP accepts each position's draft with probability P from one fixed draw (every
+    run and verify length meets the same easy and hard tokens); --length sets the oracle
+    modes' windows too; the tokens stay plain decoding's (the bench checks them)."""
+    from strata.bench.decode import acceptable
+    draw = acceptable(0.6, 2000)
+    assert draw == acceptable(0.6, 2000) and 0.55 < sum(draw) / 2000 < 0.65
+    out = tmp_path / "b.json"
+    assert main(["bench", "decode", "--model", str(tiny_dir), "--tokens", "40", "--runs", "1",
+                 "--warmup", "0", "--modes", "plain,oracle,oracle:p0.6", "--length", "2",
+                 "--json", str(out)]) == 0
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    full, half = rows["oracle"], rows["oracle:p0.6"]
+    assert full["drafted"] <= 2 * full["windows"] and full["accepted"] == full["drafted"]
+    assert 2.5 < full["mean_committed_per_window"] <= 3
+    assert half["drafted"] <= 2 * half["windows"] and 0 < half["accepted"] < half["drafted"]
+    assert 1.3 < half["mean_committed_per_window"] < 2.6  # (1 + 0.6 + 0.36 expected)
+    for bad in ("oracle:p1.5", "oracle:px", "oracle:"):
+        assert main(["bench", "decode", "--model", str(tiny_dir), "--modes", bad]) == 2
+    # the adaptive length, graphed too: its window prices measured that way and reported
+    assert main(["bench", "decode", "--model", str(tiny_dir), "--tokens", "8", "--runs", "1",
+                 "--warmup", "0", "--modes", "plain,dspark,dspark+graphs", "--json",
+                 str(out)]) == 0
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["plain"]["window_ms"] is None
+    for mode in ("dspark", "dspark+graphs"):  # (rows 1 … block + 1, then a draft)
+        assert len(rows[mode]["window_ms"]) == 7 and min(rows[mode]["window_ms"]) > 0

@@ -7,7 +7,7 @@ import torch
 from strata.errors import StrataError
 from strata.runtime.sampling import SamplingParams, sample
 from strata.runtime.session import Session
-from strata.runtime.speculative import SpecConfig, choose_length
+from strata.runtime.speculative import SpecConfig, choose_length, measure_costs
 from util import random_tokens
 
 GREEDY = SamplingParams()
@@ -131,6 +131,74 @@ def test_choose_length():
     assert choose_length(torch.tensor([0.95, 0.9, 0.01, 0.01, 0.01]), costs, 0.1) == 2
     # expensive windows: shorter
     assert choose_length(torch.tensor([0.8] * 5), [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 0.0) == 0
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphed"])
+def test_window_prices_measured_and_followed(tiny_reference, graphs):
+    """measure_costs prices a window of every row count and a draft, the way the session
+    will run them (graphed: on the CPU the graphed session runs eagerly, the same path the
+    measurement must survive); a session given prices picks its verify length by them —
+    windows dearer than what they can commit: plain steps only; one draft as cheap as a
+    step, more dear: windows of one draft; all as cheap as a step: longer windows — the
+    tokens plain decoding's every time."""
+    m = tiny_reference
+    block = m.cfg.dspark_block_size
+    costs, draft = measure_costs(m, block + 1, repeats=1, context=16, graphs=graphs)
+    assert len(costs) == block + 1 and all(c > 0 for c in costs) and draft > 0
+    prompt = random_tokens(20, seed=3)
+    want = plain_tokens(m, prompt, 12, GREEDY, capacity=64)
+    spec = SpecConfig(low_windows=10 ** 6)  # (no fallback to plain steps: few accepted)
+
+    def stats(prices):
+        s = Session(m, 64, speculative=spec, costs=(prices, 0.0), graphs=graphs)
+        assert s.run(prompt, 12, GREEDY, stop_ids=frozenset()).tokens == want
+        return s.stats
+
+    dear = stats([1.0] + [1e3] * block)
+    assert dear.windows == 0 and dear.plain_steps == 11
+    one = stats([1.0, 1.0] + [1e3] * (block - 1))
+    assert one.windows > 0 and one.drafted == one.windows
+    cheap = stats([1.0] * (block + 1))
+    assert cheap.windows > 0 and cheap.drafted > 2 * cheap.windows
+
+
+def test_the_server_prices_its_windows(tiny_reference, tiny_dir, capsys):
+    """The server's sessions follow the prices it gives the engine (measured at start-up:
+    strata.serve.server.window_prices); --draft-length alone is refused."""
+    import threading
+
+    from strata.cli import main
+    from strata.runtime.engine import Engine, Finished, GenRequest, Token
+    from strata.serve.server import window_prices
+    m = tiny_reference
+    block = m.cfg.dspark_block_size
+    costs, draft = window_prices(m, graphs=False)
+    assert len(costs) == block + 1 and draft > 0
+    assert "DSpark verify windows priced" in capsys.readouterr().err
+    prompt = random_tokens(20, seed=4)
+    want = plain_tokens(m, prompt, 8, GREEDY, capacity=64)
+
+    def served(prices):
+        engine = Engine(m, 64, speculative=SpecConfig(low_windows=10 ** 6),
+                        costs=(prices, 0.0)).start()
+        got, done = [], threading.Event()
+
+        def on_event(ev):
+            got.append(ev)
+            if isinstance(ev, Finished):
+                done.set()
+        try:
+            engine.submit(GenRequest(prompt, 8, stop_ids=frozenset()), on_event)
+            assert done.wait(120)
+        finally:
+            engine.stop()
+        assert [ev.id for ev in got if isinstance(ev, Token)] == want
+        return got[-1]
+
+    assert served([1.0] + [1e3] * block).drafted == 0
+    assert served([1.0] * (block + 1)).drafted > 0
+    assert main(["serve", "--model", str(tiny_dir), "--draft-length", "2"]) == 2
+    assert "--draft-length needs --speculative" in capsys.readouterr().err
 
 
 def test_verify_row_sampler_matches_target_distribution(tiny_reference):

@@ -34,18 +34,25 @@ MODES = ("plain", "dspark", "oracle")
 GRAPHS = "+graphs"
 
 
-def oracle_target(mode: str, block: int) -> float | None:
-    """'oracle' → None (accept every draft); 'oracle:2.9' → 2.9 committed tokens per window
-    on average (accepted drafts + the target's own token), checked against 1..block+1."""
+def oracle_target(mode: str, length: int) -> tuple[str, float] | None:
+    """'oracle' → None (accept every draft); 'oracle:2.9' → ("committed", 2.9): 2.9 committed
+    tokens per window on average (accepted drafts + the target's own token), checked against
+    1..length+1; 'oracle:p0.7' → ("accept", 0.7): each position's draft accepted with
+    probability 0.7, a window committing its drafts up to the first rejected one."""
     if mode == "oracle":
         return None
+    arg = mode.split(":", 1)[1] if ":" in mode else ""
+    kind = "accept" if arg.startswith("p") else "committed"
     try:
-        x = float(mode.split(":", 1)[1])
-    except (IndexError, ValueError):
-        raise StrataError(f"mode {mode!r}: expected oracle:X with X committed per window") from None
-    if not 1.0 <= x <= block + 1:
-        raise StrataError(f"mode {mode!r}: X must be in 1..{block + 1} (accepted drafts + 1)")
-    return x
+        x = float(arg.removeprefix("p"))
+    except ValueError:
+        raise StrataError(f"mode {mode!r}: expected oracle:X with X committed per window, or "
+                          "oracle:pP with each draft accepted with probability P") from None
+    if kind == "committed" and not 1.0 <= x <= length + 1:
+        raise StrataError(f"mode {mode!r}: X must be in 1..{length + 1} (accepted drafts + 1)")
+    if kind == "accept" and not 0.0 <= x <= 1.0:
+        raise StrataError(f"mode {mode!r}: P must be in 0..1")
+    return kind, x
 
 
 def accepted_schedule(target: float, block: int):
@@ -57,6 +64,14 @@ def accepted_schedule(target: float, block: int):
         a = min(block, max(0, round((target - 1) * k) - done))
         done += a
         yield a
+
+
+def acceptable(p: float, n: int, seed: int = 0) -> list[bool]:
+    """Whether the draft of each of n positions is accepted, each with probability p, from a
+    fixed draw: every run and every verify length meets the same easy and hard tokens, as a
+    trained draft head does in one text, so lengths compare on equal terms."""
+    u = torch.rand(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return (u < p).tolist()
 
 
 def prompt_tokens(tokenizer_json: Path) -> list[int]:
@@ -78,6 +93,9 @@ class ModeResult:
     draft_s: float
     verify_s: float
     capture_s: float = 0.0  # +graphs: warm-up and capture time in the last measured run
+    # dspark with the adaptive length: the prices it chose by — ms of a window of 1, 2, …
+    # rows, then of a draft (strata.runtime.speculative.measure_costs)
+    window_ms: list[float] | None = None
 
     @property
     def median(self) -> float:
@@ -88,7 +106,7 @@ class ModeResult:
                 "windows": self.windows, "mean_committed_per_window": self.mean_committed,
                 "accepted": self.accepted, "drafted": self.drafted,
                 "draft_s": self.draft_s, "verify_s": self.verify_s,
-                "capture_s": self.capture_s}
+                "capture_s": self.capture_s, "window_ms": self.window_ms}
 
 
 def make_session(model, prompt: list[int], n: int, mode: str, reference: list[int] | None,
@@ -101,22 +119,31 @@ def make_session(model, prompt: list[int], n: int, mode: str, reference: list[in
     spec = None if (plain or model.dspark is None) else SpecConfig(length=length)
     override = None
     if mode.startswith("oracle"):
-        # Drafts = plain decoding's own continuation: all accepted, or with "oracle:X" the
-        # draft after a scheduled number of accepted ones made wrong, so verification commits
-        # X tokens per window on average (the tokens stay plain decoding's either way).
-        block = model.cfg.dspark_block_size
-        target = oracle_target(mode, block)
-        schedule = accepted_schedule(target, block) if target is not None else None
-        spec = SpecConfig(length=block, low_windows=10 ** 9)
+        # Drafts = plain decoding's own continuation: all accepted, or one made wrong — with
+        # "oracle:X" after a scheduled number of accepted ones, so verification commits X
+        # tokens per window on average; with "oracle:pP" at the window's first position whose
+        # draw rejects it (the tokens stay plain decoding's either way). Windows of `length`
+        # drafts (the head's block without one).
+        L = min(length, model.cfg.dspark_block_size) if length is not None \
+            else model.cfg.dspark_block_size
+        target = oracle_target(mode, L)
+        schedule = accepted_schedule(target[1], L) \
+            if target is not None and target[0] == "committed" else None
+        accept = acceptable(target[1], n + L + 1) \
+            if target is not None and target[0] == "accept" else None
+        spec = SpecConfig(length=L, low_windows=10 ** 9)
         vocab = model.cfg.vocab_size
 
         def override(P, drafts):
             i = P - len(prompt)
             out = list(reference[i + 1:i + 1 + len(drafts)])
+            a = len(out)  # (the first rejected draft)
             if schedule is not None:
                 a = next(schedule)
-                if a < len(out):
-                    out[a] = (out[a] + 1) % vocab  # differs from the target's pick: rejected
+            elif accept is not None:
+                a = next((j for j in range(len(out)) if not accept[i + 1 + j]), len(out))
+            if a < len(out):
+                out[a] = (out[a] + 1) % vocab  # differs from the target's pick: rejected
             return out
     cap = len(prompt) + n + model.cfg.dspark_block_size + 2
     return Session(model, cap, speculative=spec, draft_override=override,
@@ -152,22 +179,24 @@ def bench_decode(model, prompt: list[int], modes: list[str], n: int = 96, runs: 
         m = mode.removesuffix(GRAPHS)
         if m not in MODES and not m.startswith("oracle:"):
             raise StrataError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}, "
-                              f"oracle:X, each alone or with {GRAPHS}")
+                              f"oracle:X, oracle:pP, each alone or with {GRAPHS}")
         if m.startswith("oracle:"):
-            oracle_target(m, model.cfg.dspark_block_size)
+            block = model.cfg.dspark_block_size
+            oracle_target(m, min(length, block) if length is not None else block)
         if m != "plain" and model.dspark is None:
             raise StrataError(f"mode {mode} needs a model with DSpark stages")
-        if m == "dspark" and mode != m and length is None:
-            raise StrataError(f"mode {mode}: the adaptive length's costs are measured "
-                              "eagerly; give --length, or use an oracle mode")
     reference, _, _ = _run_once(model, prompt, n, "plain", None, None, None)
-    costs = measure_costs(model, model.cfg.dspark_block_size + 1) \
-        if ("dspark" in modes and length is None and model.dspark is not None) else None
+    # the adaptive length's window prices, measured the way each dspark mode runs them
+    costs = {graphed: measure_costs(model, model.cfg.dspark_block_size + 1, graphs=graphed)
+             for graphed in {mode.endswith(GRAPHS) for mode in modes
+                             if mode.removesuffix(GRAPHS) == "dspark"}} \
+        if length is None and model.dspark is not None else {}
     results = {}
     for mode in modes:
         speeds, last = [], None
         for i in range(warmup + runs):
-            toks, rate, sess = _run_once(model, prompt, n, mode, reference, costs, length)
+            toks, rate, sess = _run_once(model, prompt, n, mode, reference,
+                                         costs.get(mode.endswith(GRAPHS)), length)
             if toks != reference:
                 first = next(j for j, (a, b) in enumerate(zip(toks, reference)) if a != b)
                 raise StrataError(f"mode {mode}: tokens differ from plain decoding at index "
@@ -176,16 +205,21 @@ def bench_decode(model, prompt: list[int], modes: list[str], n: int = 96, runs: 
                 speeds.append(rate)
                 last = sess
         st = last.stats
+        priced = last.costs
         results[mode] = ModeResult(
             mode, reference, speeds, st.windows if st else 0,
             st.mean_committed if st else 1.0, st.accepted if st else 0, st.drafted if st else 0,
             st.draft_s if st else 0.0, st.verify_s if st else 0.0,
-            last.graphed.capture_s if last.graphed is not None else 0.0)
+            last.graphed.capture_s if last.graphed is not None else 0.0,
+            [1e3 * c for c in (*priced[0], priced[1])] if priced is not None else None)
         if progress is not None:
             r = results[mode]
+            priced = "" if r.window_ms is None else (
+                "; window ms by rows " + ", ".join(f"{v:.2f}" for v in r.window_ms[:-1])
+                + f", draft {r.window_ms[-1]:.2f}")
             progress(f"measured {mode}: {r.median:.1f} tok/s (runs "
                      f"{', '.join(f'{v:.1f}' for v in speeds)}), {r.mean_committed:.2f} "
-                     f"tokens per step")
+                     f"tokens per step{priced}")
     return results
 
 

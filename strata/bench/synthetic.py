@@ -266,8 +266,9 @@ def roofline(w: SyntheticWeights, results: dict, rates: dict[str, float]) -> dic
     the measured copy bandwidth and kernel rate alone would allow."""
     out = {}
     for mode, r in results.items():
-        # a verify window: the last committed token and up to a block of drafts
-        rows = 1 if mode.startswith("plain") else w.cfg.dspark_block_size + 1
+        # a verify window: the last committed token and its drafts (their mean count: a
+        # fixed or adaptive length, and the run's last windows cut short)
+        rows = round(1 + r.drafted / r.windows) if r.windows else 1
         read, decoded = step_traffic(w, rows)
         per_tok = max(r.mean_committed, 1e-9)
         gb, gw = read / per_tok / 1e9, decoded / per_tok / 1e9
@@ -407,7 +408,9 @@ def add_arguments(p) -> None:
     p.add_argument("--modes", default="plain,oracle")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--length", type=int, default=None, help="fixed verify length for dspark")
+    p.add_argument("--length", type=int, default=None,
+                   help="fixed verify length for dspark (default: adaptive) and the oracle "
+                        "modes (default: the draft block)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefill", help="also time chunked prefills of these prompt lengths, "
                                      "e.g. 8K,32K,128K (K = 1024)")

@@ -101,6 +101,7 @@ class Engine:
     def __init__(self, model: Model, capacity: int, *, max_queue: int = 16,
                  prefix_cache_bytes: int = 1 << 30, max_bookmarks: int = 4,
                  prefill_chunk: int = 512, speculative: SpecConfig | None = None,
+                 costs: tuple[list[float], float] | None = None,
                  graphs: bool = False) -> None:
         if capacity < 2:
             raise ValueError("capacity must be ≥ 2 tokens")
@@ -111,6 +112,7 @@ class Engine:
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
         self.speculative = speculative
+        self.costs = costs  # the adaptive verify length's prices (Session's `costs`)
         self.graphs = graphs  # decode from CUDA graphs (kept on the retained states)
         self.cache = PrefixCache(prefix_cache_bytes, max_bookmarks)
         self._waiting: deque[Job] = deque()
@@ -203,8 +205,8 @@ class Engine:
         # The exact decoder-skipping prefill for long prompts (prefix reuse stays exact: see
         # Session.prefill).
         session = Session(self.model, self.capacity, self.prefill_chunk,
-                          speculative=self.speculative, state=state, decoder_skip=True,
-                          graphs=self.graphs)
+                          speculative=self.speculative, costs=self.costs, state=state,
+                          decoder_skip=True, graphs=self.graphs)
         t0 = time.perf_counter()
         # Prefill all but the last prompt token here, chunk by chunk, so a cancel is seen
         # between chunks; generate() runs the last one and picks the first token from it.

@@ -173,34 +173,54 @@ class DSparkDecoder:
         return drafts[:n] + [picks[n]]
 
 
-def measure_costs(model, rows: int, repeats: int = 3, context: int = 64) -> tuple[list[float], float]:
-    """Median seconds of a main forward over 1..rows rows and of one draft, on a scratch
-    state with `context` tokens of history (start-up calibration for the adaptive length)."""
+def measure_costs(model, rows: int, repeats: int = 3, context: int = 64,
+                  graphs: bool = False) -> tuple[list[float], float]:
+    """Median seconds of a decode-time forward over 1..rows rows and of one draft, on a
+    scratch session with `context` tokens of history — eager, or (`graphs`) replayed from
+    CUDA graphs as a graphed session runs them, each shape's capture made first and not
+    timed: the start-up calibration of the adaptive length, which must price the windows
+    the session will run (eagerly a step is mostly launch cost, so a wider window costs
+    little more; replayed, each row adds its experts' decoding)."""
+    from strata.runtime.session import Session  # (the session imports this module)
     cfg = model.cfg
-    state = model.new_state(context + rows + cfg.dspark_block_size + 1)
-    tokens = torch.arange(context) % cfg.vocab_size
-    model.forward(tokens, state, logits="none")
-    costs = []
-    for r in range(1, rows + 1):
+    spec = SpecConfig() if model.dspark is not None else None
+    s = Session(model, context + rows + cfg.dspark_block_size + 1, speculative=spec,
+                graphs=graphs)
+    tokens = torch.arange(context + rows) % cfg.vocab_size
+    s.prefill(tokens[:context])
+    state, greedy = s.state, SamplingParams()
+    untimed = 1 if graphs else 0
+
+    def median_s(run) -> float:
         times = []
-        for _ in range(repeats):
+        for i in range(untimed + repeats):
+            t0 = time.perf_counter()
+            run()
+            if state.device.type == "cuda":
+                torch.cuda.synchronize(state.device)
+            if i >= untimed:
+                times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    def window(r: int):
+        def run() -> None:
             state.begin()
-            t0 = time.perf_counter()
-            model.forward(tokens[:r], state, logits="all")
-            if state.device.type == "cuda":
-                torch.cuda.synchronize(state.device)
-            times.append(time.perf_counter() - t0)
-            state.rollback()
-        costs.append(sorted(times)[len(times) // 2])
-    draft = 0.0
-    if model.dspark is not None:
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
+            try:
+                s.forward(tokens[context:context + r], "all")
+            finally:
+                state.rollback()
+        return run
+
+    def draft() -> None:
+        if s.graphed is not None and s.graphed.can_draft():
+            s.graphed.draft(5, greedy)
+        else:
             model.dspark.draft(model.embed, model.head, 5, state, model.numerics,
-                               lambda lg, positions: lg.argmax(dim=-1))
-            if state.device.type == "cuda":
-                torch.cuda.synchronize(state.device)
-            times.append(time.perf_counter() - t0)
-        draft = sorted(times)[len(times) // 2]
-    return costs, draft
+                               lambda lg, positions: sample(lg, positions, greedy))
+
+    try:
+        costs = [median_s(window(r)) for r in range(1, rows + 1)]
+        return costs, (median_s(draft) if model.dspark is not None else 0.0)
+    finally:
+        if s.graphed is not None:
+            s.graphed.release()
