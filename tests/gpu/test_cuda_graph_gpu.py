@@ -135,6 +135,30 @@ def test_graphed_verify_windows(cuda, request, fixture):
 
 
 @pytest.mark.parametrize("fixture", ["tiny_dir", "exl3_dir"])
+def test_graphed_windows_priced_and_followed(cuda, request, fixture):
+    """measure_costs(graphs=True) times windows of 1 … block + 1 rows and a draft from
+    replays (each shape's capture untimed, the scratch session's graphs released after); a
+    graphed session following prices where two drafts cost what a step does and more cost
+    far more verifies windows of two drafts and gives plain decoding's tokens."""
+    from strata.runtime.speculative import SpecConfig, measure_costs
+    model = Model.load(request.getfixturevalue(fixture), cuda, Numerics.for_device(cuda))
+    block = model.cfg.dspark_block_size
+    costs, draft = measure_costs(model, block + 1, repeats=2, graphs=True)
+    assert len(costs) == block + 1 and min(costs) > 0 and draft > 0
+    print(f"{fixture}: window ms by rows {[round(1e3 * c, 2) for c in costs]}, "
+          f"draft {1e3 * draft:.2f}")
+    prompt = random_tokens(60, seed=6)
+    want = Session(model, 160).run(prompt, 30, mode="plain").tokens
+    override = continuation_drafts(want, len(prompt), model.cfg.vocab_size)
+    prices = ([1.0] * 3 + [1e3] * (block - 2), 0.0)
+    s = Session(model, 160, speculative=SpecConfig(low_windows=10 ** 9),
+                draft_override=override, costs=prices, graphs=True)
+    assert s.run(prompt, 30, mode="dspark").tokens == want
+    st = s.stats
+    assert st.windows < st.drafted <= 2 * st.windows and s.graphed.replays > 0
+
+
+@pytest.mark.parametrize("fixture", ["tiny_dir", "exl3_dir"])
 def test_graphed_draft(cuda, request, fixture):
     """The DSpark draft's stages and head, and its Markov picks with the request's sampler
     (greedy; temperature and top-p), replayed from graphs at later positions give
