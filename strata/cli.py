@@ -140,6 +140,19 @@ def _add_graphs_arg(p: argparse.ArgumentParser) -> None:
                         "(CUDA, one device or --parallel tp; the same tokens; a no-op on CPU)")
 
 
+def _add_speculative_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", action="store_true", help="decode with DSpark")
+    p.add_argument("--draft-length", type=int, default=None,
+                   help="with --speculative: verify this many drafts a window (default: "
+                        "adaptive, from the draft's confidences and window prices measured "
+                        "at start-up)")
+
+
+def _check_speculative_args(args) -> None:
+    if args.draft_length is not None and not args.speculative:
+        raise StrataError("--draft-length needs --speculative")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint folder (default: the embedded tiny fixture)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
@@ -175,7 +188,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def cmd_generate(args) -> int:
     from strata.runtime.sampling import SamplingParams
     from strata.runtime.session import Session
+    from strata.runtime.speculative import speculative_config
     from strata.tokenizer import load_tokenizer, tokenizer_path
+    _check_speculative_args(args)
     model = _load(args)
     model_dir = _model_dir(args.model)
     tok = load_tokenizer(model_dir)
@@ -190,19 +205,26 @@ def cmd_generate(args) -> int:
     cap = args.capacity or len(prompt) + args.max_tokens
     # One prompt, the state not reused afterwards: the exact decoder-skipping prefill applies
     # (single device; the multi-device forward has no skip yet).
+    spec, costs = speculative_config(model, args.draft_length, args.graphs) \
+        if args.speculative else (None, None)
     session = Session(model, cap, decoder_skip=not getattr(args, "parallel", None),
-                      graphs=args.graphs)
+                      speculative=spec, costs=costs, graphs=args.graphs)
     t0 = time.perf_counter()
     result = session.run(prompt, args.max_tokens, params)
     dt = time.perf_counter() - t0
+    spec_stats = session.stats.as_dict() if session.stats is not None else None
     if args.json:
         print(json.dumps({"prompt_tokens": prompt, "tokens": result.tokens,
                           "text": tok.decode(result.tokens, skip_special_tokens=False),
-                          "finish_reason": result.finish_reason, "seconds": dt}))
+                          "finish_reason": result.finish_reason, "seconds": dt,
+                          "speculative": spec_stats}))
     else:
         print(tok.decode(result.tokens, skip_special_tokens=False))
+        dspark = "" if spec_stats is None else (
+            f", DSpark {spec_stats['windows']} windows, "
+            f"{spec_stats['mean_committed_per_window']:.2f} tokens each")
         print(f"[{len(prompt)} prompt tokens, {len(result.tokens)} generated, "
-              f"{result.finish_reason}, {dt:.2f} s]", file=sys.stderr)
+              f"{result.finish_reason}, {dt:.2f} s{dspark}]", file=sys.stderr)
     return 0
 
 
@@ -455,6 +477,7 @@ def cmd_bench_kernels(args) -> int:
 def cmd_serve(args) -> int:
     from strata.serve.server import api_key, check_bind, serve
     check_bind(args.host, api_key(args.api_key))  # before the (long) model load
+    _check_speculative_args(args)
     return serve(_load(args), _model_dir(args.model), args)
 
 
@@ -481,6 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_speculative_args(g)
     _add_graphs_arg(g)
     g.set_defaults(fn=cmd_generate)
 
@@ -583,11 +607,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--prefix-cache-mb", type=int, default=2048,
                     help="memory for retained conversation states (default 2048)")
     sv.add_argument("--max-body-mb", type=int, default=16, help="request size limit")
-    sv.add_argument("--speculative", action="store_true", help="decode with DSpark")
-    sv.add_argument("--draft-length", type=int, default=None,
-                    help="with --speculative: verify this many drafts a window (default: "
-                         "adaptive, from the draft's confidences and window prices measured "
-                         "at start-up)")
+    _add_speculative_args(sv)
     _add_graphs_arg(sv)
     sv.add_argument("--drain-timeout", type=int, default=300,
                     help="seconds to wait for requests in flight on shutdown")

@@ -162,19 +162,23 @@ def test_window_prices_measured_and_followed(tiny_reference, graphs):
     assert cheap.windows > 0 and cheap.drafted > 2 * cheap.windows
 
 
-def test_the_server_prices_its_windows(tiny_reference, tiny_dir, capsys):
-    """The server's sessions follow the prices it gives the engine (measured at start-up:
-    strata.serve.server.window_prices); --draft-length alone is refused."""
+def test_the_cli_prices_its_windows(tiny_reference, tiny_dir, capsys):
+    """--speculative's setup (speculative_config): window prices measured now and printed
+    for the adaptive length, none for --draft-length; the server's sessions follow the prices
+    it gives its engine; `generate --speculative` decodes plain decoding's tokens and reports
+    its windows; --draft-length alone is refused, and so is a model without a draft head."""
+    import json
     import threading
 
     from strata.cli import main
     from strata.runtime.engine import Engine, Finished, GenRequest, Token
-    from strata.serve.server import window_prices
+    from strata.runtime.speculative import speculative_config
     m = tiny_reference
     block = m.cfg.dspark_block_size
-    costs, draft = window_prices(m, graphs=False)
-    assert len(costs) == block + 1 and draft > 0
+    spec, (costs, draft) = speculative_config(m, None, graphs=False)
+    assert spec.length is None and len(costs) == block + 1 and draft > 0
     assert "DSpark verify windows priced" in capsys.readouterr().err
+    assert speculative_config(m, 3, graphs=False) == (SpecConfig(length=3), None)
     prompt = random_tokens(20, seed=4)
     want = plain_tokens(m, prompt, 8, GREEDY, capacity=64)
 
@@ -197,8 +201,23 @@ def test_the_server_prices_its_windows(tiny_reference, tiny_dir, capsys):
 
     assert served([1.0] + [1e3] * block).drafted == 0
     assert served([1.0] * (block + 1)).drafted > 0
-    assert main(["serve", "--model", str(tiny_dir), "--draft-length", "2"]) == 2
-    assert "--draft-length needs --speculative" in capsys.readouterr().err
+    ids = " ".join(map(str, prompt.tolist()))
+    gen = ["generate", "--model", str(tiny_dir), "--tokens", ids, "--max-tokens", "8", "--json"]
+    assert main(gen + ["--speculative"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == want and out["speculative"]["windows"] > 0
+    assert main(gen + ["--speculative", "--draft-length", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == want and out["speculative"]["drafted"] <= 2 * out["speculative"][
+        "windows"]
+    for argv in (["serve"], ["generate", "--tokens", "5"]):
+        assert main(argv + ["--model", str(tiny_dir), "--draft-length", "2"]) == 2
+        assert "--draft-length needs --speculative" in capsys.readouterr().err
+    # a model without a draft head is refused at start-up, not at every request
+    bare = m.__class__.load(tiny_dir, "cpu")
+    bare.dspark = None
+    with pytest.raises(StrataError, match="needs a model with DSpark stages"):
+        speculative_config(bare, None, graphs=False)
 
 
 def test_verify_row_sampler_matches_target_distribution(tiny_reference):

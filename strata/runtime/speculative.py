@@ -22,6 +22,7 @@ switches to plain decoding for a while, then drafting is tried again.
 """
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -211,7 +212,7 @@ def measure_costs(model, rows: int, repeats: int = 3, context: int = 64,
                 state.rollback()
         return run
 
-    def draft() -> None:
+    def draft() -> None:  # (from any anchor: the draft's work does not depend on it)
         if s.graphed is not None and s.graphed.can_draft():
             s.graphed.draft(5, greedy)
         else:
@@ -224,3 +225,19 @@ def measure_costs(model, rows: int, repeats: int = 3, context: int = 64,
     finally:
         if s.graphed is not None:
             s.graphed.release()
+
+
+def speculative_config(model, length: int | None,
+                       graphs: bool) -> tuple[SpecConfig, tuple[list[float], float] | None]:
+    """A session's DSpark setup for `length` drafts a window, or (None) the adaptive length
+    with its window prices measured now, the way the sessions will run (graphed or eager),
+    and printed — the CLI's --speculative [--draft-length N]."""
+    if model.dspark is None:
+        raise StrataError("speculative decoding needs a model with DSpark stages (mtp.*)")
+    if length is not None:
+        return SpecConfig(length=length), None
+    costs, draft = measure_costs(model, model.cfg.dspark_block_size + 1, graphs=graphs)
+    print("strata: DSpark verify windows priced (ms by rows): "
+          + ", ".join(f"{1e3 * c:.2f}" for c in costs) + f"; a draft {1e3 * draft:.2f}",
+          file=sys.stderr, flush=True)
+    return SpecConfig(), (costs, draft)

@@ -38,23 +38,11 @@ def check_bind(host: str, key: str | None) -> None:
                           "(--api-key KEY or STRATA_API_KEY)")
 
 
-def window_prices(model: Model, graphs: bool) -> tuple[list[float], float]:
-    """The adaptive verify length's prices, measured once at start-up on this machine and
-    the way requests will run (graphed or eager): seconds of a window of 1 … block + 1 rows,
-    and of a draft."""
-    from strata.runtime.speculative import measure_costs
-    costs, draft = measure_costs(model, model.cfg.dspark_block_size + 1, graphs=graphs)
-    print("strata: DSpark verify windows priced (ms by rows): "
-          + ", ".join(f"{1e3 * c:.2f}" for c in costs) + f"; a draft {1e3 * draft:.2f}",
-          file=sys.stderr, flush=True)
-    return costs, draft
-
-
 def serve(model: Model, model_dir: Path, args) -> int:
     import uvicorn
 
     from strata.runtime.engine import Engine
-    from strata.runtime.speculative import SpecConfig
+    from strata.runtime.speculative import speculative_config
     from strata.serve.app import ServeConfig, create_app
     from strata.serve.scripts import load_rules
 
@@ -66,13 +54,8 @@ def serve(model: Model, model_dir: Path, args) -> int:
             raise StrataError(f"--{name.replace('_', '-')} must be ≥ 0")
     if capacity < 2:
         raise StrataError("--capacity must be ≥ 2 tokens")
-    if args.draft_length is not None and not args.speculative:
-        raise StrataError("--draft-length needs --speculative")
-    spec = costs = None
-    if args.speculative:
-        spec = SpecConfig(length=args.draft_length)
-        if args.draft_length is None:
-            costs = window_prices(model, args.graphs)
+    spec, costs = speculative_config(model, args.draft_length, args.graphs) \
+        if args.speculative else (None, None)
     engine = Engine(model, capacity, max_queue=args.max_queue,
                     prefix_cache_bytes=args.prefix_cache_mb << 20, speculative=spec,
                     costs=costs, graphs=args.graphs)
