@@ -27,9 +27,9 @@ from strata.runtime.session import Session
 from strata.runtime.speculative import SpecConfig, measure_costs
 
 PROMPT = "Write a thread-safe LRU cache in Python."
-# and "oracle:X": X committed tokens per window; any mode + "+graphs": its forwards replayed
-# from CUDA graphs (runtime/graphs.py), the captures' time not counted in tok/s (reported as
-# capture_s)
+# and "oracle:X": X committed tokens per window, "oracle:pP": each draft accepted with
+# probability P; any mode + "+graphs": its forwards replayed from CUDA graphs
+# (runtime/graphs.py), the captures' time not counted in tok/s (reported as capture_s)
 MODES = ("plain", "dspark", "oracle")
 GRAPHS = "+graphs"
 
@@ -53,6 +53,13 @@ def oracle_target(mode: str, length: int) -> tuple[str, float] | None:
     if kind == "accept" and not 0.0 <= x <= 1.0:
         raise StrataError(f"mode {mode!r}: P must be in 0..1")
     return kind, x
+
+
+def oracle_length(model, length: int | None) -> int:
+    """Drafts an oracle mode's window verifies: `length` (at most the head's block), or the
+    block."""
+    block = model.cfg.dspark_block_size
+    return block if length is None else min(length, block)
 
 
 def accepted_schedule(target: float, block: int):
@@ -124,8 +131,7 @@ def make_session(model, prompt: list[int], n: int, mode: str, reference: list[in
         # tokens per window on average; with "oracle:pP" at the window's first position whose
         # draw rejects it (the tokens stay plain decoding's either way). Windows of `length`
         # drafts (the head's block without one).
-        L = min(length, model.cfg.dspark_block_size) if length is not None \
-            else model.cfg.dspark_block_size
+        L = oracle_length(model, length)
         target = oracle_target(mode, L)
         schedule = accepted_schedule(target[1], L) \
             if target is not None and target[0] == "committed" else None
@@ -134,7 +140,7 @@ def make_session(model, prompt: list[int], n: int, mode: str, reference: list[in
         spec = SpecConfig(length=L, low_windows=10 ** 9)
         vocab = model.cfg.vocab_size
 
-        def override(P, drafts):
+        def oracle_drafts(P, drafts):
             i = P - len(prompt)
             out = list(reference[i + 1:i + 1 + len(drafts)])
             a = len(out)  # (the first rejected draft)
@@ -145,6 +151,7 @@ def make_session(model, prompt: list[int], n: int, mode: str, reference: list[in
             if a < len(out):
                 out[a] = (out[a] + 1) % vocab  # differs from the target's pick: rejected
             return out
+        override = oracle_drafts
     cap = len(prompt) + n + model.cfg.dspark_block_size + 2
     return Session(model, cap, speculative=spec, draft_override=override,
                    costs=costs if mode == "dspark" else None, graphs=graphs)
@@ -181,8 +188,7 @@ def bench_decode(model, prompt: list[int], modes: list[str], n: int = 96, runs: 
             raise StrataError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}, "
                               f"oracle:X, oracle:pP, each alone or with {GRAPHS}")
         if m.startswith("oracle:"):
-            block = model.cfg.dspark_block_size
-            oracle_target(m, min(length, block) if length is not None else block)
+            oracle_target(m, oracle_length(model, length))
         if m != "plain" and model.dspark is None:
             raise StrataError(f"mode {mode} needs a model with DSpark stages")
     reference, _, _ = _run_once(model, prompt, n, "plain", None, None, None)
@@ -205,7 +211,7 @@ def bench_decode(model, prompt: list[int], modes: list[str], n: int = 96, runs: 
                 speeds.append(rate)
                 last = sess
         st = last.stats
-        priced = last.costs
+        priced = last.costs  # (the adaptive length's window prices, if it had them)
         results[mode] = ModeResult(
             mode, reference, speeds, st.windows if st else 0,
             st.mean_committed if st else 1.0, st.accepted if st else 0, st.drafted if st else 0,
@@ -214,12 +220,12 @@ def bench_decode(model, prompt: list[int], modes: list[str], n: int = 96, runs: 
             [1e3 * c for c in (*priced[0], priced[1])] if priced is not None else None)
         if progress is not None:
             r = results[mode]
-            priced = "" if r.window_ms is None else (
+            prices = "" if r.window_ms is None else (
                 "; window ms by rows " + ", ".join(f"{v:.2f}" for v in r.window_ms[:-1])
                 + f", draft {r.window_ms[-1]:.2f}")
             progress(f"measured {mode}: {r.median:.1f} tok/s (runs "
                      f"{', '.join(f'{v:.1f}' for v in speeds)}), {r.mean_committed:.2f} "
-                     f"tokens per step{priced}")
+                     f"tokens per step{prices}")
     return results
 
 
