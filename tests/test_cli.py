@@ -136,15 +136,17 @@ def test_bench_decode_oracle_per_draft_acceptance_at_a_length(tiny_dir, tmp_path
     assert draw == acceptable(0.6, 2000) and 0.55 < sum(draw) / 2000 < 0.65
     out = tmp_path / "b.json"
     assert main(["bench", "decode", "--model", str(tiny_dir), "--tokens", "40", "--runs", "1",
-                 "--warmup", "0", "--modes", "plain,oracle,oracle:p0.6", "--length", "2",
-                 "--json", str(out)]) == 0
+                 "--warmup", "0", "--modes", "plain,oracle,oracle:p0.6,oracle:p0.6@1",
+                 "--length", "2", "--json", str(out)]) == 0
     rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
     full, half = rows["oracle"], rows["oracle:p0.6"]
     assert full["drafted"] <= 2 * full["windows"] and full["accepted"] == full["drafted"]
     assert 2.5 < full["mean_committed_per_window"] <= 3
     assert half["drafted"] <= 2 * half["windows"] and 0 < half["accepted"] < half["drafted"]
     assert 1.3 < half["mean_committed_per_window"] < 2.6  # (1 + 0.6 + 0.36 expected)
-    for bad in ("oracle:p1.5", "oracle:px", "oracle:"):
+    one = rows["oracle:p0.6@1"]  # ("@1": its own length, over the run's --length)
+    assert one["drafted"] == one["windows"] and 0 < one["accepted"] < one["drafted"]
+    for bad in ("oracle:p1.5", "oracle:px", "oracle:", "plain@2", "dspark@x", "oracle@-1"):
         assert main(["bench", "decode", "--model", str(tiny_dir), "--modes", bad]) == 2
     # the adaptive length, graphed too: its window prices measured that way and reported
     assert main(["bench", "decode", "--model", str(tiny_dir), "--tokens", "8", "--runs", "1",

@@ -28,10 +28,35 @@ from strata.runtime.speculative import SpecConfig, measure_costs
 
 PROMPT = "Write a thread-safe LRU cache in Python."
 # and "oracle:X": X committed tokens per window, "oracle:pP": each draft accepted with
-# probability P; any mode + "+graphs": its forwards replayed from CUDA graphs
-# (runtime/graphs.py), the captures' time not counted in tok/s (reported as capture_s)
+# probability P; a DSpark or oracle mode + "@L": L drafts a window (else the run's --length);
+# any mode + "+graphs": its forwards replayed from CUDA graphs (runtime/graphs.py), the
+# captures' time not counted in tok/s (reported as capture_s). E.g. "oracle:p0.7@2+graphs".
 MODES = ("plain", "dspark", "oracle")
 GRAPHS = "+graphs"
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    base: str            # plain, dspark, oracle, oracle:X or oracle:pP
+    length: int | None   # "@L": drafts a window; None: the run's length
+    graphs: bool
+
+
+def parse_mode(mode: str) -> ModeSpec:
+    """A decode mode's parts (checked: a known base, a length of ≥ 0 drafts where drafts are
+    made)."""
+    graphs = mode.endswith(GRAPHS)
+    base, at, drafts = mode.removesuffix(GRAPHS).partition("@")
+    if base not in MODES and not base.startswith("oracle:"):
+        raise StrataError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}, oracle:X, "
+                          f"oracle:pP, each alone or with @L drafts a window and {GRAPHS}")
+    length = None
+    if at:
+        if base == "plain" or not drafts.isdigit():
+            raise StrataError(f"mode {mode!r}: @L is a DSpark or oracle mode's number of "
+                              "drafts a window (0 or more)")
+        length = int(drafts)
+    return ModeSpec(base, length, graphs)
 
 
 def oracle_target(mode: str, length: int) -> tuple[str, float] | None:
@@ -120,8 +145,9 @@ def make_session(model, prompt: list[int], n: int, mode: str, reference: list[in
                  costs=None, length: int | None = None) -> Session:
     """The session a decode mode runs in (its graphs, speculative config and, for the oracle
     modes, drafts taken from `reference`, plain decoding's continuation of the prompt)."""
-    graphs = mode.endswith(GRAPHS)
-    mode = mode.removesuffix(GRAPHS)
+    ms = parse_mode(mode)
+    mode, graphs = ms.base, ms.graphs
+    length = ms.length if ms.length is not None else length
     plain = mode == "plain"
     spec = None if (plain or model.dspark is None) else SpecConfig(length=length)
     override = None
@@ -159,9 +185,9 @@ def make_session(model, prompt: list[int], n: int, mode: str, reference: list[in
 
 def _run_once(model, prompt: list[int], n: int, mode: str, reference: list[int] | None,
               costs, length: int | None) -> tuple[list[int], float, Session]:
-    graphs = mode.endswith(GRAPHS)
+    ms = parse_mode(mode)
+    graphs, plain = ms.graphs, ms.base == "plain"
     s = make_session(model, prompt, n, mode, reference, costs, length)
-    plain = mode.removesuffix(GRAPHS) == "plain"
     gen = s.generate(prompt, n, SamplingParams(), stop_ids=frozenset(),
                      mode="plain" if plain else "dspark")
     out = [next(gen)]
@@ -182,27 +208,25 @@ def bench_decode(model, prompt: list[int], modes: list[str], n: int = 96, runs: 
     """Every mode's tok/s over `runs` measured runs (after `warmup`), tokens checked equal to
     plain decoding's. `progress(text)`: called with a line per mode as soon as it is measured
     (a run cut short by a time limit keeps what it printed)."""
-    for mode in modes:
-        m = mode.removesuffix(GRAPHS)
-        if m not in MODES and not m.startswith("oracle:"):
-            raise StrataError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}, "
-                              f"oracle:X, oracle:pP, each alone or with {GRAPHS}")
-        if m.startswith("oracle:"):
-            oracle_target(m, oracle_length(model, length))
-        if m != "plain" and model.dspark is None:
+    specs = {mode: parse_mode(mode) for mode in modes}
+    for mode, ms in specs.items():
+        if ms.base.startswith("oracle:"):
+            oracle_target(ms.base, oracle_length(model, ms.length if ms.length is not None
+                                                 else length))
+        if ms.base != "plain" and model.dspark is None:
             raise StrataError(f"mode {mode} needs a model with DSpark stages")
     reference, _, _ = _run_once(model, prompt, n, "plain", None, None, None)
-    # the adaptive length's window prices, measured the way each dspark mode runs them
+    # the adaptive length's window prices, measured the way each adaptive mode runs them
+    adaptive = {ms.graphs for ms in specs.values() if ms.base == "dspark"
+                and ms.length is None and length is None}
     costs = {graphed: measure_costs(model, model.cfg.dspark_block_size + 1, graphs=graphed)
-             for graphed in {mode.endswith(GRAPHS) for mode in modes
-                             if mode.removesuffix(GRAPHS) == "dspark"}} \
-        if length is None and model.dspark is not None else {}
+             for graphed in adaptive}
     results = {}
     for mode in modes:
         speeds, last = [], None
         for i in range(warmup + runs):
             toks, rate, sess = _run_once(model, prompt, n, mode, reference,
-                                         costs.get(mode.endswith(GRAPHS)), length)
+                                         costs.get(specs[mode].graphs), length)
             if toks != reference:
                 first = next(j for j, (a, b) in enumerate(zip(toks, reference)) if a != b)
                 raise StrataError(f"mode {mode}: tokens differ from plain decoding at index "
@@ -261,14 +285,17 @@ def parallel_split(model, prompt: list[int], modes: list[str], n: int = 96,
     comm time includes waiting for the ranks before it."""
     out = {}
     for mode in modes:
-        if mode.startswith("oracle") or mode.endswith(GRAPHS):
+        ms = parse_mode(mode)
+        if ms.base.startswith("oracle") or ms.graphs:
             continue
-        spec = None if mode == "plain" else SpecConfig(length=length or model.cfg.dspark_block_size)
+        drafts = ms.length if ms.length is not None else length
+        spec = None if ms.base == "plain" else SpecConfig(
+            length=drafts if drafts is not None else model.cfg.dspark_block_size)
         cap = len(prompt) + n + model.cfg.dspark_block_size + 2
         s = Session(model, cap, speculative=spec)
         model.set_timing(True)
         try:
-            gen = s.generate(prompt, n, SamplingParams(), stop_ids=frozenset(), mode=mode)
+            gen = s.generate(prompt, n, SamplingParams(), stop_ids=frozenset(), mode=ms.base)
             next(gen)
             model.stats(reset=True)
             t0 = time.perf_counter()
