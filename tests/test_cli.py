@@ -130,7 +130,9 @@ def test_bench_decode_oracle_at_a_target_acceptance(tiny_dir, tmp_path):
 def test_bench_decode_oracle_per_draft_acceptance_at_a_length(tiny_dir, tmp_path):
     """oracle:pP accepts each position's draft with probability P from one fixed draw (every
     run and verify length meets the same easy and hard tokens); --length sets the oracle
-    modes' windows too; the tokens stay plain decoding's (the bench checks them)."""
+    modes' windows too, a mode's own @L its own; the tokens stay plain decoding's (the bench
+    checks them); bad modes are refused; the adaptive dspark modes, eager and graphed, report
+    the window prices they chose by."""
     from strata.bench.decode import acceptable
     draw = acceptable(0.6, 2000)
     assert draw == acceptable(0.6, 2000) and 0.55 < sum(draw) / 2000 < 0.65

@@ -171,6 +171,7 @@ def test_the_cli_prices_its_windows(tiny_reference, tiny_dir, capsys):
     import threading
 
     from strata.cli import main
+    from strata.model.model import Model
     from strata.runtime.engine import Engine, Finished, GenRequest, Token
     from strata.runtime.speculative import speculative_config
     m = tiny_reference
@@ -214,7 +215,7 @@ def test_the_cli_prices_its_windows(tiny_reference, tiny_dir, capsys):
         assert main(argv + ["--model", str(tiny_dir), "--draft-length", "2"]) == 2
         assert "--draft-length needs --speculative" in capsys.readouterr().err
     # a model without a draft head is refused at start-up, not at every request
-    bare = m.__class__.load(tiny_dir, "cpu")
+    bare = Model.load(tiny_dir, "cpu")
     bare.dspark = None
     with pytest.raises(StrataError, match="needs a model with DSpark stages"):
         speculative_config(bare, None, graphs=False)
