@@ -155,7 +155,13 @@ def test_window_prices_measured_and_followed(tiny_reference, graphs):
         return s.stats
 
     dear = stats([1.0] + [1e3] * block)
-    assert dear.windows == 0 and dear.plain_steps == 11
+    assert dear.windows == 0 and dear.plain_steps == 11 and dear.drafts == 10
+    # drafts not worth verifying count as rejected: after low_windows of them, plain steps
+    # without drafts for plain_backoff steps
+    s = Session(m, 64, speculative=SpecConfig(low_windows=3, plain_backoff=4),
+                costs=([1.0] + [1e3] * block, 0.0), graphs=graphs)
+    assert s.run(prompt, 12, GREEDY, stop_ids=frozenset()).tokens == want
+    assert s.stats.plain_steps == 11 and s.stats.drafts == 3 + 3
     one = stats([1.0, 1.0] + [1e3] * (block - 1))
     assert one.windows > 0 and one.drafted == one.windows
     cheap = stats([1.0] * (block + 1))

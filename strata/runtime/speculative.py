@@ -17,8 +17,9 @@ position-keyed sampler, which couples it to the target's noise and raises accept
 
 Verification length: fixed, or adaptive — from the draft's confidences, the expected committed
 tokens of each length are Σ_{i≤L} Π_{k≤i} c_k + 1, priced by a table of measured forward times
-per window size; L = 0 means a plain step. Acceptance below a floor for several windows
-switches to plain decoding for a while, then drafting is tried again.
+per window size; L = 0 means a plain step (its draft counted as a rejected one). Acceptance
+below a floor for several windows switches to plain decoding for a while, then drafting is
+tried again.
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
     plain_steps: int = 0
+    drafts: int = 0                  # drafts made (a window's, or one not worth verifying)
     draft_s: float = 0.0
     verify_s: float = 0.0
 
@@ -65,7 +67,8 @@ class SpecStats:
     def as_dict(self) -> dict:
         return {"windows": self.windows, "mean_committed_per_window": self.mean_committed,
                 "drafted": self.drafted, "accepted": self.accepted,
-                "plain_steps": self.plain_steps, "draft_s": self.draft_s,
+                "plain_steps": self.plain_steps, "drafts": self.drafts,
+                "draft_s": self.draft_s,
                 "verify_s": self.verify_s}
 
 
@@ -123,10 +126,11 @@ class DSparkDecoder:
         s, model, state = self.session, self.model, self.session.state
         P = state.position
         nx = model.numerics
-        L = 0
+        L, drafted = 0, False
         if self._plain_left > 0:
             self._plain_left -= 1
         elif budget > 1:
+            drafted = True
             t0 = time.perf_counter()
             model.prefetch_engram(torch.tensor([anchor]), state)  # read while drafting
             def pick(lg, positions):
@@ -135,6 +139,7 @@ class DSparkDecoder:
             draft = (g.draft(anchor, params) if g is not None and g.can_draft() else
                      model.dspark.draft(model.embed, model.head, anchor, state, nx, pick))
             self.stats.draft_s += time.perf_counter() - t0
+            self.stats.drafts += 1
             L = min(self._length(draft.confidence), budget - 1, state.capacity - P - 1)
             drafts = draft.tokens[:L].tolist()
             if self.override is not None:
@@ -142,6 +147,9 @@ class DSparkDecoder:
                 L = len(drafts)
         if L == 0:
             self.stats.plain_steps += 1
+            if drafted:  # a draft not worth verifying counts as a rejected one, so steps
+                # that keep paying for drafts they do not use fall back to plain decoding too
+                self._note_window(1, 0)
             logits, ctx = s.forward(torch.tensor([anchor]), "all")
             s.commit_context(ctx, 1, P)
             return [int(sample(logits, torch.tensor([P + 1]), params)[0])]
@@ -167,11 +175,14 @@ class DSparkDecoder:
         self.stats.committed.append(n + 1)
         self.stats.drafted += L
         self.stats.accepted += n
-        self._recent.append((L, n))
+        self._note_window(L, n)
+        return drafts[:n] + [picks[n]]
+
+    def _note_window(self, drafted: int, accepted: int) -> None:
+        self._recent.append((drafted, accepted))
         if self._low_acceptance():
             self._plain_left = self.config.plain_backoff
             self._recent.clear()
-        return drafts[:n] + [picks[n]]
 
 
 def measure_costs(model, rows: int, repeats: int = 3, context: int = 64,
