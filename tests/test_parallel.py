@@ -305,12 +305,17 @@ def single_tokens(tiny_dir):
 
 @pytest.mark.parametrize("extra", [["--parallel", "layer", "--devices", "cpu,cpu", "--split",
                                     "0-5,6-7"],
-                                   ["--parallel", "tp", "--devices", "cpu,cpu"]],
-                         ids=["layer", "tp"])
+                                   ["--parallel", "tp", "--devices", "cpu,cpu"],
+                                   ["--parallel", "tp", "--devices", "cpu,cpu", "--speculative",
+                                    "--draft-length", "5"]],
+                         ids=["layer", "tp", "tp-dspark"])
 def test_cli_generate(tiny_dir, single_tokens, extra):
     out = _strata(_generate_args(tiny_dir) + extra, env=_env())
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["tokens"] == single_tokens
+    result = json.loads(out.stdout)
+    assert result["tokens"] == single_tokens
+    if "--speculative" in extra:  # (DSpark windows verified across the ranks)
+        assert result["speculative"]["windows"] > 0
 
 
 def _free_port() -> int:
