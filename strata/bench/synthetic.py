@@ -674,8 +674,8 @@ def run(args) -> int:
         # Eager plain steps, and graphed ones too when "plain+graphs" was measured; DSpark
         # windows (oracle drafts) when an oracle mode was, graphed if it was graphed.
         from strata.bench.decode import GRAPHS, parse_mode
-        kinds = {parse_mode(m).base.split(":")[0] + (GRAPHS if parse_mode(m).graphs else "")
-                 for m in modes}  # (oracle:2.9@3+graphs → oracle+graphs)
+        kinds = {ms.base.split(":")[0] + (GRAPHS if ms.graphs else "")
+                 for ms in map(parse_mode, modes)}  # (oracle:2.9@3+graphs → oracle+graphs)
         # (a graphed mode's eager twin too: its profile names each kernel's part)
         wanted = ["plain"] + [m for m in ("plain+graphs", "oracle", "oracle+graphs")
                               if m in kinds or m + GRAPHS in kinds]
