@@ -252,12 +252,45 @@ def test_the_collector_stays_off_until_the_capture_has_ended(monkeypatch):
         def __exit__(self, *exc):
             seen.append(("end", gc.isenabled()))
 
+    class Graph:
+        pass
+
     monkeypatch.setattr(torch.cuda, "graph", Recorder)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
     CudaGraphs().capture(lambda: seen.append(("run", gc.isenabled())), state=None)
     assert seen == [("begin", False), ("run", False), ("end", False)]
     assert gc.isenabled()
+
+
+def test_a_graph_holds_what_its_capture_was_handed_to_hold(monkeypatch):
+    """strata.captures: what a captured kernel reads by address from a cache (an EXL3 set
+    plan's table) is held by the graph, so the cache may drop it while the graph replays;
+    outside a capture `hold` keeps nothing. torch.cuda.graph is replaced by a no-op context
+    here (no CUDA in CI): the GPU test test_graphs_hold_the_set_plans_they_read runs it real."""
+    import contextlib
+    import weakref
+    from strata.captures import hold
+
+    class Graph:
+        pass
+
+    class Table:
+        pass
+
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    backend = CudaGraphs()
+    tables = [Table(), Table()]
+    gone = weakref.ref(tables[1])
+    graph = backend.capture(lambda: hold(tables[0]), state=None)
+    hold(tables[1])  # (no capture in progress)
+    assert graph.held == [tables[0]]
+    kept = weakref.ref(tables[0])
+    tables.clear()
+    gc.collect()
+    assert kept() is graph.held[0] and gone() is None
 
 
 def _first_new(tokens: list[int], at_least: int) -> int:

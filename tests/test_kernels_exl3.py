@@ -609,3 +609,25 @@ def test_linear_sets_of_three_and_of_mixed_widths(kernels_on_cpu):
     assert [g.dtype for g in got] == [torch.bfloat16, torch.float32, torch.float32]
     for g, l, d in zip(got, mixed, dtypes):
         assert torch.equal(bits(g), bits(l(x, nx, d)))
+
+
+def test_set_plans_are_dropped_least_recently_used_first(monkeypatch):
+    """The ragged-set plan cache (kernels/exl3._set_plan) keeps its most recently used plans:
+    at its limit the least recently used goes, a hit moves a plan to the back, and a plan is
+    remembered (here None: no CUDA set kernel on the CPU) rather than remade. (A captured
+    graph holds the plans it read: strata.captures, tests/test_graphs.py.)"""
+    from collections import OrderedDict
+    monkeypatch.setattr(X, "SET_PLANS_KEPT", 2)
+    monkeypatch.setattr(X, "_SET_PLANS", OrderedDict())
+    # (a CPU build of torch cannot ask whether a stream captures: none does here)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    made = []
+    real = X._make_set_plan
+    monkeypatch.setattr(X, "_make_set_plan", lambda x2, w, cb: made.append(x2.shape[0])
+                        or real(x2, w, cb))
+    w = [X.SetWeight(trellis_of(8, 8, 2, seed=1), scales(128, 2), scales(128, 3), 128,
+                     torch.float16)]
+    for M in (1, 2, 1, 3, 1, 2):
+        assert X._set_plan(torch.zeros(M, 128, dtype=torch.float16), w, "3inst") is None
+    assert made == [1, 2, 3, 2]  # (M = 1 was used last before 3 came: 2 went)
+    assert [k[0] for k in X._SET_PLANS] == [1, 2]

@@ -83,12 +83,14 @@ from __future__ import annotations
 
 import math
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from strata import streams
+from strata.captures import hold
 from strata.kernels import exl3_mma
 from strata.kernels.moe_grouping import Routing
 
@@ -729,21 +731,21 @@ def reconstruct(trellis: torch.Tensor, codebook: str, n_start: int = 0,
 
 
 _COUNTERS: dict = {}
-_COUNTERS_KEEP: list = []  # every counter buffer stays alive (captured graphs may hold one)
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 arrival counters for FUSE_OUT launches, one buffer per device and lane
     (strata.streams: a piece on the side stream runs beside the current stream's); every
     launch leaves them at zero again. A first eager call (CUDA-graph warm-up) allocates them
-    before a capture, which then reuses them."""
+    before a capture, which then reuses them — and holds them (a larger buffer may replace
+    them here while the graph lives)."""
     key = (str(device), streams.on_side(device))
     c = _COUNTERS.get(key)
     if c is None or c.numel() < n:
         c = torch.zeros(max(n, 4096, 0 if c is None else 2 * c.numel()), dtype=torch.int32,
                         device=device)
         _COUNTERS[key] = c
-        _COUNTERS_KEEP.append(c)
+    hold(c)
     return c
 
 
@@ -919,8 +921,15 @@ class _SetPlan:
     counters: int
 
 
-SET_PLANS_KEPT = 256
-_SET_PLANS: dict[tuple, _SetPlan] = {}
+# Plans kept, the least recently used dropped first: a model's working set is its sets ×
+# the row counts it runs (the full model's decode and verify windows: ~1,500); past it, an
+# eager call rebuilds its plan (a table upload). A captured graph holds the plans it read.
+# The limit must exceed one region's plans (a step: ~220 sets in the full model), so that a
+# capture finds every plan its warm-up made: a capture that missed would take another path
+# than its warm-up, whose lazily built state (quant/groups._fixed_routing) it would then
+# make inside the capture (a cache cut to one plan faults the replay on the H200).
+SET_PLANS_KEPT = 4096
+_SET_PLANS: OrderedDict[tuple, _SetPlan | None] = OrderedDict()
 
 
 def _set_plan(x2: torch.Tensor, weights: Sequence[SetWeight], codebook: str):
@@ -931,11 +940,15 @@ def _set_plan(x2: torch.Tensor, weights: Sequence[SetWeight], codebook: str):
         (w.trellis.data_ptr(), tuple(w.trellis.shape), w.suh.data_ptr(), w.svh.data_ptr(),
          w.out_features, w.out_dtype, w.sched_cols, w.target_programs) for w in weights)
     if key in _SET_PLANS:
-        return _SET_PLANS[key]
+        _SET_PLANS.move_to_end(key)
+        plan = _SET_PLANS[key]
+        if plan is not None:
+            hold(plan)  # (its table's addresses go into a graph being captured)
+        return plan
     if torch.cuda.is_current_stream_capturing():  # (the table's upload waits: not in a capture)
         return None
-    if len(_SET_PLANS) >= SET_PLANS_KEPT:
-        _SET_PLANS.clear()
+    while len(_SET_PLANS) >= SET_PLANS_KEPT:
+        _SET_PLANS.popitem(last=False)
     plan = _SET_PLANS[key] = _make_set_plan(x2, weights, codebook)
     return plan
 

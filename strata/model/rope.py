@@ -26,7 +26,7 @@ def rope_inv_freq(cfg: ModelConfig, ratio: int,
                      cfg.beta_fast, cfg.beta_slow, cfg.rope_factor, torch.device(device))
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=None)  # (never dropped: captured graphs read the tables; a few per model)
 def _inv_freq(rd: int, theta: float, yarn: bool, orig: int, beta_fast: float,
               beta_slow: float, factor: float, device: torch.device) -> torch.Tensor:
     k = torch.arange(0, rd, 2, dtype=torch.float64)

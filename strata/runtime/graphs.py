@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.captures import holding
 from strata.current_device import made_current, upload
 from strata.errors import StrataError
 from strata.model.context import ForwardContext
@@ -121,8 +122,9 @@ class CudaGraphs:
         # disabled, allocations still count towards the next collection, so switching it back
         # on inside the capture would collect at the first allocation (torch.cuda.graph's
         # __exit__ runs Python before capture_end).
-        with no_cyclic_gc(), torch.cuda.graph(graph, pool=self.pool):
+        with holding([]) as held, no_cyclic_gc(), torch.cuda.graph(graph, pool=self.pool):
             run()
+        graph.held = held  # (what its kernels read by address from caches: strata.captures)
         return graph
 
 

@@ -205,3 +205,36 @@ def test_graphed_commit_of_the_draft_windows(cuda, request, fixture):
         for mine, theirs in zip(s.state.dspark, ref.dspark):
             assert torch.equal(mine.rows, theirs.rows) and torch.equal(mine.tags, theirs.tags)
     assert sorted(s.graphed._commits) == [1, 3]
+
+
+
+def test_graphs_hold_the_set_plans_they_read(cuda, exl3_dir):
+    """A graph keeps the EXL3 ragged-set plans its kernels read by address (strata.captures):
+    the plan cache emptied halfway through a graphed DSpark run — and the freed memory handed
+    back to the driver and refilled with junk — the graphs' replays still give plain
+    decoding's tokens, their plans alive in them. (Before, a plan the cache dropped was
+    freed while a graph read its table: an illegal-address fault on the H200, in a
+    benchmark's later session, once ~700 plans had overflowed the cache's old limit.)"""
+    from strata.kernels import exl3 as X
+    from strata.runtime.speculative import SpecConfig
+    model = Model.load(exl3_dir, cuda, Numerics.for_device(cuda))
+    prompt = random_tokens(60, seed=6)
+    want = Session(model, 160).run(prompt, 40, mode="plain").tokens
+    override = continuation_drafts(want, len(prompt), model.cfg.vocab_size)
+    spec = SpecConfig(length=model.cfg.dspark_block_size, low_windows=10 ** 9)
+    g = Session(model, 160, speculative=spec, draft_override=override, graphs=True)
+    run = g.generate(prompt, 40, mode="dspark")
+    got = [next(run) for _ in range(20)]
+    gr = g.graphed
+    graphs = [x for c in gr.captured.values() for x in c.graph.graphs]
+    graphs += [x for r in gr._commits.values() for x in r.graph.graphs]
+    held = [p for x in graphs for p in x.held if isinstance(p, X._SetPlan)]
+    assert held
+    torch.cuda.synchronize()
+    X._SET_PLANS.clear()
+    torch.cuda.empty_cache()
+    junk = [torch.full((64,), -1, dtype=torch.int64, device=cuda) for _ in range(4096)]
+    replays = gr.replays
+    got += list(run)
+    assert got == want and gr.replays > replays
+    del junk
