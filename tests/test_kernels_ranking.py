@@ -50,7 +50,8 @@ def test_top_picks_are_the_indexers_torch_ops(monkeypatch, split):
     picks, ties across blocks and parts (the lowest indices), rounded rows, −0 against +0
     (equal), +inf, a selection wider than the entries and non-power-of-2 widths, the picks
     given as ids; no rows and no entries. Blocks of 64 here so a pass spans several; each row in one program, or
-    (`split`) in parts of ≥ 128 entries, a program each, their counts added per pass."""
+    (`split`) in parts of ≥ 128 entries, a program each, their counts added per pass; rows
+    shorter than a block read by a block of their own width."""
     from strata.kernels import ranking
     from strata.model.indexer import topk_lowest_index
     monkeypatch.setattr(ranking, "PICKS_BLOCK", 64)
@@ -80,6 +81,12 @@ def test_top_picks_are_the_indexers_torch_ops(monkeypatch, split):
         assert torch.equal(topk_lowest_index(scores, k, ids), want)  # (the torch path's)
     assert ranking.top_picks(torch.zeros(0, 9), 4).shape == (0, 4)
     assert torch.equal(ranking.top_picks(torch.zeros(3, 0), 4), torch.full((3, 4), -1))
+    # short rows, read by a block of their own width (16, 32, 64 here)
+    monkeypatch.setattr(ranking, "PICKS_MIN_BLOCK", 16)
+    for n in (5, 17, 40):
+        rows = scores[:, :n]
+        for k in (1, 4, n):
+            assert torch.equal(ranking.top_picks(rows, k), topk_lowest_index(rows, k)), (n, k)
 
 
 @pytest.mark.parametrize("n", [1, 5, 64, 65, 300])

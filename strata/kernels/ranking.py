@@ -27,6 +27,7 @@ ARGMAX_BLOCK = 2048
 # query's long row is read by many programs at once and a prefill piece's many rows one
 # program each
 PICKS_BLOCK = 4096
+PICKS_MIN_BLOCK = 256  # (a row shorter than this: one entry a thread of 8 warps)
 PICKS_WARPS = 8
 PICKS_PART = 4096
 PICKS_PROGRAMS = 264
@@ -273,10 +274,11 @@ def top_picks(scores: torch.Tensor, k: int, ids: torch.Tensor | None = None) -> 
         return out
     parts = min(triton.cdiv(n, PICKS_PART), max(1, PICKS_PROGRAMS // T)) if n > k else 1
     launch = dict(num_warps=PICKS_WARPS, **pdl.args(scores.device))
-    if parts == 1:
+    if parts == 1:  # (a short row read by a block of its own size: a 768-entry row, 4,096
+        # masked, took 24 µs, 1,024 wide 15 µs — H200, probe_warps KNOB=BLOCK, session 26)
+        block = min(PICKS_BLOCK, max(triton.next_power_of_2(n), PICKS_MIN_BLOCK))
         _top_picks_kernel[(T,)](scores, out, idv, n, k, scores.stride(0), out.stride(0),
-                                idv.stride(0), BLOCK=PICKS_BLOCK, IDS=ids is not None,
-                                **launch)
+                                idv.stride(0), BLOCK=block, IDS=ids is not None, **launch)
         return out
     # (parts of a multiple of 64 entries: with n a multiple of 16 — the indexer's buckets —
     # Triton then knows each part's loads 4-wide aligned)
