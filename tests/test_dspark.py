@@ -123,6 +123,30 @@ def test_low_acceptance_falls_back_to_plain(tiny_reference):
     assert s.stats.plain_steps >= 4 and s.stats.windows >= 3
 
 
+def test_plain_runs_grow_while_the_drafts_keep_failing(tiny_reference):
+    """Each plain run that low acceptance begins is twice the last (up to max_plain_backoff)
+    while the probes after it still fail; once drafts pay again, the next slump starts
+    from plain_backoff — the tokens plain decoding's throughout."""
+    prompt = random_tokens(20, seed=13)
+    want = plain_tokens(tiny_reference, prompt, 120, GREEDY)
+    good = oracle(want, 20)
+
+    def slumps(P, drafts):  # wrong drafts but for positions 60 … 79 of the output
+        right = good(P, drafts)
+        return right if 60 <= P - 20 < 80 else [(t + 1) % 300 + 3 for t in right]
+    cfg = SpecConfig(length=5, low_acceptance=0.5, low_windows=2, plain_backoff=2,
+                     max_plain_backoff=8)
+    s = Session(tiny_reference, 256, speculative=cfg, draft_override=slumps)
+    assert s.run(prompt, 120, GREEDY, stop_ids=frozenset()).tokens == want
+    b = s.stats.backoffs
+    restart = b.index(2, 1)  # (the first run after the drafts paid)
+    assert restart > 3 and b[:restart] == [2, 4] + [8] * (restart - 2)
+    assert b[restart:restart + 3] == [2, 4, 8]
+    assert s.stats.accepted >= 15
+    with pytest.raises(StrataError, match="max_plain_backoff"):
+        SpecConfig(plain_backoff=16, max_plain_backoff=8)
+
+
 def test_choose_length():
     costs = [1.0, 1.05, 1.1, 1.15, 1.2, 1.25]  # seconds for 1..6 rows
     assert choose_length(torch.tensor([0.9] * 5), costs, 0.1) == 5

@@ -42,11 +42,16 @@ class SpecConfig:
     length: int | None = None        # fixed verify length (drafts per window); None: adaptive
     low_acceptance: float = 0.2      # mean accepted/drafted below this ...
     low_windows: int = 8             # ... over this many windows switches to plain decoding
-    plain_backoff: int = 16          # plain steps before drafting again
+    plain_backoff: int = 16          # plain steps before drafting again, doubled each time
+    max_plain_backoff: int = 1024    # the drafts are still not accepted, up to this
 
     def __post_init__(self) -> None:
         if self.length is not None and self.length < 0:
             raise StrataError(f"speculative length {self.length} must be ≥ 0")
+        if self.low_windows < 1 or not 0 <= self.plain_backoff <= self.max_plain_backoff:
+            raise StrataError(f"speculative fallback: low_windows {self.low_windows} must be "
+                              f"≥ 1 and 0 ≤ plain_backoff {self.plain_backoff} ≤ "
+                              f"max_plain_backoff {self.max_plain_backoff}")
 
 
 @dataclass
@@ -56,6 +61,7 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
     plain_steps: int = 0
+    backoffs: list[int] = field(default_factory=list)  # plain runs low acceptance began
     drafts: int = 0                  # drafts made (a window's, or one not worth verifying)
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -103,6 +109,7 @@ class DSparkDecoder:
         self.stats = SpecStats()
         self._recent: list[tuple[int, int]] = []  # (drafted, accepted) of recent windows
         self._plain_left = 0
+        self._backoff = config.plain_backoff  # the next plain run's length
 
     def _length(self, confidence: torch.Tensor) -> int:
         g = self.model.cfg.dspark_block_size
@@ -179,10 +186,22 @@ class DSparkDecoder:
         return drafts[:n] + [picks[n]]
 
     def _note_window(self, drafted: int, accepted: int) -> None:
+        """After low_windows windows of low acceptance, plain steps: a run twice as long as
+        the last while the drafts keep failing (a draft that never pays costs a probe of
+        low_windows windows every max_plain_backoff steps, not every plain_backoff), back to
+        plain_backoff once low_windows windows pay again."""
+        c = self.config
         self._recent.append((drafted, accepted))
+        del self._recent[:-c.low_windows]
+        if len(self._recent) < c.low_windows:
+            return
         if self._low_acceptance():
-            self._plain_left = self.config.plain_backoff
+            self._plain_left = self._backoff
+            self.stats.backoffs.append(self._backoff)
+            self._backoff = min(2 * self._backoff, c.max_plain_backoff)
             self._recent.clear()
+        else:
+            self._backoff = c.plain_backoff
 
 
 def measure_costs(model, rows: int, repeats: int = 3, context: int = 64,
