@@ -312,7 +312,7 @@ def test_the_plain_loop_runs_a_step_ahead_with_the_plain_loops_tokens_and_state(
         want = Session(model, 160).run(prompt, 24, params, mode="plain").tokens
         s = Session(model, 160)
         g = _graphed(model, s)
-        assert s._runs_ahead("plain", None)
+        assert s._runs_ahead(None)
         assert s.run(prompt, 24, params, mode="plain").tokens == want
         assert g.captures + g.replays == 23  # no step for the 24th token
     more = random_tokens(7, seed=10)
@@ -334,3 +334,60 @@ def test_the_plain_loop_runs_a_step_ahead_with_the_plain_loops_tokens_and_state(
     assert s.state.position == ref.state.position
     nxt = [x.run(more, 10, sampler, mode="plain").tokens for x in (ref, s)]
     assert nxt[0] == nxt[1]
+
+
+def test_a_dspark_sessions_plain_steps_run_ahead_alike(tiny_dir, monkeypatch):
+    """A DSpark session's plain steps — a plain request's, and the fallback's runs while the
+    drafts keep failing — run a step ahead of the host too (Session._plain_ahead), each
+    forward's draft windows committed behind it: the tokens, the plain steps counted and the
+    live state (the draft windows included) equal the eager session's; a cancellation inside
+    a run abandons its launched forward alike; the next DSpark turn continues alike."""
+    model = Model.load(tiny_dir, "cpu", Numerics("vendor"))
+    prompt, more = random_tokens(40, seed=9), random_tokens(7, seed=10)
+    want = Session(model, 200).run(prompt, 30, mode="plain").tokens
+    override = continuation_drafts(want, len(prompt), model.cfg.vocab_size, wrong_at=0)
+    spec = SpecConfig(length=3, low_windows=2, plain_backoff=4)
+    runs = []
+    real = Session._plain_ahead
+
+    def spy(self, first, params, steps, *rest):
+        runs.append(steps)
+        return (yield from real(self, first, params, steps, *rest))
+    monkeypatch.setattr(Session, "_plain_ahead", spy)
+
+    def pair():
+        ref = Session(model, 200, speculative=spec, draft_override=override)
+        s = Session(model, 200, speculative=spec, draft_override=override)
+        _graphed(model, s)
+        return ref, s
+
+    def alike(ref, s):
+        assert s.state.position == ref.state.position
+        live, ref_live = s.state.live_tensors(), ref.state.live_tensors()
+        assert all(torch.equal(live[k], ref_live[k]) for k in ref_live)
+        nxt = [x.run(more, 12, mode="dspark").tokens for x in (ref, s)]
+        assert nxt[0] == nxt[1]
+
+    ref, s = pair()
+    assert [x.run(prompt, 30, mode="dspark").tokens for x in (ref, s)] == [want, want]
+    assert runs[:2] == [4, 8] and s.stats.backoffs == ref.stats.backoffs
+    assert (s.stats.plain_steps, s.stats.windows) == (ref.stats.plain_steps, ref.stats.windows)
+    alike(ref, s)
+    # cancelled at the 5th token: inside the first plain run (tokens 4 … 7 after 2 windows)
+    ref, s = pair()
+    runs.clear()
+    got = []
+    for x in (ref, s):
+        seen = []
+        for t in x.generate(prompt, 30, mode="dspark",
+                            should_stop=lambda seen=seen: len(seen) >= 5):
+            seen.append(t)
+        got.append(seen)
+    assert got == [want[:5], want[:5]] and runs == [4]
+    alike(ref, s)
+    # a plain request on the DSpark session: one run ahead, the draft windows kept
+    ref, s = pair()
+    runs.clear()
+    assert [x.run(prompt, 20, mode="plain").tokens for x in (ref, s)] == [want[:20]] * 2
+    assert runs == [19]
+    alike(ref, s)

@@ -129,14 +129,12 @@ class Session:
         stop_ids = frozenset({cfg.eos_token_id}) if stop_ids is None else stop_ids
         self.state.check_room(prompt.numel() + max(max_tokens - 1, 0))
         logits = self.prefill(prompt)
-        if self._runs_ahead(mode, scripted):
-            yield from self._plain_ahead(logits, params, stop_ids, max_tokens, should_stop)
-            return
         tok = self._pick(logits, params, scripted, 0)
         if mode == "dspark":
             decoder = DSparkDecoder(self, self.speculative, self.draft_override,
                                     *(self.costs or (None, 0.0)))
             self.stats = decoder.stats
+        ahead = self._runs_ahead(scripted)
         emitted = 0
         while True:
             # The next forward consumes tok: its Engram rows start reading from disk while
@@ -147,6 +145,18 @@ class Session:
             emitted += 1
             if tok in stop_ids or emitted >= max_tokens or (should_stop and should_stop()):
                 return
+            # plain steps: all of a plain request's, a DSpark decoder's plain run
+            plain = max_tokens - emitted if mode == "plain" else decoder.plain_run()
+            if plain and ahead:
+                n = min(plain, max_tokens - emitted)
+                if mode == "dspark":
+                    decoder.took_plain(n)
+                tok = yield from self._plain_ahead(tok, params, n, stop_ids, should_stop,
+                                                   self.stats if mode == "dspark" else None)
+                if tok is None:  # (a stop among the run's tokens)
+                    return
+                emitted += n - 1
+                continue
             if mode == "plain":
                 start = self.state.position
                 logits, ctx = self.forward(step, "last")
@@ -162,52 +172,62 @@ class Session:
                     return
             tok = more[-1]
 
-    def _runs_ahead(self, mode: str, scripted: Sequence[int] | None) -> bool:
-        """Whether the plain loop launches each step before it reads the token the step
-        consumes (`_plain_ahead`): graphed on one device (a group's graphs run through its
-        driver), no script, no DSpark windows to keep, no Engram tables on disk (their reads
-        need the token on the host), and on a GPU the Engram ids hashed there."""
+    def _runs_ahead(self, scripted: Sequence[int] | None) -> bool:
+        """Whether plain steps run a step ahead of the host (`_plain_ahead`): graphed on one
+        device (a group's graphs run through its driver), no script, no Engram tables on
+        disk (their reads need the token on the host), and on a GPU the Engram ids hashed
+        there."""
         m, g = self.model, self.graphed
-        return (RUN_AHEAD and mode == "plain" and scripted is None
-                and self.speculative is None and type(g) is GraphedForward and g.usable()
+        return (RUN_AHEAD and scripted is None
+                and type(g) is GraphedForward and g.usable()
                 and not m.engram_stores
                 and (m.device.type == "cpu" or m.hasher is None or m.hashes_on_device))
 
-    def _plain_ahead(self, logits: torch.Tensor, params: SamplingParams,
-                     stop_ids: frozenset[int], max_tokens: int,
-                     should_stop: Callable[[], bool] | None) -> Iterator[int]:
-        """generate's plain loop one step ahead of the host. Each step is launched on the
-        token its predecessor's sampler left on the device; that token's copy to the host is
-        queued before the step, so reading it waits only for the step before, and the host
-        handles it (yield, stop checks) while the GPU runs the step that consumes it — on
-        a graphed GPU step the host's ~0.5 ms between steps was GPU idle time
-        (scripts/probe_host.py). A stop abandons the step already launched: the state is not
-        advanced, and the step's writes lie at the state's position, where the next forward
-        rewrites them — ring rows tagged with that position (the row each evicts is older
-        than any window reaches: the rings keep spare rows for verify windows) and cache
-        entries past the committed ones (tests: the same tokens, live state and next turn
-        as the plain loop's). No step is launched for the last token of max_tokens."""
+    def _plain_ahead(self, first: int, params: SamplingParams, steps: int,
+                     stop_ids: frozenset[int], should_stop: Callable[[], bool] | None,
+                     stats: SpecStats | None = None):
+        """`steps` plain forwards from the token `first` (at the state's position, already
+        handed to the caller), each launched before the host reads the token it consumes:
+        yields the tokens the forwards sample but the last, which it returns unconsumed —
+        None when a stop ended the run (a stop id yielded, or should_stop).
+
+        Each forward after the first is launched on the token its predecessor's sampler left
+        on the device; that token's copy to the host is queued before the forward, so reading
+        it waits only for the forward before, and the host handles it (yield, stop checks)
+        while the GPU runs the forward that consumes it — on a graphed GPU step the host's
+        ~0.5 ms between steps was GPU idle time (scripts/probe_host.py). A DSpark session's
+        draft windows are committed behind each forward (a graph replay on its taps). A stop
+        abandons the forward already launched: the state is not advanced, and its writes lie
+        at the state's position, where the next forward rewrites them — ring rows tagged with
+        that position (the row each evicts is older than any window reaches: the rings keep
+        spare rows for verify windows) and cache entries past the committed ones (tests: the
+        same tokens, live state and next turn as the eager loop's). `stats`: a DSpark
+        generation's, counting the forwards as plain steps."""
         g, state = self.graphed, self.state
-        dev = self._sample_at(logits.view(1, -1), state.position, params)
-        read = torch.empty(1, dtype=torch.long, pin_memory=dev.is_cuda)
-        arrived = torch.cuda.Event() if dev.is_cuda else None
-        emitted = 0
-        while True:
-            read.copy_(dev, non_blocking=True)
-            if arrived is not None:  # (the copy's stream: the one of dev's device)
-                arrived.record(torch.cuda.current_stream(dev.device))
-            last = emitted + 1 >= max_tokens
-            if not last:  # the step consuming dev, and its sample, queued behind the copy
-                c, ctx = g.launch(dev, "last")
-                dev = self._sample_at(c.step.logits.view(1, -1), state.position + 1, params)
-            if arrived is not None:
-                arrived.synchronize()
-            tok = int(read[0])
-            yield tok
-            emitted += 1
-            if last or tok in stop_ids or (should_stop and should_stop()):
-                return
+        read = torch.empty(1, dtype=torch.long, pin_memory=state.device.type == "cuda")
+        arrived = torch.cuda.Event() if state.device.type == "cuda" else None
+        dev, tok = None, first
+        for i in range(steps):
+            if dev is not None:
+                read.copy_(dev, non_blocking=True)
+                if arrived is not None:  # (the copy's stream: the one of dev's device)
+                    arrived.record(torch.cuda.current_stream(dev.device))
+            P = state.position
+            c, ctx = g.launch(torch.tensor([tok]) if dev is None else dev, "last")
+            if self.speculative is not None:  # keep the draft windows complete
+                g.commit_context(c.step.ctx, 1, P)
+            if stats is not None:
+                stats.plain_steps += 1
+            dev = self._sample_at(c.step.logits.view(1, -1), P + 1, params)
+            if i:
+                if arrived is not None:
+                    arrived.synchronize()
+                tok = int(read[0])
+                yield tok
+                if tok in stop_ids or (should_stop and should_stop()):
+                    return None
             c.step.finish(ctx, torch.tensor([tok]))
+        return int(dev[0])
 
     def _sample_at(self, logits: torch.Tensor, position: int,
                    params: SamplingParams) -> torch.Tensor:

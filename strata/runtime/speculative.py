@@ -111,6 +111,14 @@ class DSparkDecoder:
         self._plain_left = 0
         self._backoff = config.plain_backoff  # the next plain run's length
 
+    def plain_run(self) -> int:
+        """Plain steps the fallback has left to run (the session may run them a step ahead
+        of the host: Session._plain_ahead, then `took_plain`)."""
+        return self._plain_left
+
+    def took_plain(self, n: int) -> None:
+        self._plain_left = max(0, self._plain_left - n)
+
     def _length(self, confidence: torch.Tensor) -> int:
         g = self.model.cfg.dspark_block_size
         if self.config.length is not None:

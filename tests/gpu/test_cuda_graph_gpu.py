@@ -102,7 +102,7 @@ def test_graphed_plain_decode_runs_a_step_ahead_of_the_host(cuda, request, fixtu
     for params in (SamplingParams(), sampler):
         want = Session(model, 200).run(prompt, 30, params, mode="plain").tokens
         s = Session(model, 200, graphs=True)
-        assert s._runs_ahead("plain", None)
+        assert s._runs_ahead(None)
         assert s.run(prompt, 30, params, mode="plain").tokens == want
     stop = next(t for i, t in enumerate(want) if i >= 5 and t not in want[:i])
     s = Session(model, 200, graphs=True)
