@@ -238,3 +238,29 @@ def test_graphs_hold_the_set_plans_they_read(cuda, exl3_dir):
     got += list(run)
     assert got == want and gr.replays > replays
     del junk
+
+
+@pytest.mark.parametrize("fixture", ["tiny_dir", "exl3_dir"])
+def test_a_dspark_sessions_plain_steps_run_ahead_on_graphs(cuda, request, fixture):
+    """A graphed DSpark session's plain steps run a step ahead of the host (Session.
+    _plain_ahead, the draft windows committed behind each forward by the commit graph): the
+    fallback's runs while the drafts keep failing, and a plain request, give the eager
+    session's tokens, plain steps and live state (the draft windows included), and the next
+    DSpark turn continues alike."""
+    from strata.runtime.speculative import SpecConfig
+    model = Model.load(request.getfixturevalue(fixture), cuda, Numerics.for_device(cuda))
+    prompt, more = random_tokens(40, seed=9), random_tokens(7, seed=10)
+    want = Session(model, 200).run(prompt, 30, mode="plain").tokens
+    override = continuation_drafts(want, len(prompt), model.cfg.vocab_size, wrong_at=0)
+    spec = SpecConfig(length=3, low_windows=2, plain_backoff=4)
+    for mode, n in (("dspark", 30), ("plain", 20)):
+        ref = Session(model, 200, speculative=spec, draft_override=override)
+        s = Session(model, 200, speculative=spec, draft_override=override, graphs=True)
+        assert s._runs_ahead(None)
+        assert [x.run(prompt, n, mode=mode).tokens for x in (ref, s)] == [want[:n]] * 2
+        if mode == "dspark":
+            assert s.stats.plain_steps == ref.stats.plain_steps >= 12
+        live, ref_live = s.state.live_tensors(), ref.state.live_tensors()
+        assert all(torch.equal(live[k], ref_live[k]) for k in ref_live), mode
+        nxt = [x.run(more, 12, mode="dspark").tokens for x in (ref, s)]
+        assert nxt[0] == nxt[1]
