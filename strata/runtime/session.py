@@ -7,7 +7,7 @@ The token picked at position p is `sample(logits of row p-1, p, params)`.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -185,7 +185,7 @@ class Session:
 
     def _plain_ahead(self, first: int, params: SamplingParams, steps: int,
                      stop_ids: frozenset[int], should_stop: Callable[[], bool] | None,
-                     stats: SpecStats | None = None):
+                     stats: SpecStats | None = None) -> Generator[int, None, int | None]:
         """`steps` plain forwards from the token `first` (at the state's position, already
         handed to the caller), each launched before the host reads the token it consumes:
         yields the tokens the forwards sample but the last, which it returns unconsumed —
