@@ -128,21 +128,21 @@ def test_plain_runs_grow_while_the_drafts_keep_failing(tiny_reference):
     while the probes after it still fail; once drafts pay again, the next slump starts
     from plain_backoff — the tokens plain decoding's throughout."""
     prompt = random_tokens(20, seed=13)
-    want = plain_tokens(tiny_reference, prompt, 120, GREEDY)
+    want = plain_tokens(tiny_reference, prompt, 80, GREEDY)
     good = oracle(want, 20)
 
-    def slumps(P, drafts):  # wrong drafts but for positions 60 … 79 of the output
+    def slumps(P, drafts):  # wrong drafts but for positions 36 … 51 of the output
         right = good(P, drafts)
-        return right if 60 <= P - 20 < 80 else [(t + 1) % 300 + 3 for t in right]
+        return right if 36 <= P - 20 < 52 else [(t + 1) % 300 + 3 for t in right]
     cfg = SpecConfig(length=5, low_acceptance=0.5, low_windows=2, plain_backoff=2,
                      max_plain_backoff=8)
     s = Session(tiny_reference, 256, speculative=cfg, draft_override=slumps)
-    assert s.run(prompt, 120, GREEDY, stop_ids=frozenset()).tokens == want
+    assert s.run(prompt, 80, GREEDY, stop_ids=frozenset()).tokens == want
     b = s.stats.backoffs
     restart = b.index(2, 1)  # (the first run after the drafts paid)
     assert restart > 3 and b[:restart] == [2, 4] + [8] * (restart - 2)
     assert b[restart:restart + 3] == [2, 4, 8]
-    assert s.stats.accepted >= 15
+    assert s.stats.accepted >= 10  # (two windows of five in the good stretch)
     with pytest.raises(StrataError, match="max_plain_backoff"):
         SpecConfig(plain_backoff=16, max_plain_backoff=8)
 
