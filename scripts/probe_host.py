@@ -7,8 +7,13 @@ replay(): its launch, sampling with the token's read, Engram prefetch), and with
 CUDA events from just before the first part's launch to just after the last's (the GPU's
 span, including any wait for a launch). Prints the medians (µs) and the GPU idle the step's
 host work leaves: wall − GPU span, and a hash of the session's tokens (variants must agree).
+MODE=oracle+graphs (any DSpark mode of probe_session): a step is a verify window with its
+draft and commit — three graph chains and eager work between them; its GPU span is then the
+sum of the chains' spans (the eager kernels between them — sampling, rollback — count as
+idle, so the idle is an upper bound).
 With PROFILE=1, then cProfile's table of STEPS more steps (the host's time by function).
-One-off diagnostic (GPU): source scripts/device_env.sh && python scripts/probe_host.py [STEPS]"""
+One-off diagnostic (GPU): source scripts/device_env.sh && [MODE=…] python scripts/probe_host.py
+[STEPS]"""
 import cProfile
 import hashlib
 import os
@@ -25,7 +30,7 @@ from strata.runtime.session import Session
 from strata.runtime.static_step import StaticStep
 
 steps = int(sys.argv[1]) if len(sys.argv) > 1 else 40
-s, one_step = probe_session("plain+graphs", 2 * steps)
+s, one_step = probe_session(os.environ.get("MODE", "plain+graphs"), 2 * steps)
 rec: dict[str, list[float]] = {}
 
 
@@ -56,17 +61,21 @@ def chain_replay(self):
         g.replay()
         rec.setdefault(f"launch part {i}", []).append((time.perf_counter() - t) * 1e6)
     end.record()
-    events.append((start, end))
+    events.append((len(walls), start, end))  # (the step it belongs to)
 
 
 graphs.Chain.replay = chain_replay
-walls = []
+walls: list[float] = []
 for _ in range(steps):
     t = time.perf_counter()
     one_step()
     walls.append((time.perf_counter() - t) * 1e6)
 torch.cuda.synchronize()
-spans = [a.elapsed_time(b) * 1e3 for a, b in events]
+per_step = [0.0] * steps
+for i, a, b in events:
+    if i < steps:
+        per_step[i] += a.elapsed_time(b) * 1e3
+spans = per_step
 med = statistics.median
 tokens = s.state.tokens[:s.state.position].numpy().tobytes()
 print(f"steps {steps}: wall {med(walls):.1f} µs, GPU span (first launch → last kernel) "
