@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -78,7 +78,8 @@ class SpecStats:
                 "verify_s": self.verify_s}
 
 
-def choose_length(confidence: torch.Tensor, costs: list[float], draft_cost: float) -> int:
+def choose_length(confidence: Sequence[float] | torch.Tensor, costs: list[float],
+                  draft_cost: float) -> int:
     """Verify length maximising expected committed tokens per second.
 
     costs[r] = seconds of a main forward over r+1 rows (r drafts); confidence[i] = P(draft i+1
@@ -125,7 +126,8 @@ class DSparkDecoder:
             return min(self.config.length, g)
         if self.costs is None:
             return g
-        return choose_length(confidence, self.costs, self.draft_cost)
+        # (read in one copy: choose_length reads an element a length, each a device sync)
+        return choose_length(confidence.tolist(), self.costs, self.draft_cost)
 
     def _low_acceptance(self) -> bool:
         c = self.config
