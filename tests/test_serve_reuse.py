@@ -311,6 +311,50 @@ def test_prefix_cache_budget_evicts_least_recent(tiny_reference):
     assert PrefixCache(0).take(torch.tensor([1, 2])) == (None, 0)
 
 
+def test_evicted_and_failed_states_let_go_of_their_graphs(tiny_reference, monkeypatch):
+    """A state and its CUDA graphs refer to each other: a state the prefix cache evicts or
+    clears, or a failed request's, drops its graphs, so its memory is freed at once — not
+    at a cycle collection, which may not come for long (GBs of caches at long context).
+    (On the CPU the graphs object is made but runs its forwards eagerly; what is checked is
+    that nothing keeps the state alive.)"""
+    import gc
+    import weakref
+    from strata.runtime.state import State
+    one = Retained(tiny_reference.new_state(256)).nbytes()
+    cache = PrefixCache(budget_bytes=one + one // 2)
+    first = Retained(tiny_reference.new_state(256))
+    tiny_reference.graphed(first.state)
+    gone = weakref.ref(first.state)
+    gc.disable()
+    try:
+        cache.put(first)
+        del first
+        cache.put(Retained(tiny_reference.new_state(256)))  # evicts the first
+        assert len(cache) == 1 and gone() is None
+        kept = next(iter(cache._entries.values()))[0].state
+        tiny_reference.graphed(kept)
+        gone = weakref.ref(kept)
+        del kept
+        cache.clear()
+        assert gone() is None
+    finally:
+        gc.enable()
+    dropped = []
+    real = State.drop_graphs
+    monkeypatch.setattr(State, "drop_graphs", lambda st: (dropped.append(st.graphs is not None),
+                                                          real(st)))
+    eng = Engine(tiny_reference, 64, graphs=True).start()
+    try:
+        done, events = threading.Event(), []
+        vocab = tiny_reference.cfg.vocab_size
+        eng.submit(GenRequest([5, 6, vocab + 3], 4),  # a token id past the vocabulary
+                   lambda ev: (events.append(ev), isinstance(ev, (Finished, Failed)) and done.set()))
+        assert done.wait(30)
+        assert isinstance(events[-1], Failed) and dropped == [True]
+    finally:
+        eng.stop()
+
+
 def test_engine_worker_survives_a_failing_job(tiny_reference):
     eng = Engine(tiny_reference, 64).start()
     try:

@@ -199,6 +199,16 @@ class Engine:
         entry, cached = self.cache.take(prompt)
         if entry is None:
             entry = Retained(self.model.new_state(self.capacity))
+        try:
+            self._generate(job, entry, cached, prompt)
+        except BaseException:
+            entry.state.drop_graphs()  # (not retained: its memory freed now, not at a collection)
+            raise
+
+    def _generate(self, job: Job, entry: Retained, cached: int, prompt: torch.Tensor) -> None:
+        """The request on `entry`'s state, which holds the prompt's first `cached` tokens;
+        the state retained after (a cancel included)."""
+        req = job.request
         state = entry.state
         state.check_room(prompt.numel() - cached + max(req.max_tokens - 1, 0))
         job.on_event(Started(prompt.numel(), cached))

@@ -136,7 +136,10 @@ class PrefixCache:
         """Retain a conversation as the most recent; evict the least recent over budget."""
         self._entries[next(self._keys)] = (entry, entry.nbytes())
         while self._entries and self.nbytes > self.budget_bytes:
-            self._entries.popitem(last=False)
+            _, (evicted, _) = self._entries.popitem(last=False)
+            evicted.state.drop_graphs()  # (its memory freed now, not at a cycle collection)
 
     def clear(self) -> None:
+        for entry, _ in self._entries.values():
+            entry.state.drop_graphs()
         self._entries.clear()

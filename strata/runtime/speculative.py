@@ -263,8 +263,7 @@ def measure_costs(model, rows: int, repeats: int = 3, context: int = 64,
         costs = [median_s(window(r)) for r in range(1, rows + 1)]
         return costs, (median_s(draft) if model.dspark is not None else 0.0)
     finally:
-        if s.graphed is not None:
-            s.graphed.release()
+        s.state.drop_graphs()
 
 
 def speculative_config(model, length: int | None,

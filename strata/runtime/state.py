@@ -254,6 +254,14 @@ class State:
         # them on first use; they stay valid as long as the buffers do, across requests).
         self.graphs = None
 
+    def drop_graphs(self) -> None:
+        """Free this state's CUDA graphs now — for a state being let go: it and its graphs
+        refer to each other, so otherwise its buffers (GBs of caches at long context) and the
+        graphs' memory would wait for Python's cycle collector, which may not run for long."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
     # ---- forward bookkeeping ------------------------------------------------------------
     def check_room(self, n_new: int) -> None:
         if self.position + n_new > self.capacity:
