@@ -391,3 +391,38 @@ def test_a_dspark_sessions_plain_steps_run_ahead_alike(tiny_dir, monkeypatch):
     assert [x.run(prompt, 20, mode="plain").tokens for x in (ref, s)] == [want[:20]] * 2
     assert runs == [19]
     alike(ref, s)
+
+
+def test_each_draft_is_launched_before_the_tokens_before_it_are_handed_over(tiny_dir,
+                                                                            monkeypatch):
+    """A graphed DSpark session launches a window's draft as soon as the step before it has
+    committed (DSparkDecoder._draft_ahead), so the GPU drafts while the caller handles that
+    step's tokens: when the caller gets a window's last token (the next anchor), the draft
+    from it is already launched — and the tokens are plain decoding's, with it or without
+    (STRATA_DRAFT_AHEAD=0)."""
+    from strata.runtime import speculative
+    model = Model.load(tiny_dir, "cpu", Numerics("vendor"))
+    prompt = random_tokens(40, seed=9)
+    want = Session(model, 200).run(prompt, 24, mode="plain").tokens
+    full = continuation_drafts(want, len(prompt), model.cfg.vocab_size, wrong_at=10)
+    launched = []
+    real = speculative.DSparkDecoder._launch_draft
+
+    def spy(self, anchor, params):
+        launched.append(anchor)
+        return real(self, anchor, params)
+    monkeypatch.setattr(speculative.DSparkDecoder, "_launch_draft", spy)
+    for ahead in (True, False):
+        monkeypatch.setattr(speculative, "DRAFT_AHEAD", ahead)
+        launched.clear()
+        s = Session(model, 200, speculative=SpecConfig(length=3, low_windows=10 ** 6),
+                    draft_override=full)
+        _graphed(model, s)
+        got, at_anchors = [], []
+        for t in s.generate(prompt, 24, mode="dspark"):
+            got.append(t)
+            if len(got) % 4 == 1 and 1 < len(got) < 22:  # a window's last token (4 a window)
+                at_anchors.append(len(launched))
+        assert got == want and s.stats.accepted == s.stats.drafted
+        k = range(1, len(at_anchors) + 1)
+        assert at_anchors == [i + 1 if ahead else i for i in k], ahead

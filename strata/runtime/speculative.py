@@ -23,6 +23,7 @@ tried again.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -31,10 +32,15 @@ from dataclasses import dataclass, field
 import torch
 
 from strata.errors import StrataError
+from strata.model.dspark import Draft
 from strata.runtime.sampling import SamplingParams, sample
 
 # (position P, proposed drafts) -> drafts to verify instead (tests force accept/reject).
 DraftOverride = Callable[[int, list[int]], list[int]]
+
+# A graphed session launches each window's draft as soon as the step before has committed
+# (DSparkDecoder._draft_ahead); environment STRATA_DRAFT_AHEAD=0: off (the same tokens), for A/B.
+DRAFT_AHEAD = os.environ.get("STRATA_DRAFT_AHEAD", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -111,6 +117,8 @@ class DSparkDecoder:
         self._recent: list[tuple[int, int]] = []  # (drafted, accepted) of recent windows
         self._plain_left = 0
         self._backoff = config.plain_backoff  # the next plain run's length
+        # (anchor, position, sampler, draft) launched ahead for the next step (_draft_ahead)
+        self._ahead: tuple[int, int, SamplingParams, Draft] | None = None
 
     def plain_run(self) -> int:
         """Plain steps the fallback has left to run (the session may run them a step ahead
@@ -140,23 +148,56 @@ class DSparkDecoder:
     def step(self, anchor: int, params: SamplingParams, budget: int) -> list[int]:
         """Advance from `anchor` (at state.position); return the tokens that follow it, the
         last of which is the next anchor. At most `budget` tokens are returned."""
+        out = self._step(anchor, params, budget)
+        self._draft_ahead(out[-1], params, budget - len(out))
+        return out
+
+    def _launch_draft(self, anchor: int, params: SamplingParams) -> Draft:
+        s, model, state = self.session, self.model, self.session.state
+        t0 = time.perf_counter()
+        model.prefetch_engram(torch.tensor([anchor]), state)  # read while drafting
+
+        def pick(lg, positions):
+            return sample(lg, positions, params)
+        g = s.graphed
+        draft = (g.draft(anchor, params) if g is not None and g.can_draft() else
+                 model.dspark.draft(model.embed, model.head, anchor, state, model.numerics,
+                                    pick))
+        self.stats.draft_s += time.perf_counter() - t0
+        return draft
+
+    def _draft(self, anchor: int, params: SamplingParams) -> Draft:
+        """The draft from `anchor` at the state's position: the one `_draft_ahead` launched
+        for it, or one made now."""
+        ahead, self._ahead = self._ahead, None
+        self.stats.drafts += 1
+        if ahead is not None and ahead[:2] == (anchor, self.session.state.position) \
+                and ahead[2] is params:
+            return ahead[3]
+        return self._launch_draft(anchor, params)
+
+    def _draft_ahead(self, anchor: int, params: SamplingParams, budget: int) -> None:
+        """Launch the next step's draft now — its anchor and position are known once a step
+        has committed — so the GPU drafts while the caller handles this step's tokens. A
+        graphed draft only (an eager one is host work: it would only delay the tokens); not
+        when the next step runs plain (the fallback's run, no budget left to draft for). The
+        draft reads the state and writes nothing to it, so one the caller never uses (it
+        stops) changes nothing."""
+        g = self.session.graphed
+        if (DRAFT_AHEAD and self._plain_left == 0 and budget > 1 and g is not None
+                and g.can_draft()):
+            self._ahead = (anchor, self.session.state.position, params,
+                           self._launch_draft(anchor, params))
+
+    def _step(self, anchor: int, params: SamplingParams, budget: int) -> list[int]:
         s, model, state = self.session, self.model, self.session.state
         P = state.position
-        nx = model.numerics
         L, drafted = 0, False
         if self._plain_left > 0:
             self._plain_left -= 1
         elif budget > 1:
             drafted = True
-            t0 = time.perf_counter()
-            model.prefetch_engram(torch.tensor([anchor]), state)  # read while drafting
-            def pick(lg, positions):
-                return sample(lg, positions, params)
-            g = s.graphed
-            draft = (g.draft(anchor, params) if g is not None and g.can_draft() else
-                     model.dspark.draft(model.embed, model.head, anchor, state, nx, pick))
-            self.stats.draft_s += time.perf_counter() - t0
-            self.stats.drafts += 1
+            draft = self._draft(anchor, params)
             L = min(self._length(draft.confidence), budget - 1, state.capacity - P - 1)
             drafts = draft.tokens[:L].tolist()
             if self.override is not None:
