@@ -207,7 +207,6 @@ def test_graphed_commit_of_the_draft_windows(cuda, request, fixture):
     assert sorted(s.graphed._commits) == [1, 3]
 
 
-
 def test_graphs_hold_the_set_plans_they_read(cuda, exl3_dir):
     """A graph keeps the EXL3 ragged-set plans its kernels read by address (strata.captures):
     the plan cache emptied halfway through a graphed DSpark run — and the freed memory handed
