@@ -138,12 +138,10 @@ class DSparkDecoder:
         return choose_length(confidence.tolist(), self.costs, self.draft_cost)
 
     def _low_acceptance(self) -> bool:
-        c = self.config
-        recent = self._recent[-c.low_windows:]
-        if len(recent) < c.low_windows:
-            return False
-        drafted = sum(d for d, _ in recent)
-        return drafted > 0 and sum(a for _, a in recent) / drafted < c.low_acceptance
+        """Whether the recent windows (the last low_windows) accepted too few drafts."""
+        drafted = sum(d for d, _ in self._recent)
+        accepted = sum(a for _, a in self._recent)
+        return drafted > 0 and accepted / drafted < self.config.low_acceptance
 
     def step(self, anchor: int, params: SamplingParams, budget: int) -> list[int]:
         """Advance from `anchor` (at state.position); return the tokens that follow it, the
@@ -153,9 +151,10 @@ class DSparkDecoder:
         return out
 
     def _launch_draft(self, anchor: int, params: SamplingParams) -> Draft:
+        # (the anchor's Engram rows, which its window needs, are prefetched by
+        # Session.generate as it hands the anchor over)
         s, model, state = self.session, self.model, self.session.state
         t0 = time.perf_counter()
-        model.prefetch_engram(torch.tensor([anchor]), state)  # read while drafting
 
         def pick(lg, positions):
             return sample(lg, positions, params)
