@@ -14,6 +14,7 @@ must do the same.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 
@@ -38,3 +39,21 @@ def upload(t: torch.Tensor, device: torch.device,
         t = t.pin_memory()
         return t.to(device, non_blocking=True) if out is None else out.copy_(t, non_blocking=True)
     return t.to(device) if out is None else out.copy_(t)
+
+
+def download(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A tensor's copy to the host, queued now behind the work its value waits for; returns
+    a call that waits for that copy alone (not for work queued after it) and gives the host
+    tensor — so the GPU goes on with the next launches while the host waits to read it. A
+    host tensor is given as it is."""
+    if t.device.type != "cuda":
+        return lambda: t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(t.device))
+
+    def wait() -> torch.Tensor:
+        copied.synchronize()
+        return host
+    return wait

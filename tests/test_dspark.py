@@ -147,6 +147,37 @@ def test_plain_runs_grow_while_the_drafts_keep_failing(tiny_reference):
         SpecConfig(plain_backoff=16, max_plain_backoff=8)
 
 
+def test_after_a_plain_run_a_short_probe_judges_the_drafts(tiny_reference):
+    """The first slump is judged over low_windows windows, each later one over the
+    probe_windows windows after the plain run — a failed window costs several plain steps —
+    and a probe that pays keeps drafting until low_windows windows judge again."""
+    prompt = random_tokens(20, seed=13)
+    want = plain_tokens(tiny_reference, prompt, 80, GREEDY)
+    good = oracle(want, 20)
+
+    def wrong(P, drafts):
+        return [(t + 1) % 300 + 3 for t in good(P, drafts)]
+    cfg = SpecConfig(length=3, low_acceptance=0.5, low_windows=4, probe_windows=1,
+                     plain_backoff=2, max_plain_backoff=8)
+    s = Session(tiny_reference, 256, speculative=cfg, draft_override=wrong)
+    assert s.run(prompt, 80, GREEDY, stop_ids=frozenset()).tokens == want
+    st = s.stats
+    assert st.backoffs[:4] == [2, 4, 8, 8] and st.accepted == 0
+    # 4 windows before the first run, then 1 after each (the last one's maybe not yet run)
+    assert st.windows - (4 + len(st.backoffs) - 1) in (0, 1)
+    assert st.plain_steps + st.windows == 79
+
+    def right_after(P, drafts):  # wrong for the first 10 positions, then right
+        return good(P, drafts) if P - 20 >= 10 else wrong(P, drafts)
+    s = Session(tiny_reference, 256, speculative=cfg, draft_override=right_after)
+    assert s.run(prompt, 80, GREEDY, stop_ids=frozenset()).tokens == want
+    # windows at 0 … 3 fail, 2 plain steps, the probe at 6 fails, 4 plain, the probe at 11
+    # pays: drafting from then on
+    assert s.stats.backoffs == [2, 4] and s.stats.accepted > 40
+    with pytest.raises(StrataError, match="probe_windows 0"):
+        SpecConfig(probe_windows=0)
+
+
 def test_choose_length():
     costs = [1.0, 1.05, 1.1, 1.15, 1.2, 1.25]  # seconds for 1..6 rows
     assert choose_length(torch.tensor([0.9] * 5), costs, 0.1) == 5
@@ -181,11 +212,11 @@ def test_window_prices_measured_and_followed(tiny_reference, graphs):
     dear = stats([1.0] + [1e3] * block)
     assert dear.windows == 0 and dear.plain_steps == 11 and dear.drafts == 10
     # drafts not worth verifying count as rejected: after low_windows of them, plain steps
-    # without drafts for plain_backoff steps
+    # without drafts for plain_backoff steps, then a probe of probe_windows drafts
     s = Session(m, 64, speculative=SpecConfig(low_windows=3, plain_backoff=4),
                 costs=([1.0] + [1e3] * block, 0.0), graphs=graphs)
     assert s.run(prompt, 12, GREEDY, stop_ids=frozenset()).tokens == want
-    assert s.stats.plain_steps == 11 and s.stats.drafts == 3 + 3
+    assert s.stats.plain_steps == 11 and s.stats.drafts == 3 + 2 and s.stats.backoffs == [4, 8]
     one = stats([1.0, 1.0] + [1e3] * (block - 1))
     assert one.windows > 0 and one.drafted == one.windows
     cheap = stats([1.0] * (block + 1))

@@ -45,7 +45,8 @@ class DSparkStage(Block):
         kv = attn.kv_rows(kv, ctx)  # the block rows' own keys, in stored form
         ring = state.dspark[self.index]
         # The anchor's position P (on the device: a graph replays this at any position); the
-        # window is the W positions before it.
+        # window is the W positions before it — rows at P or later, a verify window's rows
+        # past its accepted drafts (committed with the rest), are not read.
         P = ctx.positions[:1]
         valid = (ring.tags >= 0) & (ring.tags < P) & (ring.tags >= P - cfg.sliding_window)
         # The rows in the dtype holding both exactly (16-bit when both are: the products are
@@ -89,7 +90,8 @@ class DSparkHead:
 
     def commit_context(self, main_hidden: torch.Tensor, start: int, state: State,
                        nx: Numerics) -> None:
-        """Write the stage windows for committed main rows at positions start.. ."""
+        """Write the stage windows for main rows at positions start.. (committed ones, or a
+        verify window's every row: DSparkDecoder._step); never journaled."""
         with scope("draft"), made_current(main_hidden.device):
             positions = torch.arange(start, start + main_hidden.shape[0],
                                      device=main_hidden.device)

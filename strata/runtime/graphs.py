@@ -419,11 +419,11 @@ class GraphedForward:
     def commit_context(self, ctx: ForwardContext, rows: int, start: int) -> None:
         """DSparkHead.commit_context of the first `rows` rows of a decode-time forward's taps
         (`ctx`) at positions start.., replayed from a graph per row count (at most a verify
-        window's: eager, ~25 launches the GPU idled through after every window); more rows,
-        or with a journal open, run eagerly."""
+        window's: eager, ~25 launches the GPU idled through after every window); more rows
+        run eagerly. Its ring writes are never journaled, so a verify window's commit replays
+        before the window's rollback too."""
         model, state = self.model, self.state
-        if (rows > model.cfg.dspark_block_size + 1 or state.journal is not None
-                or not self.backend.supports(model.device)):
+        if rows > model.cfg.dspark_block_size + 1 or not self.backend.supports(model.device):
             model.dspark.commit_context(model.dspark.main_hidden(ctx)[:rows], start, state,
                                         model.numerics)
             return

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from strata.current_device import download
 from strata.errors import StrataError
 from strata.model.dspark import Draft
 from strata.runtime.sampling import SamplingParams, sample
@@ -50,14 +51,18 @@ class SpecConfig:
     low_windows: int = 8             # ... over this many windows switches to plain decoding
     plain_backoff: int = 16          # plain steps before drafting again, doubled each time
     max_plain_backoff: int = 1024    # the drafts are still not accepted, up to this
+    probe_windows: int = 2           # windows after a plain run that judge the drafts again
+                                     # (at most low_windows)
 
     def __post_init__(self) -> None:
         if self.length is not None and self.length < 0:
             raise StrataError(f"speculative length {self.length} must be ≥ 0")
-        if self.low_windows < 1 or not 0 <= self.plain_backoff <= self.max_plain_backoff:
-            raise StrataError(f"speculative fallback: low_windows {self.low_windows} must be "
-                              f"≥ 1 and 0 ≤ plain_backoff {self.plain_backoff} ≤ "
-                              f"max_plain_backoff {self.max_plain_backoff}")
+        if (self.low_windows < 1 or self.probe_windows < 1
+                or not 0 <= self.plain_backoff <= self.max_plain_backoff):
+            raise StrataError(f"speculative fallback: low_windows {self.low_windows} and "
+                              f"probe_windows {self.probe_windows} must be ≥ 1 and 0 ≤ "
+                              f"plain_backoff {self.plain_backoff} ≤ max_plain_backoff "
+                              f"{self.max_plain_backoff}")
 
 
 @dataclass
@@ -117,6 +122,7 @@ class DSparkDecoder:
         self._recent: list[tuple[int, int]] = []  # (drafted, accepted) of recent windows
         self._plain_left = 0
         self._backoff = config.plain_backoff  # the next plain run's length
+        self._probing = False  # after a plain run, until probe_windows windows pay
         # (anchor, position, sampler, draft) launched ahead for the next step (_draft_ahead)
         self._ahead: tuple[int, int, SamplingParams, Draft] | None = None
 
@@ -220,13 +226,18 @@ class DSparkDecoder:
         except BaseException:
             state.rollback()
             raise
-        picks = sample(logits, torch.arange(P + 1, P + L + 2, device=logits.device), params)
-        picks = picks.tolist()
+        picks = download(sample(logits, torch.arange(P + 1, P + L + 2, device=logits.device),
+                                params))
+        # Every row's draft windows, launched before the host reads the picks (the GPU
+        # commits while the host waits for them): the rows past the accepted ones lie at
+        # positions from the next anchor's on, which a draft does not read (DSparkHead: tags
+        # below its position), until the commit of those positions rewrites them.
+        s.commit_context(ctx, L + 1, P)
+        picks = picks().tolist()
         n = 0
         while n < L and drafts[n] == picks[n]:
             n += 1
         state.rollback(to=P + n + 1)
-        s.commit_context(ctx, n + 1, P)
         self.stats.verify_s += time.perf_counter() - t0
         self.stats.windows += 1
         self.stats.committed.append(n + 1)
@@ -236,20 +247,26 @@ class DSparkDecoder:
         return drafts[:n] + [picks[n]]
 
     def _note_window(self, drafted: int, accepted: int) -> None:
-        """After low_windows windows of low acceptance, plain steps: a run twice as long as
-        the last while the drafts keep failing (a draft that never pays costs a probe of
-        low_windows windows every max_plain_backoff steps, not every plain_backoff), back to
+        """After low_windows windows of low acceptance, plain steps; after them the first
+        probe_windows windows judge the drafts again (a failed window costs ~3 plain steps:
+        a probe as long as the first judgement would cost more than the run saved). While
+        the drafts keep failing each run is twice as long as the last (a draft that never
+        pays costs a probe every max_plain_backoff steps, not every plain_backoff), back to
         plain_backoff once low_windows windows pay again."""
         c = self.config
         self._recent.append((drafted, accepted))
         del self._recent[:-c.low_windows]
-        if len(self._recent) < c.low_windows:
+        need = min(c.probe_windows, c.low_windows) if self._probing else c.low_windows
+        if len(self._recent) < need:
             return
         if self._low_acceptance():
             self._plain_left = self._backoff
             self.stats.backoffs.append(self._backoff)
             self._backoff = min(2 * self._backoff, c.max_plain_backoff)
             self._recent.clear()
+            self._probing = True
+        elif self._probing:  # the drafts pay again: judged over low_windows windows from now
+            self._probing = False
         else:
             self._backoff = c.plain_backoff
 

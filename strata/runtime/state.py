@@ -301,8 +301,9 @@ class State:
                              f"[{j.start}, {end}]")
         # The undo is a Triton launch (kernels/ring.py), which goes to the current device: a
         # state on another GPU than the current one must make its own current (current_device.py).
-        with made_current(self.device):
-            undo_writes(list(reversed(j.writes)), to)
+        if to < end:  # (every row kept: nothing to undo)
+            with made_current(self.device):
+                undo_writes(list(reversed(j.writes)), to)
         if to == j.start:
             self.stale_index_source = j.stale_index_source
         self.position = to
