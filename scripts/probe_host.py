@@ -10,7 +10,8 @@ host work leaves: wall − GPU span, and a hash of the session's tokens (variant
 MODE=oracle+graphs (any DSpark mode of probe_session): a step is a verify window with its
 draft and commit — three graph chains and eager work between them; its GPU span is then the
 sum of the chains' spans (the eager kernels between them — sampling, rollback — count as
-idle, so the idle is an upper bound).
+idle, so the idle is an upper bound), and the GPU's gap before each chain (from the end of
+the one before), by the pair (draft, picks, window, commit).
 With PROFILE=1, then cProfile's table of STEPS more steps (the host's time by function).
 One-off diagnostic (GPU): source scripts/device_env.sh && [MODE=…] python scripts/probe_host.py
 [STEPS]"""
@@ -61,7 +62,7 @@ def chain_replay(self):
         g.replay()
         rec.setdefault(f"launch part {i}", []).append((time.perf_counter() - t) * 1e6)
     end.record()
-    events.append((len(walls), start, end))  # (the step it belongs to)
+    events.append((len(walls), start, end, self))  # (the step it belongs to)
 
 
 graphs.Chain.replay = chain_replay
@@ -72,7 +73,7 @@ for _ in range(steps):
     walls.append((time.perf_counter() - t) * 1e6)
 torch.cuda.synchronize()
 per_step = [0.0] * steps
-for i, a, b in events:
+for i, a, b, _ in events:
     if i < steps:
         per_step[i] += a.elapsed_time(b) * 1e3
 spans = per_step
@@ -83,6 +84,22 @@ print(f"steps {steps}: wall {med(walls):.1f} µs, GPU span (first launch → las
       f"sha256 {hashlib.sha256(tokens).hexdigest()[:12]}")
 for name, v in rec.items():
     print(f"  {name:16s} {med(v):8.1f} µs host (n={len(v)})")
+if s.speculative is not None:  # a window's chains: the GPU's gap before each, by what ran before
+    def kind(chain) -> str:
+        g = s.graphed
+        if g._draft is not None and chain is g._draft[1]:
+            return "draft"
+        if any(chain is p.graph for p in g._markov.values()):
+            return "picks"
+        if any(chain is r.graph for r in g._commits.values()):
+            return "commit"
+        return "window"
+    gaps: dict[str, list[float]] = {}
+    for (i, _, b, c0), (_, a, _, c1) in zip(events, events[1:]):
+        if i < steps:
+            gaps.setdefault(f"{kind(c0)} → {kind(c1)}", []).append(b.elapsed_time(a) * 1e3)
+    for name, v in gaps.items():
+        print(f"  gap {name:18s} {med(v):8.1f} µs GPU (n={len(v)})")
 if os.environ.get("PROFILE"):  # the host's own time by function, over more steps
     prof = cProfile.Profile()
     prof.enable()
@@ -90,7 +107,9 @@ if os.environ.get("PROFILE"):  # the host's own time by function, over more step
         one_step()
     prof.disable()
     torch.cuda.synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+    st = pstats.Stats(prof)
+    st.sort_stats("tottime").print_stats(30)
+    st.sort_stats("cumulative").print_stats(45)
 launch = sum(med(v) for k, v in rec.items() if k.startswith("launch"))
 print(f"  all launches     {launch:8.1f} µs host; host outside prepare and launches "
       f"{med(walls) - launch - med(rec['prepare']):.1f} µs (incl. waiting for the GPU)")
