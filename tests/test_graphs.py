@@ -7,6 +7,7 @@ does to them. The real capture and replay are GPU tests (tests/gpu/test_cuda_gra
 from __future__ import annotations
 
 import gc
+import itertools
 
 import torch
 
@@ -408,9 +409,9 @@ def test_each_draft_is_launched_before_the_tokens_before_it_are_handed_over(tiny
     launched = []
     real = speculative.DSparkDecoder._launch_draft
 
-    def spy(self, anchor, params):
+    def spy(self, anchor, params, position=None):
         launched.append(anchor)
-        return real(self, anchor, params)
+        return real(self, anchor, params, position)
     monkeypatch.setattr(speculative.DSparkDecoder, "_launch_draft", spy)
     for ahead in (True, False):
         monkeypatch.setattr(speculative, "DRAFT_AHEAD", ahead)
@@ -426,3 +427,62 @@ def test_each_draft_is_launched_before_the_tokens_before_it_are_handed_over(tiny
         assert got == want and s.stats.accepted == s.stats.drafted
         k = range(1, len(at_anchors) + 1)
         assert at_anchors == [i + 1 if ahead else i for i in k], ahead
+
+
+def test_the_next_draft_launches_behind_a_window_before_its_picks_are_read(tiny_dir,
+                                                                           monkeypatch):
+    """A graphed window launches the next step's draft right behind its commit, before the
+    host reads the window's picks (DSparkDecoder._draft_behind): its anchor and position
+    computed on the device from the window's tokens and picks. Whatever the window accepted
+    (0 to all of its drafts, at a seeded sampler's positions), the draft the next window uses
+    equals DSparkHead.draft's from that anchor on that state, and the tokens are plain
+    decoding's."""
+    from strata.runtime import speculative
+    from strata.runtime.sampling import sample
+    model = Model.load(tiny_dir, "cpu", Numerics("vendor"))
+    prompt = random_tokens(40, seed=9)
+    params = SamplingParams(0.8, 0.9, seed=5)
+    want = Session(model, 200).run(prompt, 30, params, mode="plain").tokens
+    vocab = model.cfg.vocab_size
+
+    wrong_at = itertools.cycle(range(4))
+
+    def varied(P, drafts):  # a window's draft at index 0, 1, 2, 3 (none), … wrong
+        i, k = P - len(prompt), next(wrong_at)
+        out = list(want[i + 1:i + 1 + len(drafts)])
+        if k < len(out):
+            out[k] = (out[k] + 1) % vocab
+        return out
+    events = []
+    launch, download, used = (speculative.DSparkDecoder._launch_draft, speculative.download,
+                              speculative.DSparkDecoder._draft)
+
+    def spy_launch(self, anchor, params, position=None):
+        events.append("draft" if position is None else "draft behind")
+        return launch(self, anchor, params, position)
+
+    def spy_download(t):
+        wait = download(t)
+
+        def read():
+            events.append("read")
+            return wait()
+        return read
+
+    def checked(self, anchor, params):
+        d = used(self, anchor, params)
+        ref = model.dspark.draft(model.embed, model.head, anchor, self.session.state,
+                                 model.numerics, lambda lg, pos: sample(lg, pos, params))
+        assert torch.equal(d.tokens, ref.tokens) and torch.equal(d.confidence, ref.confidence)
+        return d
+    monkeypatch.setattr(speculative.DSparkDecoder, "_launch_draft", spy_launch)
+    monkeypatch.setattr(speculative, "download", spy_download)
+    monkeypatch.setattr(speculative.DSparkDecoder, "_draft", checked)
+    s = Session(model, 200, speculative=SpecConfig(length=3, low_windows=10 ** 6),
+                draft_override=varied)
+    _graphed(model, s)
+    assert s.run(prompt, 30, params, mode="dspark").tokens == want
+    assert set(s.stats.committed) == {1, 2, 3, 4}
+    behind = [i for i, e in enumerate(events) if e == "draft behind"]
+    assert len(behind) >= s.stats.windows - 2  # (not where a window may end the budget)
+    assert all(events[i + 1] == "read" for i in behind)

@@ -207,12 +207,20 @@ class DraftRegion:
         self.tokens = torch.full((g,), cfg.dspark_noise_token_id, dtype=torch.long, device=dev)
         self.ctx = ForwardContext(cfg, model.numerics, 0, torch.zeros(g, dtype=torch.long,
                                                                      device=dev))
+        self.offsets = torch.arange(g, device=dev)
         # the stream between the pieces, then the rows and base logits: kept here, with
         # the graphs (their memory in the graphs' pool stays theirs)
         self.h = self.pre = self.x = self.base = None
 
-    def prepare(self, anchor: int, P: int) -> None:
+    def prepare(self, anchor: int | torch.Tensor, P: int | torch.Tensor) -> None:
+        """The block's anchor and positions: host ints, or tensors [1] on the device (copied
+        on the stream; the context's host `start` then keeps its last value: no op reads
+        it)."""
         g = self.tokens.numel()
+        if isinstance(anchor, torch.Tensor):
+            self.tokens[:1].copy_(anchor)
+            torch.add(self.offsets, P, out=self.ctx.positions)
+            return
         self.tokens[0] = anchor  # (a fill with a scalar: no host upload)
         upload(torch.arange(P, P + g), self.tokens.device, out=self.ctx.positions)  # (one copy)
         self.ctx.start = P  # (host bookkeeping only: no op reads it)
@@ -382,14 +390,17 @@ class GraphedForward:
                 and getattr(m, "draft_expert_cache", None) is None)
 
     @torch.no_grad()
-    def draft(self, anchor: int, params: SamplingParams) -> Draft:
-        """DSparkHead.draft with the sampler of `params`, replayed from graphs: the stages
+    def draft(self, anchor: int | torch.Tensor, params: SamplingParams,
+              position: torch.Tensor | None = None) -> Draft:
+        """DSparkHead.draft with the sampler of `params`, replayed from graphs — at the
+        state's position, or from an anchor and `position` on the device ([1] each: a
+        verify window's next, before the host has read them): the stages
         and the head (one capture for the session: the block's size is fixed and its ops do
         not depend on the position), then the Markov picks (a capture per sampler's
         temperature and top-p — any seed; one for every greedy request — the last
         MARKOV_GRAPHS kept). The draft's tensors are valid until the next call."""
         model, state = self.model, self.state
-        P = state.position
+        P = state.position if position is None else position
         with made_current(model.device):
             if self._draft is None:
                 region = DraftRegion(model, state)

@@ -123,7 +123,8 @@ class DSparkDecoder:
         self._plain_left = 0
         self._backoff = config.plain_backoff  # the next plain run's length
         self._probing = False  # after a plain run, until probe_windows windows pay
-        # (anchor, position, sampler, draft) launched ahead for the next step (_draft_ahead)
+        # (anchor, position, sampler, draft) launched ahead for the next step (_draft_ahead,
+        # _draft_behind)
         self._ahead: tuple[int, int, SamplingParams, Draft] | None = None
 
     def plain_run(self) -> int:
@@ -156,7 +157,10 @@ class DSparkDecoder:
         self._draft_ahead(out[-1], params, budget - len(out))
         return out
 
-    def _launch_draft(self, anchor: int, params: SamplingParams) -> Draft:
+    def _launch_draft(self, anchor: int | torch.Tensor, params: SamplingParams,
+                      position: torch.Tensor | None = None) -> Draft:
+        """The draft from `anchor` at the state's position — or, graphed, from an anchor
+        and `position` on the device ([1] each: `_draft_behind`)."""
         # (the anchor's Engram rows, which its window needs, are prefetched by
         # Session.generate as it hands the anchor over)
         s, model, state = self.session, self.model, self.session.state
@@ -165,7 +169,7 @@ class DSparkDecoder:
         def pick(lg, positions):
             return sample(lg, positions, params)
         g = s.graphed
-        draft = (g.draft(anchor, params) if g is not None and g.can_draft() else
+        draft = (g.draft(anchor, params, position) if g is not None and g.can_draft() else
                  model.dspark.draft(model.embed, model.head, anchor, state, model.numerics,
                                     pick))
         self.stats.draft_s += time.perf_counter() - t0
@@ -187,12 +191,30 @@ class DSparkDecoder:
         graphed draft only (an eager one is host work: it would only delay the tokens); not
         when the next step runs plain (the fallback's run, no budget left to draft for). The
         draft reads the state and writes nothing to it, so one the caller never uses (it
-        stops) changes nothing."""
+        stops) changes nothing. After a verify window `_draft_behind` has launched it
+        already."""
+        g, P = self.session.graphed, self.session.state.position
+        if self._plain_left > 0 or budget <= 1:
+            self._ahead = None  # (one launched behind a window the fallback follows)
+        elif self._ahead is not None and self._ahead[:2] == (anchor, P):
+            return
+        elif DRAFT_AHEAD and g is not None and g.can_draft():
+            self._ahead = (anchor, P, params, self._launch_draft(anchor, params))
+
+    def _draft_behind(self, window: torch.Tensor, picks: torch.Tensor, P: int,
+                      params: SamplingParams, budget: int) -> Draft | None:
+        """The next step's draft, launched behind a verify window at P (its tokens
+        `window` [L+1] and the target's `picks` [L+1], on the device) before the host reads
+        the picks: its anchor — the pick after the accepted drafts — and position computed
+        on the GPU, so the GPU goes from the window's commit to the draft while the host
+        waits for the picks and then handles the window's tokens. Graphed drafts only; not
+        where the window may use up the budget."""
         g = self.session.graphed
-        if (DRAFT_AHEAD and self._plain_left == 0 and budget > 1 and g is not None
-                and g.can_draft()):
-            self._ahead = (anchor, self.session.state.position, params,
-                           self._launch_draft(anchor, params))
+        L = window.numel() - 1
+        if not (DRAFT_AHEAD and budget - (L + 1) > 1 and g is not None and g.can_draft()):
+            return None
+        accepted = (window[1:] == picks[:L]).long().cumprod(0).sum().view(1)
+        return self._launch_draft(picks.gather(0, accepted), params, accepted + (P + 1))
 
     def _step(self, anchor: int, params: SamplingParams, budget: int) -> list[int]:
         s, model, state = self.session, self.model, self.session.state
@@ -226,18 +248,21 @@ class DSparkDecoder:
         except BaseException:
             state.rollback()
             raise
-        picks = download(sample(logits, torch.arange(P + 1, P + L + 2, device=logits.device),
-                                params))
+        picks_dev = sample(logits, torch.arange(P + 1, P + L + 2, device=logits.device), params)
+        read_picks = download(picks_dev)
         # Every row's draft windows, launched before the host reads the picks (the GPU
         # commits while the host waits for them): the rows past the accepted ones lie at
         # positions from the next anchor's on, which a draft does not read (DSparkHead: tags
         # below its position), until the commit of those positions rewrites them.
         s.commit_context(ctx, L + 1, P)
-        picks = picks().tolist()
+        behind = self._draft_behind(ctx.device_tokens, picks_dev, P, params, budget)
+        picks = read_picks().tolist()
         n = 0
         while n < L and drafts[n] == picks[n]:
             n += 1
         state.rollback(to=P + n + 1)
+        if behind is not None:
+            self._ahead = (picks[n], P + n + 1, params, behind)
         self.stats.verify_s += time.perf_counter() - t0
         self.stats.windows += 1
         self.stats.committed.append(n + 1)
