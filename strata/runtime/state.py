@@ -301,7 +301,9 @@ class State:
                              f"[{j.start}, {end}]")
         # The undo is a Triton launch (kernels/ring.py), which goes to the current device: a
         # state on another GPU than the current one must make its own current (current_device.py).
-        if to < end:  # (every row kept: nothing to undo)
+        # (nothing to undo where every journaled row lies before `to` — a window whose drafts
+        # were all accepted; a forward that failed midway wrote rows past `end`)
+        if any(w.kept_from + w.slots.numel() > to for w in j.writes):
             with made_current(self.device):
                 undo_writes(list(reversed(j.writes)), to)
         if to == j.start:

@@ -1,0 +1,47 @@
+"""GPU memory a decode state's CUDA graphs hold — what a state retained for prefix reuse keeps
+beyond its caches (runtime/prefix_cache counts only the caches: state_nbytes). The synthetic
+V4.1 as scripts/probe_session.py (20 layers, a 512-token prompt); for each mode, a fresh
+session decodes 64 tokens (plain steps; oracle: verify windows, drafts and commits), then
+prints the device memory allocated beyond the model's before and after State.drop_graphs(),
+and the caches' own bytes. One-off diagnostic (GPU): source scripts/device_env.sh && python
+scripts/probe_graph_memory.py"""
+import gc
+
+import torch
+
+from strata.bench.decode import _run_once, make_session
+from strata.bench.synthetic import build_synthetic, parse_layers
+from strata.config import v41_flash_config
+from strata.runtime.prefix_cache import state_nbytes
+from strata.runtime.sampling import SamplingParams
+
+cfg = v41_flash_config()
+model, _ = build_synthetic(cfg, "cuda:0", layers=parse_layers("0-9,20-29", cfg.n_layers))
+prompt = torch.randint(3, 100_000, (512,), generator=torch.Generator().manual_seed(0)).tolist()
+N = 64
+reference = _run_once(model, prompt, N, "plain", None, None, None)[0]
+
+
+def settled() -> int:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated()
+
+
+MB = 2 ** 20
+for mode in ("plain+graphs", "oracle+graphs", "oracle:p0.69@3+graphs"):
+    base = settled()
+    s = make_session(model, prompt, N, mode, reference)
+    gen_mode = "plain" if mode.startswith("plain") else "dspark"
+    out = list(s.generate(prompt, N, SamplingParams(), stop_ids=frozenset(), mode=gen_mode))
+    assert out == reference, mode
+    held = settled() - base
+    caches = state_nbytes(s.state)
+    captures = s.graphed.captures
+    s.state.drop_graphs()
+    without = settled() - base
+    print(f"{mode}: {captures} captures; allocated beyond the model {held / MB:.1f} MiB with "
+          f"the graphs, {without / MB:.1f} MiB without (the graphs' {(held - without) / MB:.1f} "
+          f"MiB); the caches' own bytes {caches / MB:.1f} MiB", flush=True)
+    del s
