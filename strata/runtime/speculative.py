@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from strata.current_device import download
+from strata.current_device import download, made_current
 from strata.errors import StrataError
 from strata.model.dspark import Draft
 from strata.runtime.sampling import SamplingParams, sample
@@ -213,8 +213,10 @@ class DSparkDecoder:
         L = window.numel() - 1
         if not (DRAFT_AHEAD and budget - (L + 1) > 1 and g is not None and g.can_draft()):
             return None
-        accepted = (window[1:] == picks[:L]).long().cumprod(0).sum().view(1)
-        return self._launch_draft(picks.gather(0, accepted), params, accepted + (P + 1))
+        with made_current(picks.device):  # (a tensor and a Python scalar: current_device.py)
+            accepted = (window[1:] == picks[:L]).long().cumprod(0).sum().view(1)
+            anchor, position = picks.gather(0, accepted), accepted + (P + 1)
+        return self._launch_draft(anchor, params, position)
 
     def _step(self, anchor: int, params: SamplingParams, budget: int) -> list[int]:
         s, model, state = self.session, self.model, self.session.state
