@@ -349,3 +349,32 @@ def test_markov_picks_follow_the_definition(tiny_model, params):
         prev = int(sample(logits[None], torch.tensor([P + 1 + i]), params)[0])
         assert int(d.tokens[i]) == prev
     assert d.tokens.dtype == torch.long and d.tokens.shape == (base.shape[0],)
+
+
+def test_a_window_failing_after_its_forward_leaves_the_state_as_it_was(tiny_model,
+                                                                        monkeypatch):
+    """A verify window that fails after its forward (its commit of the draft windows raises
+    halfway: some rows written) rolls back: the state at the window's start, no snapshot left
+    open, every readable cache as before; the session then goes on to plain decoding's
+    tokens."""
+    prompt = random_tokens(30, seed=21)
+    want = plain_tokens(tiny_model, prompt, 16, GREEDY)
+    s = Session(tiny_model, 256, speculative=SpecConfig(length=3, low_windows=10 ** 6),
+                draft_override=oracle(want, len(prompt)))
+    gen = s.generate(prompt, 16, GREEDY, stop_ids=frozenset())
+    got = [next(gen)]
+    before, position = s.state.live_tensors(), s.state.position
+    real = Session.commit_context
+
+    def failing(self, ctx, rows, start):
+        real(self, ctx, 1, start)  # (one row written, then the failure)
+        raise RuntimeError("commit failed")
+    monkeypatch.setattr(Session, "commit_context", failing)
+    with pytest.raises(RuntimeError, match="commit failed"):
+        next(gen)
+    assert s.state.position == position and s.state.journal is None
+    after = s.state.live_tensors()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    monkeypatch.setattr(Session, "commit_context", real)
+    assert s.run(want[:1], 15, GREEDY, stop_ids=frozenset()).tokens == want[1:]

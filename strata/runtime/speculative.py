@@ -245,20 +245,21 @@ class DSparkDecoder:
         window = torch.tensor([anchor] + drafts)
         model.prefetch_engram(window, state)  # the drafts' rows, as soon as they are known
         state.begin()
-        try:
+        try:  # (a failure anywhere before the rollback below leaves the state at P)
             logits, ctx = s.forward(window, "all")
+            picks_dev = sample(logits, torch.arange(P + 1, P + L + 2, device=logits.device),
+                               params)
+            read_picks = download(picks_dev)
+            # Every row's draft windows, launched before the host reads the picks (the GPU
+            # commits while the host waits for them): the rows past the accepted ones lie at
+            # positions from the next anchor's on, which a draft does not read (DSparkHead:
+            # tags below its position), until the commit of those positions rewrites them.
+            s.commit_context(ctx, L + 1, P)
+            behind = self._draft_behind(ctx.device_tokens, picks_dev, P, params, budget)
+            picks = read_picks().tolist()
         except BaseException:
             state.rollback()
             raise
-        picks_dev = sample(logits, torch.arange(P + 1, P + L + 2, device=logits.device), params)
-        read_picks = download(picks_dev)
-        # Every row's draft windows, launched before the host reads the picks (the GPU
-        # commits while the host waits for them): the rows past the accepted ones lie at
-        # positions from the next anchor's on, which a draft does not read (DSparkHead: tags
-        # below its position), until the commit of those positions rewrites them.
-        s.commit_context(ctx, L + 1, P)
-        behind = self._draft_behind(ctx.device_tokens, picks_dev, P, params, budget)
-        picks = read_picks().tolist()
         n = 0
         while n < L and drafts[n] == picks[n]:
             n += 1
