@@ -364,10 +364,10 @@ def test_sessions_prefetch_every_row_before_it_is_needed(tiny_dir, tiny_referenc
 
 @pytest.mark.parametrize("layout", ["packed", "official"])
 def test_bench_runs_small(tmp_path, layout):
-    """The benchmark end to end at a CI size: both layouts hold the same record count, and a
-    bigger cache never hits less on the same Zipf stream."""
+    """The benchmark end to end at a CI size (its file's folder made for it): both layouts
+    hold the same record count, and a bigger cache never hits less on the same Zipf stream."""
     from strata.bench.engram import format_report, run, zipf_ids
-    r = run(tmp_path / "t.bin", 300_000, layout, io_threads=2, decode_steps=20,
+    r = run(tmp_path / "new" / "t.bin", 300_000, layout, io_threads=2, decode_steps=20,
             prefill_chunks=1, prefill_tokens=8, zipf_ids_count=2400,
             cache_fractions=(0.01, 0.1, 1.0))
     assert r["rows"] == 300_000 // 264

@@ -68,6 +68,7 @@ def write_table(path: Path, n_rows: int, layout: str = "packed", dim: int = DIM,
         raise ValueError(f"layout {layout!r}: expected 'packed' or 'official'")
     if not (path.is_file() and path.stat().st_size == total):
         rng = np.random.default_rng(seed)
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as f:
             f.write(header)
