@@ -94,6 +94,42 @@ def test_folded_engram_on_disk_equals_on_device(cfg, tmp_path):
         store.close()
 
 
+def test_cold_runs_read_every_row_from_disk(cfg, tmp_path):
+    """bench_decode's before_run with the stores' drop_caches (`--engram-cache cold`): every
+    run starts with an empty row cache, so each reads its rows from the files again — warm,
+    the runs after the first find them cached. The tokens are the same either way."""
+    from strata.bench.decode import bench_decode
+    prompt = list(range(5, 17))
+    read = {}
+    for cache in ("warm", "cold"):
+        model, _ = build_synthetic(cfg, "cpu", engram_rows=5000, seed=3, engram="disk",
+                                   engram_dir=tmp_path / cache)
+        stores = list(model.engram_stores.values())
+        calls = []
+
+        def cold():
+            calls.append([store.drop_caches() for store in stores])
+        r = bench_decode(model, prompt, ["plain"], n=6, runs=2, warmup=1,
+                         before_run=cold if cache == "cold" else None)
+        read[cache] = sum(store.stats().rows_read for store in stores)
+        assert len(calls) == (3 if cache == "cold" else 0)
+        assert all("posix_fadvise" in note or "not possible" in note
+                   for notes in calls for note in notes)
+        read[cache + " tokens"] = r["plain"].tokens
+        for store in stores:
+            store.close()
+    assert read["cold tokens"] == read["warm tokens"]
+    # warm: the reference run reads the rows, the three timed runs none; cold: all four
+    assert read["cold"] >= 3 * read["warm"] > 0
+
+
+def test_cold_engram_needs_disk_tables(tiny_dir, capsys):
+    from strata.cli import main
+    assert main(["bench", "synthetic", "--config", str(tiny_dir), "--device", "cpu",
+                 "--engram-cache", "cold"]) != 0
+    assert "--engram-cache cold needs --engram disk" in capsys.readouterr().err
+
+
 def test_bench_synthetic_cli(tiny_dir, cfg, tmp_path, capsys, monkeypatch):
     import json
 

@@ -204,10 +204,11 @@ def _run_once(model, prompt: list[int], n: int, mode: str, reference: list[int] 
 
 def bench_decode(model, prompt: list[int], modes: list[str], n: int = 96, runs: int = 3,
                  warmup: int = 1, length: int | None = None,
-                 progress=None) -> dict[str, ModeResult]:
+                 progress=None, before_run=None) -> dict[str, ModeResult]:
     """Every mode's tok/s over `runs` measured runs (after `warmup`), tokens checked equal to
     plain decoding's. `progress(text)`: called with a line per mode as soon as it is measured
-    (a run cut short by a time limit keeps what it printed)."""
+    (a run cut short by a time limit keeps what it printed). `before_run()`: called before
+    each of a mode's runs, warm-ups included (e.g. to start every run with cold caches)."""
     specs = {mode: parse_mode(mode) for mode in modes}
     for mode, ms in specs.items():
         if ms.base.startswith("oracle:"):
@@ -225,6 +226,8 @@ def bench_decode(model, prompt: list[int], modes: list[str], n: int = 96, runs: 
     for mode in modes:
         speeds, last = [], None
         for i in range(warmup + runs):
+            if before_run is not None:
+                before_run()
             toks, rate, sess = _run_once(model, prompt, n, mode, reference,
                                          costs.get(specs[mode].graphs), length)
             if toks != reference:

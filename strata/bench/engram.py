@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from strata.checkpoint.safetensors_io import SafetensorsFile
-from strata.engram_store import INDEX_BYTES_PER_ROW, EngramStore, RowSource, record_bytes
+from strata.engram_store import (INDEX_BYTES_PER_ROW, EngramStore, RowSource, drop_page_cache,
+                                  record_bytes)
 
 DIM = 256  # V4.1 engram_head_dim: 264-byte records
 TOKEN_IDS = 24  # row ids per token per table in V4.1
@@ -84,21 +85,6 @@ def write_table(path: Path, n_rows: int, layout: str = "packed", dim: int = DIM,
         return RowSource.packed(path, n_rows, dim)
     with SafetensorsFile(path) as f:  # offsets from the header, as for a real checkpoint
         return RowSource.official(f.info("t.weight"), f.info("t.scale"))
-
-
-def drop_page_cache(path: Path) -> str:
-    """Ask the kernel to drop the file's cached pages; say what was possible."""
-    if not hasattr(os, "posix_fadvise"):
-        return "not possible (no posix_fadvise on this platform)"
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # only clean pages can be dropped
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    except OSError as e:
-        return f"posix_fadvise(DONTNEED) failed: {e.strerror}"
-    finally:
-        os.close(fd)
-    return "posix_fadvise(DONTNEED) issued"
 
 
 def zipf_ids(rng: np.random.Generator, n_rows: int, count: int, s: float,

@@ -325,6 +325,9 @@ class FoldedTable:
     def stats(self):
         return self.inner.stats()
 
+    def drop_caches(self) -> str:
+        return self.inner.drop_caches()
+
     def close(self) -> None:
         if hasattr(self.inner, "close"):
             self.inner.close()
@@ -403,6 +406,10 @@ def add_arguments(p) -> None:
     p.add_argument("--engram-rows", type=int, default=1 << 20,
                    help="rows each folded Engram table keeps (same id stream, bounded size)")
     p.add_argument("--engram-dir", help="with --engram disk: where the table files go")
+    p.add_argument("--engram-cache", default="warm", choices=["warm", "cold"],
+                   help="with --engram disk: cold = every run starts with the row cache "
+                        "empty and the tables' pages dropped (each row a disk read, as at a "
+                        "fresh start); warm = runs reuse what earlier runs read")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--modes", default="plain,oracle")
@@ -635,6 +642,10 @@ def run(args) -> int:
     from strata.config import v41_flash_config
     cfg = ModelConfig.from_model_dir(Path(args.config)) if args.config else v41_flash_config()
     layers = parse_layers(args.layers, cfg.n_layers)
+    if args.engram_cache == "cold" and (args.engram != "disk" or args.parallel):
+        from strata.errors import StrataError
+        raise StrataError("--engram-cache cold needs --engram disk on one device (the tables' "
+                          "row cache and pages are what it drops)")
     from strata.kernels import exl3_mma, pdl
     if args.no_mma:  # (the environment reaches the ranks of a parallel run)
         os.environ["STRATA_EXL3_MMA"] = "0"
@@ -655,10 +666,20 @@ def run(args) -> int:
     prompt = torch.randint(3, min(cfg.vocab_size, 100_000), (args.prompt_tokens,),
                            generator=g).tolist()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    before_run = None
+    if args.engram_cache == "cold":
+        def before_run() -> None:  # (the page-cache note, printed once)
+            notes = {store.drop_caches() for store in model.engram_stores.values()}
+            if not cold_notes:
+                print(f"engram cold before each run: {'; '.join(sorted(notes))}",
+                      file=sys.stderr, flush=True)
+            cold_notes.update(notes)
+        cold_notes: set[str] = set()
     try:
         results = bench_decode(model, prompt, modes, n=args.tokens, runs=args.runs,
                                warmup=args.warmup, length=args.length,
-                               progress=lambda line: print(line, file=sys.stderr, flush=True))
+                               progress=lambda line: print(line, file=sys.stderr, flush=True),
+                               before_run=before_run)
         split = None
         if args.parallel:
             from strata.bench.decode import parallel_split
@@ -737,7 +758,9 @@ def run(args) -> int:
                 "parallel": args.parallel, "devices": args.devices,
                 "layers": layers, "format": args.fmt, "bits_per_weight": w.bits_per_weight(),
                 "stored_bytes": w.stored_bytes, "build_s": build_s,
-                "exl3_mma": exl3_mma.ENABLED, "early_launch": pdl.ENABLED}
+                "exl3_mma": exl3_mma.ENABLED, "early_launch": pdl.ENABLED,
+                "engram": args.engram, "engram_rows": args.engram_rows,
+                "engram_cache": args.engram_cache if args.engram == "disk" else None}
         Path(args.json).write_text(json.dumps(
             {"meta": meta, "results": {m: r.as_dict() for m, r in results.items()},
              "scaled_tok_per_s": scaled, "rates": rates, "roofline": roof,
