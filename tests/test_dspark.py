@@ -362,7 +362,7 @@ def test_a_window_failing_after_its_forward_leaves_the_state_as_it_was(tiny_mode
     s = Session(tiny_model, 256, speculative=SpecConfig(length=3, low_windows=10 ** 6),
                 draft_override=oracle(want, len(prompt)))
     gen = s.generate(prompt, 16, GREEDY, stop_ids=frozenset())
-    got = [next(gen)]
+    assert next(gen) == want[0]
     before, position = s.state.live_tensors(), s.state.position
     real = Session.commit_context
 

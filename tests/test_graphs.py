@@ -166,7 +166,7 @@ def test_a_replayed_commit_of_the_draft_windows_equals_the_eager_one(tiny_dir):
     assert sorted(g._commits) == [1, 3]  # (the big commit ran eagerly)
 
 
-def test_disk_engram_is_read_before_the_replay(tiny_dir, monkeypatch):
+def test_disk_engram_is_read_as_each_part_launches(tiny_dir, monkeypatch):
     """Engram tables on disk: a graphed step reads its records on the host (the store's
     cache cannot run inside a graph) into a fixed buffer the graph dequantises, each
     layer's just before the part of the step holding it is launched — the tokens of the
