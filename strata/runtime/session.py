@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.current_device import upload
+from strata.current_device import download, upload
 from strata.errors import StrataError
 from strata.model.model import Model
 from strata.runtime.graphs import GraphedForward
@@ -204,14 +204,10 @@ class Session:
         same tokens, live state and next turn as the eager loop's). `stats`: a DSpark
         generation's, counting the forwards as plain steps."""
         g, state = self.graphed, self.state
-        read = torch.empty(1, dtype=torch.long, pin_memory=state.device.type == "cuda")
-        arrived = torch.cuda.Event() if state.device.type == "cuda" else None
-        dev, tok = None, first
+        dev, read, tok = None, None, first
         for i in range(steps):
             if dev is not None:
-                read.copy_(dev, non_blocking=True)
-                if arrived is not None:  # (the copy's stream: the one of dev's device)
-                    arrived.record(torch.cuda.current_stream(dev.device))
+                read = download(dev)  # (queued before the forward that consumes it)
             P = state.position
             c, ctx = g.launch(torch.tensor([tok]) if dev is None else dev, "last")
             if self.speculative is not None:  # keep the draft windows complete
@@ -220,9 +216,7 @@ class Session:
                 stats.plain_steps += 1
             dev = self._sample_at(c.step.logits.view(1, -1), P + 1, params)
             if i:
-                if arrived is not None:
-                    arrived.synchronize()
-                tok = int(read[0])
+                tok = int(read()[0])
                 yield tok
                 if tok in stop_ids or (should_stop and should_stop()):
                     return None
