@@ -321,6 +321,52 @@ def test_a_graph_holds_what_its_capture_was_handed_to_hold(monkeypatch):
     assert kept() is graph.held[0] and gone() is None
 
 
+def test_the_draft_and_the_commit_capture_outside_the_steps_pool(tiny_dir, monkeypatch):
+    """A graph captured later in a pool may hold its results in an earlier graph's scratch,
+    which that graph's replay overwrites. The window's commit and the draft launched behind
+    it replay between a window and its rollback, which reads the window's journal: so they
+    capture into pools of their own ("commit", "draft"), the steps into "steps" — one handle
+    per name. torch.cuda.graph is replaced by a recorder of the pool it is given (no CUDA in
+    CI); the GPU test test_graphed_verify_windows runs the real pools (it faulted in the
+    rollback's restore with the draft in the steps' pool)."""
+    import contextlib
+    pools = []
+
+    class Graph:
+        pass
+
+    def graph(g, pool=None):
+        pools.append(pool)
+        return contextlib.nullcontext()
+    handles = iter(range(100))
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
+    backend = CudaGraphs()
+    for name in ("steps", "draft", "steps", "commit", "draft"):
+        backend.capture(lambda: None, state=None, pool=name)
+    assert pools == [0, 1, 0, 2, 1] and backend.pools == {"steps": 0, "draft": 1, "commit": 2}
+
+    class Recording(EagerReplay):  # the real regions and order, each capture's pool noted
+        def __init__(self):
+            super().__init__()
+            self.kinds = []
+
+        def capture(self, run, state, pool="steps"):
+            self.kinds.append((getattr(run, "__qualname__", ""), pool))
+            return super().capture(run, state, pool)
+    model = Model.load(tiny_dir, "cpu", Numerics("vendor"))
+    s = Session(model, 200, speculative=SpecConfig(length=3))
+    backend = Recording()
+    s.graphed = GraphedForward(model, s.state, backend)
+    s.run(random_tokens(30, seed=4), 12, mode="dspark")
+    by_pool = {}
+    for name, pool in backend.kinds:
+        by_pool.setdefault(pool, set()).add(name.split(".")[0])
+    assert by_pool == {"steps": {"StaticStep"}, "draft": {"DraftRegion", "MarkovPicks"},
+                       "commit": {"CommitRegion"}}, by_pool
+
+
 def _first_new(tokens: list[int], at_least: int) -> int:
     """The index (≥ at_least) of a token that does not occur before it."""
     return next(i for i in range(at_least, len(tokens)) if tokens[i] not in tokens[:i])

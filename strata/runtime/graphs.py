@@ -96,10 +96,17 @@ class Captured:
 
 
 class CudaGraphs:
-    """How a step is captured and replayed: torch's CUDA graphs, all in one memory pool."""
+    """How a step is captured and replayed: torch's CUDA graphs, in a memory pool per kind of
+    region. Graphs of one pool share memory: a capture may take the blocks an earlier one
+    freed — its scratch, which that graph writes again at every replay. So the results of a
+    graph captured later may lie in an earlier one's scratch, and are lost once it replays:
+    safe for the steps, whose results are read before the next step replays, but not across
+    kinds — a verify window's journal is read by its rollback after the window's commit and
+    the draft launched behind it have replayed (the draft's scratch overwrote a later-captured
+    window's journal: an illegal address in the rollback's restore, on the H200)."""
 
     def __init__(self) -> None:
-        self.pool = None
+        self.pools: dict[str, object] = {}
 
     def supports(self, device: torch.device) -> bool:
         return device.type == "cuda"
@@ -116,16 +123,17 @@ class CudaGraphs:
             run()
         torch.cuda.current_stream().wait_stream(side)
 
-    def capture(self, run, state: State) -> torch.cuda.CUDAGraph:
-        """Record run()'s kernels (they do not run: replay() runs them)."""
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
+    def capture(self, run, state: State, pool: str = "steps") -> torch.cuda.CUDAGraph:
+        """Record run()'s kernels (they do not run: replay() runs them) into the memory pool
+        named `pool`."""
+        if pool not in self.pools:
+            self.pools[pool] = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # The collector is off from before capture_begin to after capture_end: while it is
         # disabled, allocations still count towards the next collection, so switching it back
         # on inside the capture would collect at the first allocation (torch.cuda.graph's
         # __exit__ runs Python before capture_end).
-        with holding([]) as held, no_cyclic_gc(), torch.cuda.graph(graph, pool=self.pool):
+        with holding([]) as held, no_cyclic_gc(), torch.cuda.graph(graph, pool=self.pools[pool]):
             run()
         graph.held = held  # (what its kernels read by address from caches: strata.captures)
         return graph
@@ -163,7 +171,7 @@ class EagerReplay(CudaGraphs):
     def warm_up(self, run) -> None:
         run()
 
-    def capture(self, run, state: State) -> "_Rerun":
+    def capture(self, run, state: State, pool: str = "steps") -> "_Rerun":
         # A CUDA capture records without running; running here writes the same step's rows
         # again and journals them in the graph's own journal, as the capture records them.
         own = state.journal
@@ -416,7 +424,7 @@ class GraphedForward:
             if self._draft is None:
                 region = DraftRegion(model, state)
                 region.prepare(anchor, P)
-                self._draft = region, self._capture_region(*region.parts())
+                self._draft = region, self._capture_region("draft", *region.parts())
             else:
                 region, graph = self._draft
                 region.prepare(anchor, P)
@@ -427,7 +435,7 @@ class GraphedForward:
             if picks is None:
                 picks = MarkovPicks(region, params)
                 picks.prepare(params)
-                picks.graph = self._capture_region(picks.run)
+                picks.graph = self._capture_region("draft", picks.run)
                 while len(self._markov) >= MARKOV_GRAPHS:
                     self._markov.pop(next(iter(self._markov))).graph.reset()
             else:
@@ -454,21 +462,23 @@ class GraphedForward:
             if region is None:
                 region = self._commits[rows] = CommitRegion(model, state, rows)
                 region.prepare(ctx, start)
-                region.graph = self._capture_region(region.run)
+                region.graph = self._capture_region("commit", region.run)
             else:
                 region.prepare(ctx, start)
                 region.graph.replay()
                 self.replays += 1
 
-    def _capture_region(self, *parts) -> Chain:
+    def _capture_region(self, pool: str, *parts) -> Chain:
         """Warm up, capture and replay once a region whose inputs are in place, as a chain
-        of one graph per part (its pieces in order): its results are computed by the replay
-        (a capture records kernels without running them)."""
+        of one graph per part (its pieces in order), in the memory pool `pool` (the draft's
+        and the commit's replay between a window and its rollback: not the steps' pool,
+        CudaGraphs): its results are computed by the replay (a capture records kernels
+        without running them)."""
         self.backend.synchronize()
         t0 = time.perf_counter()
         for run in parts:
             self.backend.warm_up(run)
-        graph = Chain([self.backend.capture(run, self.state) for run in parts])
+        graph = Chain([self.backend.capture(run, self.state, pool) for run in parts])
         self.backend.synchronize()
         self.capture_s += time.perf_counter() - t0
         self.captures += 1
