@@ -318,6 +318,13 @@ class FoldedTable:
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         return self.inner.lookup(ids % self.rows)
 
+    def records(self, ids: torch.Tensor):
+        """The stored records of the rows (a graphed step dequantises them on the GPU)."""
+        return self.inner.records(ids % self.rows)
+
+    def from_records(self, raw: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        return self.inner.from_records(raw, shape)
+
     def prefetch(self, ids: torch.Tensor) -> None:
         if hasattr(self.inner, "prefetch"):
             self.inner.prefetch(ids % self.rows)
