@@ -13,12 +13,10 @@ import torch
 
 from strata.model.model import Model
 from strata.model.numerics import Numerics
-from strata.runtime import graphs
 from strata.runtime.graphs import CudaGraphs, EagerReplay, GraphedForward, no_cyclic_gc
 from strata.runtime.sampling import SamplingParams
 from strata.runtime.session import Session
 from strata.runtime.speculative import SpecConfig
-from strata.runtime.static_step import StaticStep
 from util import continuation_drafts, random_tokens, stops_alike, windows_roll_back_alike
 
 
@@ -116,6 +114,7 @@ def test_a_replayed_draft_equals_the_eager_one(tiny_dir, monkeypatch):
     capture per temperature and top-p, replayed at later positions: the same drafts, logits
     and confidences as DSparkHead.draft with that sampler — greedy requests share a capture,
     a sampler's capture replays any seed, and the oldest beyond MARKOV_GRAPHS is dropped."""
+    from strata.runtime import graphs
     from strata.runtime.sampling import SamplingParams, sample
     model = Model.load(tiny_dir, "cpu", Numerics("vendor"))
     s = Session(model, 96, speculative=SpecConfig())
@@ -166,11 +165,10 @@ def test_a_replayed_commit_of_the_draft_windows_equals_the_eager_one(tiny_dir):
     assert sorted(g._commits) == [1, 3]  # (the big commit ran eagerly)
 
 
-def test_disk_engram_is_read_as_each_part_launches(tiny_dir, monkeypatch):
-    """Engram tables on disk: a graphed step reads its records on the host (the store's
-    cache cannot run inside a graph) into a fixed buffer the graph dequantises, each
-    layer's just before the part of the step holding it is launched — the tokens of the
-    in-memory model, the rows counted as read."""
+def test_disk_engram_is_read_before_the_replay(tiny_dir):
+    """Engram tables on disk: a graphed step reads its records on the host before the
+    replay (the store's cache cannot run inside a graph) into a fixed buffer the graph
+    dequantises — the tokens of the in-memory model, the rows counted as read."""
     mem = Model.load(tiny_dir, "cpu", Numerics("vendor"))
     disk = Model.load(tiny_dir, "cpu", Numerics("vendor"), engram="disk",
                       engram_cache_bytes=1 << 16)
@@ -179,34 +177,9 @@ def test_disk_engram_is_read_as_each_part_launches(tiny_dir, monkeypatch):
     want = Session(mem, 64).run(prompt, 8, mode="plain").tokens
     s = Session(disk, 64)
     g = _graphed(disk, s)
-    order = []
-    real_records, real_replay = StaticStep.load_records, graphs._Rerun.replay
-
-    def records(self, ctx, layer):
-        order.append(f"records {layer}")
-        return real_records(self, ctx, layer)
-
-    def replay(self):
-        order.append("part")
-        return real_replay(self)
-    monkeypatch.setattr(StaticStep, "load_records", records)
-    monkeypatch.setattr(graphs._Rerun, "replay", replay)
     assert s.run(prompt, 8, mode="plain").tokens == want
     assert (g.captures, g.replays) == (1, 6)
     assert all(st.stats().lookups >= 7 for st in disk.engram_stores.values())
-    # a replayed step: each layer's records read just before the part holding it, after the
-    # parts before it were launched (the tiny model: Engram layers 1 and 4; parts of 1, 2,
-    # 4 and 1 layers)
-    assert disk.cfg.engram_layer_ids == (1, 4) and graphs.PART_LAYERS == (1, 2, 4)
-    assert order[-6:] == ["part", "records 1", "part", "records 4", "part", "part"]
-    # verify windows so too (journaled replays: rejected rows roll back), the drafts' rows
-    # read as their parts are launched
-    override = continuation_drafts(want, len(prompt), disk.cfg.vocab_size, wrong_at=1)
-    s = Session(disk, 64, speculative=SpecConfig(length=3, low_windows=10 ** 6),
-                draft_override=override)
-    g = _graphed(disk, s)
-    assert s.run(prompt, 8, mode="dspark").tokens == want
-    assert s.stats.windows >= 2 and g.replays > 0
     for store in disk.engram_stores.values():
         store.close()
 

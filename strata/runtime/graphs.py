@@ -90,9 +90,6 @@ class Captured:
     graph: Chain
     start: int                 # the position it was captured at
     writes: list[RingWrite]    # its journaled writes (empty without a journal)
-    # per graph of the chain, its layers whose Engram tables are on disk (their records are
-    # read on the host just before that graph is launched)
-    disk_engram: list[list[int]]
 
 
 class CudaGraphs:
@@ -385,16 +382,8 @@ class GraphedForward:
                 c, ctx = self._capture(tokens, logits)
                 self.captured[key] = c
             else:
-                if not model.engram_stores:
-                    ctx = c.step.prepare(tokens)  # (checks the arguments)
-                    c.graph.replay()
-                else:  # each part launched as soon as its layers' Engram records are in
-                    # (the reads of later layers go on while the GPU runs the parts before)
-                    ctx = c.step.prepare(tokens, records=False)
-                    for graph, layers in zip(c.graph.graphs, c.disk_engram):
-                        for layer in layers:
-                            c.step.load_records(ctx, layer)
-                        graph.replay()
+                ctx = c.step.prepare(tokens)  # (checks the arguments)
+                c.graph.replay()
                 self.replays += 1
                 if journaled:
                     state.journal.writes.extend(w.shifted(ctx.start - c.start)
@@ -510,7 +499,4 @@ class GraphedForward:
         self.capture_s += time.perf_counter() - t0
         graph.replay()
         self.captures += 1
-        stores = self.model.engram_stores
-        disk = [[b.layer for b in group if b.layer in stores]
-                for group in step.groups(PART_LAYERS)]
-        return Captured(step, graph, ctx.start, writes, disk), ctx
+        return Captured(step, graph, ctx.start, writes), ctx

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from strata.current_device import upload
 from strata.model.context import ForwardContext
 from strata.runtime.state import State
 
@@ -36,15 +35,14 @@ class StaticStep:
         self.logits: torch.Tensor | None = None
         self._h = self._pre = None  # the stream between parts
 
-    def prepare(self, tokens: torch.Tensor, records: bool = True) -> ForwardContext:
+    def prepare(self, tokens: torch.Tensor) -> ForwardContext:
         """This step's inputs into the fixed buffers; returns the step's own context (for
         `finish`). The first call's context becomes the fixed one.
         `tokens` on the host, or on the model's GPU — a sampler's output the host has not
         read (Session.generate's plain loop runs a step ahead): then the inputs are uploaded
         with placeholder ids and the ids copied in after them on the stream (nothing read
         back; the GPU hashes the Engram ids), and the context's host tokens stay None until
-        `finish` is given them. Engram tables on disk: their records too, unless `records`
-        is False — then `load_records` brings each layer's in as its part is launched."""
+        `finish` is given them."""
         model, state = self.model, self.state
         on_device = tokens.device.type != "cpu"
         if on_device:
@@ -59,28 +57,22 @@ class StaticStep:
         # (after the first step, uploaded straight into the first step's buffer)
         ctx = model.new_context(tokens, state, model.numerics,
                                 None if self.ctx is None else self.ctx.inputs)
+        # Disk tables: the step's records are read here, on the host (the store's cache and
+        # reads cannot run inside a graph), into a fixed device buffer the region dequantises.
+        for layer, store in model.engram_stores.items():
+            raw = torch.from_numpy(store.records(ctx.engram_ids[layer]))
+            if self.ctx is None:
+                ctx.engram_records[layer] = raw.to(model.device)
+            else:
+                self.ctx.engram_records[layer].copy_(raw)
         if self.ctx is None:
             self.ctx = ctx
         else:
             self.ctx.start = ctx.start  # (host bookkeeping only: no op reads it)
-        if records or self.ctx is ctx:  # (the first step's make the buffers)
-            for layer in model.engram_stores:
-                self.load_records(ctx, layer)
         if on_device:
             ctx.device_tokens.copy_(device_tokens)  # (the fixed buffer's ids: a view of it)
             ctx.tokens = None
         return ctx
-
-    def load_records(self, ctx: ForwardContext, layer: int) -> None:
-        """Engram tables on disk: the records of `layer`'s rows for the step `ctx` (from
-        `prepare`), read on the host — the store's cache and reads cannot run inside a graph
-        — into a fixed device buffer the region dequantises (queued on the stream: the
-        parts launched before it run while the host reads)."""
-        raw = torch.from_numpy(self.model.engram_stores[layer].records(ctx.engram_ids[layer]))
-        if self.ctx is ctx and layer not in ctx.engram_records:
-            ctx.engram_records[layer] = raw.to(self.model.device)
-        else:
-            upload(raw, self.model.device, out=self.ctx.engram_records[layer])
 
     def run(self) -> None:
         """The region: embedding, the layers, the head; logits into self.logits. Everything
@@ -96,7 +88,13 @@ class StaticStep:
         repeated. Each can be a graph of its own: replayed in order, the GPU runs one piece
         while the host launches the next."""
         model = self.model
-        groups = self.groups(sizes)
+        blocks = model.layers
+        groups, i, k = [], 0, 0
+        while i < len(blocks):
+            per = max(1, sizes[min(k, len(sizes) - 1)])
+            groups.append(blocks[i:i + per])
+            i, k = i + per, k + 1
+        groups = groups or [[]]
 
         def part(i: int, group: list):
             def run() -> None:
@@ -111,16 +109,6 @@ class StaticStep:
                                                    self.mode)
             return run
         return [part(i, g) for i, g in enumerate(groups)]
-
-    def groups(self, sizes: tuple[int, ...]) -> list[list]:
-        """The layers of each of `parts(sizes)` (one empty group for a model without any)."""
-        blocks = self.model.layers
-        groups, i, k = [], 0, 0
-        while i < len(blocks):
-            per = max(1, sizes[min(k, len(sizes) - 1)])
-            groups.append(blocks[i:i + per])
-            i, k = i + per, k + 1
-        return groups or [[]]
 
     def finish(self, ctx: ForwardContext, tokens: torch.Tensor | None = None) -> None:
         """Record the step's tokens in the state (its position advances); `tokens`: their
