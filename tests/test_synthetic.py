@@ -8,6 +8,7 @@ import torch
 
 from strata.bench.synthetic import build_synthetic, exl3_group
 from strata.config import ModelConfig
+from strata.runtime.graphs import EagerReplay, GraphedForward
 from strata.runtime.session import Session
 from strata.runtime.speculative import SpecConfig
 
@@ -89,6 +90,12 @@ def test_folded_engram_on_disk_equals_on_device(cfg, tmp_path):
     a, _ = dev.forward(tokens, dev.new_state(32))
     b, _ = disk.forward(tokens, disk.new_state(32))
     assert torch.equal(a, b)
+    # a graphed step reads the folded table's records on the host and rebuilds the rows from
+    # them (StaticStep.prepare): the graph regions run here without CUDA (EagerReplay)
+    want = Session(dev, 64).run(tokens, 6, mode="plain").tokens
+    s = Session(disk, 64)
+    s.graphed = GraphedForward(disk, s.state, EagerReplay())
+    assert s.run(tokens, 6, mode="plain").tokens == want and s.graphed.replays > 0
     for store in disk.engram_stores.values():
         assert store.stats().rows_read > 0
         store.close()
