@@ -1,9 +1,11 @@
 """GPU memory a decode state's CUDA graphs hold — what a state retained for prefix reuse keeps
-beyond its caches (runtime/prefix_cache counts only the caches: state_nbytes). The synthetic
+beyond its caches (runtime/prefix_cache counts the caches, state_nbytes, and the pools'
+reservations, GraphedForward.nbytes). The synthetic
 V4.1 as scripts/probe_session.py (20 layers, a 512-token prompt); for each mode, a fresh
 session decodes 64 tokens (plain steps; oracle: verify windows, drafts and commits), then
-prints the device memory allocated beyond the model's before and after State.drop_graphs(),
-and the caches' own bytes. One-off diagnostic (GPU): source scripts/device_env.sh && python
+prints the device memory allocated and reserved beyond the model's before and after
+State.drop_graphs() (a pool's freed scratch stays reserved: the allocated figure misses it),
+what the captures counted (GraphedForward.nbytes), and the caches' own bytes. One-off diagnostic (GPU): source scripts/device_env.sh && python
 scripts/probe_graph_memory.py"""
 import gc
 
@@ -22,11 +24,11 @@ N = 64
 reference = _run_once(model, prompt, N, "plain", None, None, None)[0]
 
 
-def settled() -> int:
+def settled() -> tuple[int, int]:
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    return torch.cuda.memory_allocated()
+    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
 
 
 MB = 2 ** 20
@@ -36,12 +38,13 @@ for mode in ("plain+graphs", "oracle+graphs", "oracle:p0.69@3+graphs"):
     gen_mode = "plain" if mode.startswith("plain") else "dspark"
     out = list(s.generate(prompt, N, SamplingParams(), stop_ids=frozenset(), mode=gen_mode))
     assert out == reference, mode
-    held = settled() - base
-    caches = state_nbytes(s.state)
+    held = [a - b for a, b in zip(settled(), base)]
+    caches, counted = state_nbytes(s.state), s.graphed.nbytes()
     captures = s.graphed.captures
     s.state.drop_graphs()
-    without = settled() - base
-    print(f"{mode}: {captures} captures; allocated beyond the model {held / MB:.1f} MiB with "
-          f"the graphs, {without / MB:.1f} MiB without (the graphs' {(held - without) / MB:.1f} "
-          f"MiB); the caches' own bytes {caches / MB:.1f} MiB", flush=True)
+    without = [a - b for a, b in zip(settled(), base)]
+    graphs = [(h - w) / MB for h, w in zip(held, without)]
+    print(f"{mode}: {captures} captures; the graphs' memory {graphs[0]:.1f} MiB allocated, "
+          f"{graphs[1]:.1f} MiB reserved, {counted / MB:.1f} MiB counted by the captures; "
+          f"the caches' own bytes {caches / MB:.1f} MiB", flush=True)
     del s

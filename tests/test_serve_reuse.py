@@ -311,6 +311,43 @@ def test_prefix_cache_budget_evicts_least_recent(tiny_reference):
     assert PrefixCache(0).take(torch.tensor([1, 2])) == (None, 0)
 
 
+def test_a_retained_states_graphs_count_in_the_budget(tiny_reference, monkeypatch):
+    """A retained state keeps its CUDA graphs, whose memory pools hold device memory (their
+    scratch stays reserved while the graphs live): the prefix cache counts what the captures
+    reserved. torch.cuda's capture and counters are stand-ins here (no CUDA in CI): each
+    capture's run reserves as much as a state's caches; what is checked is the accounting —
+    the pools' growth summed, counted with the caches, cleared when the graphs are released
+    (the eviction's)."""
+    import contextlib
+    from strata.runtime.graphs import CudaGraphs, GraphedForward
+    reserved = [0]
+
+    class Graph:
+        pass
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", object)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved[0])
+
+    caches = Retained(tiny_reference.new_state(256)).nbytes()
+
+    def grow():
+        reserved[0] += caches
+    entry = Retained(tiny_reference.new_state(256))
+    g = GraphedForward(tiny_reference, entry.state, CudaGraphs())
+    entry.state.graphs = g
+    for pool in ("steps", "steps", "draft"):
+        g.backend.capture(grow, entry.state, pool)
+    assert g.nbytes() == 3 * caches and entry.nbytes() == 4 * caches
+    cache = PrefixCache(budget_bytes=5 * caches + caches // 2)
+    cache.put(entry)
+    cache.put(Retained(tiny_reference.new_state(256)))
+    assert len(cache) == 2  # 5 states' worth: within the budget
+    cache.put(Retained(tiny_reference.new_state(256)))
+    assert len(cache) == 2 and cache.nbytes == 2 * caches  # 6 over it: the graphed one went first
+    assert entry.state.graphs is None and g.nbytes() == 0 and g.backend.pools == {}
+
+
 def test_evicted_and_failed_states_let_go_of_their_graphs(tiny_reference, monkeypatch):
     """A state and its CUDA graphs refer to each other: a state the prefix cache evicts or
     clears, or a failed request's, drops its graphs, so its memory is freed at once — not

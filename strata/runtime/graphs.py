@@ -104,6 +104,15 @@ class CudaGraphs:
 
     def __init__(self) -> None:
         self.pools: dict[str, object] = {}
+        # the device memory the captures reserved for their pools: held until every graph of
+        # a pool is gone (its scratch stays the pool's between captures), whatever the
+        # allocated counter says
+        self.pool_bytes = 0
+
+    def release_pools(self) -> None:
+        """Forget the pools (their graphs released: the memory goes when they do); later
+        captures start new ones."""
+        self.pools, self.pool_bytes = {}, 0
 
     def supports(self, device: torch.device) -> bool:
         return device.type == "cuda"
@@ -130,8 +139,10 @@ class CudaGraphs:
         # disabled, allocations still count towards the next collection, so switching it back
         # on inside the capture would collect at the first allocation (torch.cuda.graph's
         # __exit__ runs Python before capture_end).
+        before = torch.cuda.memory_reserved()
         with holding([]) as held, no_cyclic_gc(), torch.cuda.graph(graph, pool=self.pools[pool]):
             run()
+        self.pool_bytes += max(0, torch.cuda.memory_reserved() - before)
         graph.held = held  # (what its kernels read by address from caches: strata.captures)
         return graph
 
@@ -341,6 +352,13 @@ class GraphedForward:
         for region in (*self._markov.values(), *self._commits.values()):
             region.graph.reset()
         self.captured, self._draft, self._markov, self._commits = {}, None, OrderedDict(), {}
+        self.backend.release_pools()
+
+    def nbytes(self) -> int:
+        """Device memory the graphs hold: what their captures reserved for the memory pools
+        (a retained state's share of the prefix cache's budget, runtime/prefix_cache.py; the
+        regions' fixed input buffers, a few KB, aside)."""
+        return self.backend.pool_bytes
 
     def usable(self) -> bool:
         m, j = self.model, self.state.journal

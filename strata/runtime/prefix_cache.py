@@ -51,7 +51,10 @@ class Retained:
     bookmarks: list[Bookmark] = field(default_factory=list)
 
     def nbytes(self) -> int:
-        return state_nbytes(self.state) + sum(b.nbytes() for b in self.bookmarks)
+        """The state's caches, its bookmarks and its CUDA graphs (kept with it)."""
+        graphs = self.state.graphs
+        return (state_nbytes(self.state) + sum(b.nbytes() for b in self.bookmarks)
+                + (graphs.nbytes() if graphs is not None else 0))
 
     def add_bookmark(self, limit: int) -> None:
         """Bookmark the current position, keeping the newest `limit` bookmarks."""
