@@ -58,15 +58,22 @@ def _load(args) -> "Model":  # noqa: F821
     # Progress bar (bytes, GB/s) on stderr when it is a terminal, unless --quiet.
     loader = TensorLoader(device, buffer_bytes=args.load_buffer_mb << 20,
                           progress=False if args.quiet else None)
-    if args.engram_cache_mb < 1:
-        raise StrataError(f"--engram-cache-mb {args.engram_cache_mb}: must be ≥ 1")
+    _check_engram_args(args)
     if args.draft_cache_mb is not None and args.draft_cache_mb < 1:
         raise StrataError(f"--draft-cache-mb {args.draft_cache_mb}: must be ≥ 1")
     return Model.load(_model_dir(args.model), device, nx, loader=loader, engram=args.engram,
                       engram_cache_bytes=args.engram_cache_mb << 20,
+                      engram_options={"io_threads": args.engram_io_threads},
                       draft_experts=args.draft_experts,
                       draft_cache_bytes=None if args.draft_cache_mb is None
                       else args.draft_cache_mb << 20)
+
+
+def _check_engram_args(args) -> None:
+    if args.engram_cache_mb < 1:
+        raise StrataError(f"--engram-cache-mb {args.engram_cache_mb}: must be ≥ 1")
+    if args.engram_io_threads < 1:
+        raise StrataError(f"--engram-io-threads {args.engram_io_threads}: must be ≥ 1")
 
 
 def _load_parallel(args):
@@ -86,9 +93,9 @@ def _load_parallel(args):
             raise StrataError("--split is for --parallel layer")
         split = parse_split(args.split, ModelConfig.from_model_dir(model_dir).n_layers,
                             len(devices))
-    if args.engram_cache_mb < 1:
-        raise StrataError(f"--engram-cache-mb {args.engram_cache_mb}: must be ≥ 1")
-    options = {"engram": args.engram, "engram_cache_bytes": args.engram_cache_mb << 20}
+    _check_engram_args(args)
+    options = {"engram": args.engram, "engram_cache_bytes": args.engram_cache_mb << 20,
+               "engram_options": {"io_threads": args.engram_io_threads}}
     if getattr(args, "draft_experts", "device") != "device":
         options["draft_experts"] = args.draft_experts
         if args.draft_cache_mb is not None:
@@ -183,6 +190,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engram-cache-mb", type=int, default=1024,
                    help="with --engram disk: host RAM for cached Engram rows, all tables "
                         "together (default 1024)")
+    p.add_argument("--engram-io-threads", type=int, default=8,
+                   help="with --engram disk: threads reading each table's rows (the queue "
+                        "depth the disk sees; default 8)")
 
 
 def cmd_generate(args) -> int:

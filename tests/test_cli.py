@@ -20,13 +20,24 @@ def test_generate_tokens_json(tiny_dir, capsys):
     assert out["finish_reason"] in ("stop", "length")
 
 
-def test_generate_with_engram_on_disk(tiny_dir, capsys):
+def test_generate_with_engram_on_disk(tiny_dir, capsys, monkeypatch):
+    from strata import engram_store
     args = ["generate", "--model", str(tiny_dir), "--tokens", "5,6,7,8", "--max-tokens", "6",
             "--json"]
     assert main(args) == 0
     want = json.loads(capsys.readouterr().out)["tokens"]
     assert main(args + ["--engram", "disk", "--engram-cache-mb", "1"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == want
+    threads = []
+    real = engram_store.EngramStore.__init__
+
+    def spy(self, *a, **kw):
+        real(self, *a, **kw)
+        threads.append(self.io_threads)
+    monkeypatch.setattr(engram_store.EngramStore, "__init__", spy)
+    assert main(args + ["--engram", "disk", "--engram-io-threads", "3"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == want
+    assert threads and set(threads) == {3}
 
 
 def test_generate_prompt_is_rendered_with_the_chat_format(tiny_dir, capsys):
@@ -66,6 +77,8 @@ def test_inspect(tiny_dir, capsys):
     (["generate", "--tokens", "1", "--device", "tpu"], "--device"),
     (["generate", "--tokens", "1", "--engram", "disk", "--engram-cache-mb", "0"],
      "--engram-cache-mb"),
+    (["generate", "--tokens", "1", "--engram", "disk", "--engram-io-threads", "0"],
+     "--engram-io-threads"),
 ])
 def test_bad_arguments_are_reported(tiny_dir, capsys, argv, needle):
     assert main(argv[:1] + ["--model", str(tiny_dir)] + argv[1:]) == 2

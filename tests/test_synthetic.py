@@ -84,8 +84,9 @@ def test_folded_engram_on_disk_equals_on_device(cfg, tmp_path):
     """Same seed, same folded table: reading it through the disk store changes nothing."""
     dev, _ = build_synthetic(cfg, "cpu", engram_rows=50, seed=3)
     disk, _ = build_synthetic(cfg, "cpu", engram_rows=50, seed=3, engram="disk",
-                              engram_dir=tmp_path)
+                              engram_dir=tmp_path, engram_io_threads=2)
     assert sorted(disk.engram_stores) == list(cfg.engram_layer_ids) and not dev.engram_stores
+    assert {st.inner.io_threads for st in disk.engram_stores.values()} == {2}
     tokens = torch.arange(40, 60)
     a, _ = dev.forward(tokens, dev.new_state(32))
     b, _ = disk.forward(tokens, disk.new_state(32))
@@ -135,6 +136,9 @@ def test_cold_engram_needs_disk_tables(tiny_dir, capsys):
     assert main(["bench", "synthetic", "--config", str(tiny_dir), "--device", "cpu",
                  "--engram-cache", "cold"]) != 0
     assert "--engram-cache cold needs --engram disk" in capsys.readouterr().err
+    assert main(["bench", "synthetic", "--config", str(tiny_dir), "--device", "cpu",
+                 "--engram", "disk", "--engram-io-threads", "0"]) != 0
+    assert "--engram-io-threads 0: must be ≥ 1" in capsys.readouterr().err
 
 
 def test_bench_synthetic_cli(tiny_dir, cfg, tmp_path, capsys, monkeypatch):

@@ -59,6 +59,7 @@ class SyntheticWeights:
     engram: str = "device"                 # "device" or "disk"
     engram_rows: int = 1 << 20             # rows each folded Engram table keeps
     engram_dir: Path | None = None         # where engram="disk" writes its table files
+    engram_io_threads: int = 8             # engram="disk": each store's reading threads
     stored_bytes: dict[str, int] = field(default_factory=dict)  # by group, for reports
     weights: dict[str, int] = field(default_factory=dict)       # quantized weights by group
     linear_weights: dict[str, int] = field(default_factory=dict)  # … by linear (prefix)
@@ -175,7 +176,8 @@ class SyntheticWeights:
         path = Path(self.engram_dir) / f"{prefix}.engram"
         path.parent.mkdir(parents=True, exist_ok=True)
         pack_records(values.cpu(), scales.cpu()).tofile(path)
-        return FoldedTable(EngramStore(RowSource.packed(path, rows, dim), self.device), rows)
+        return FoldedTable(EngramStore(RowSource.packed(path, rows, dim), self.device,
+                                       io_threads=self.engram_io_threads), rows)
 
     # ---- stored encodings ------------------------------------------------------------------
     def _exl3(self, group: str, prefix: str, out_features: int, in_features: int) -> Exl3Linear:
@@ -362,7 +364,8 @@ def build_synthetic(cfg: ModelConfig, device: torch.device | str, numerics=None,
     `layers`: the backbone layers to hold (None: all) — a one-GPU run of a model that needs
     two holds a subset, and per-layer times scale to the whole; `part`: a rank's ModelPart
     of a multi-device group instead (its reader wrapper applied; the config kept whole);
-    options go to SyntheticWeights (fmt, bits, seed, engram, engram_rows, engram_dir)."""
+    options go to SyntheticWeights (fmt, bits, seed, engram, engram_rows, engram_dir,
+    engram_io_threads)."""
     from dataclasses import replace
 
     from strata.model.model import Model, ModelPart
@@ -413,6 +416,8 @@ def add_arguments(p) -> None:
     p.add_argument("--engram-rows", type=int, default=1 << 20,
                    help="rows each folded Engram table keeps (same id stream, bounded size)")
     p.add_argument("--engram-dir", help="with --engram disk: where the table files go")
+    p.add_argument("--engram-io-threads", type=int, default=8,
+                   help="with --engram disk: threads reading each table's rows (default 8)")
     p.add_argument("--engram-cache", default="warm", choices=["warm", "cold"],
                    help="with --engram disk: cold = every run starts with the row cache "
                         "empty and the tables' pages dropped (each row a disk read, as at a "
@@ -632,7 +637,7 @@ def _launch(args, cfg: ModelConfig):
     split = parse_split(args.split, cfg.n_layers, len(devices)) if args.split else None
     synthetic = {"config": args.config, "fmt": args.fmt, "seed": args.seed,
                  "engram": args.engram, "engram_rows": args.engram_rows,
-                 "engram_dir": args.engram_dir}
+                 "engram_dir": args.engram_dir, "engram_io_threads": args.engram_io_threads}
     return launch(ParallelSpec(args.parallel, devices, "", split=split,
                                tp_attention=args.tp_attention, peer_timeout=args.peer_timeout,
                                synthetic=synthetic))
@@ -649,6 +654,9 @@ def run(args) -> int:
     from strata.config import v41_flash_config
     cfg = ModelConfig.from_model_dir(Path(args.config)) if args.config else v41_flash_config()
     layers = parse_layers(args.layers, cfg.n_layers)
+    if args.engram_io_threads < 1:
+        from strata.errors import StrataError
+        raise StrataError(f"--engram-io-threads {args.engram_io_threads}: must be ≥ 1")
     if args.engram_cache == "cold" and (args.engram != "disk" or args.parallel):
         from strata.errors import StrataError
         raise StrataError("--engram-cache cold needs --engram disk on one device (the tables' "
@@ -667,7 +675,8 @@ def run(args) -> int:
     else:
         model, w = build_synthetic(cfg, args.device, layers=layers, fmt=args.fmt,
                                    seed=args.seed, engram=args.engram,
-                                   engram_rows=args.engram_rows, engram_dir=args.engram_dir)
+                                   engram_rows=args.engram_rows, engram_dir=args.engram_dir,
+                                   engram_io_threads=args.engram_io_threads)
     build_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(3, min(cfg.vocab_size, 100_000), (args.prompt_tokens,),
