@@ -11,7 +11,10 @@ MODE=oracle+graphs (any DSpark mode of probe_session): a step is a verify window
 draft and commit — three graph chains and eager work between them; its GPU span is then the
 sum of the chains' spans (the eager kernels between them — sampling, rollback — count as
 idle, so the idle is an upper bound), and the GPU's gap before each chain (from the end of
-the one before), by the pair (draft, picks, window, commit).
+the one before), by the pair (draft, picks, window, commit); and the host's own path through
+a window — the medians from each of these points to the next: the picks read, the rollback
+done, the window's tokens returned, the next window's length chosen (its draft handed over),
+its inputs' preparation begun, its first part launched.
 With PROFILE=1, then cProfile's table of STEPS more steps (the host's time by function).
 One-off diagnostic (GPU): source scripts/device_env.sh && [MODE=…] python scripts/probe_host.py
 [STEPS]"""
@@ -26,7 +29,7 @@ import time
 import torch
 
 from probe_session import probe_session
-from strata.runtime import graphs
+from strata.runtime import graphs, speculative
 from strata.runtime.session import Session
 from strata.runtime.static_step import StaticStep
 
@@ -52,6 +55,31 @@ graphs.GraphedForward.launch = timed("launch (host)", graphs.GraphedForward.laun
 Session._sample_at = timed("sample (ahead)", Session._sample_at)
 type(s.model).prefetch_engram = timed("prefetch_engram", type(s.model).prefetch_engram)
 events = []
+marks: list[tuple[str, float]] = []  # (point, perf_counter) along a DSpark loop's host path
+
+
+def marked(name, fn, at_end=True):
+    def wrapper(*args, **kwargs):
+        if not at_end:
+            marks.append((name, time.perf_counter()))
+        out = fn(*args, **kwargs)
+        if at_end:
+            marks.append((name, time.perf_counter()))
+        return out
+    return wrapper
+
+
+def download_marked(t):
+    wait = real_download(t)
+    return marked("picks read", wait)
+
+
+real_download = speculative.download
+speculative.download = download_marked
+type(s.state).rollback = marked("rollback done", type(s.state).rollback)
+speculative.DSparkDecoder._step = marked("tokens returned", speculative.DSparkDecoder._step)
+speculative.DSparkDecoder._length = marked("length chosen", speculative.DSparkDecoder._length)
+StaticStep.prepare = marked("prepare begun", StaticStep.prepare, at_end=False)
 
 
 def chain_replay(self):
@@ -59,6 +87,8 @@ def chain_replay(self):
     start.record()
     for i, g in enumerate(self.graphs):
         t = time.perf_counter()
+        if i == 0 and any(self is c.graph for c in s.graphed.captured.values()):
+            marks.append(("first part launched", t))  # (a step's chain: not the draft's)
         g.replay()
         rec.setdefault(f"launch part {i}", []).append((time.perf_counter() - t) * 1e6)
     end.record()
@@ -100,6 +130,12 @@ if s.speculative is not None:  # a window's chains: the GPU's gap before each, b
             gaps.setdefault(f"{kind(c0)} → {kind(c1)}", []).append(b.elapsed_time(a) * 1e3)
     for name, v in gaps.items():
         print(f"  gap {name:18s} {med(v):8.1f} µs GPU (n={len(v)})")
+    path: dict[str, list[float]] = {}
+    for (a, ta), (b, tb) in zip(marks, marks[1:]):
+        path.setdefault(f"{a} → {b}", []).append((tb - ta) * 1e6)
+    for name, v in path.items():
+        if len(v) >= steps // 2:  # (the window's own path; rare orders left out)
+            print(f"  host {name:45s} {med(v):8.1f} µs (n={len(v)})")
 if os.environ.get("PROFILE"):  # the host's own time by function, over more steps
     prof = cProfile.Profile()
     prof.enable()
