@@ -20,9 +20,9 @@ def plain_tokens(model, prompt, n, params, capacity=512):
 
 def oracle(reference, prompt_len, corrupt_at=None):
     """Drafts = the true continuation (full acceptance), optionally wrong from one index."""
-    def override(P, drafts):
+    def override(P, L):
         i = P - prompt_len  # reference[i] sits at position P (the anchor)
-        out = list(reference[i + 1:i + 1 + len(drafts)])
+        out = list(reference[i + 1:i + 1 + L])
         if corrupt_at is not None and corrupt_at < len(out):
             out[corrupt_at] = (out[corrupt_at] + 1) % 300 + 3
         return out
@@ -60,8 +60,8 @@ def test_forced_drafts(tiny_model, kind, params):
     assert ref == want
     corrupt = {"accept_all": None, "reject_first": 0, "reject_third": 2, "reject_all": -1}[kind]
     if corrupt == -1:
-        def override(P, drafts):
-            return [(t + 1) % 300 + 3 for t in oracle(want, prompt_len)(P, drafts)]
+        def override(P, L):
+            return [(t + 1) % 300 + 3 for t in oracle(want, prompt_len)(P, L)]
     else:
         override = oracle(want, prompt_len, corrupt)
     s = Session(tiny_model, 512, speculative=SpecConfig(length=5, low_windows=10**6),
@@ -115,8 +115,8 @@ def test_low_acceptance_falls_back_to_plain(tiny_reference):
     prompt = random_tokens(20, seed=13)
     want = plain_tokens(tiny_reference, prompt, 40, GREEDY)
 
-    def reject(P, drafts):
-        return [(t + 1) % 300 + 3 for t in oracle(want, 20)(P, drafts)]
+    def reject(P, L):
+        return [(t + 1) % 300 + 3 for t in oracle(want, 20)(P, L)]
     cfg = SpecConfig(length=5, low_acceptance=0.5, low_windows=3, plain_backoff=4)
     s = Session(tiny_reference, 128, speculative=cfg, draft_override=reject)
     assert s.run(prompt, 40, GREEDY, stop_ids=frozenset()).tokens == want
@@ -131,8 +131,8 @@ def test_plain_runs_grow_while_the_drafts_keep_failing(tiny_reference):
     want = plain_tokens(tiny_reference, prompt, 80, GREEDY)
     good = oracle(want, 20)
 
-    def slumps(P, drafts):  # wrong drafts but for positions 36 … 51 of the output
-        right = good(P, drafts)
+    def slumps(P, L):  # wrong drafts but for positions 36 … 51 of the output
+        right = good(P, L)
         return right if 36 <= P - 20 < 52 else [(t + 1) % 300 + 3 for t in right]
     cfg = SpecConfig(length=5, low_acceptance=0.5, low_windows=2, plain_backoff=2,
                      max_plain_backoff=8)
@@ -155,8 +155,8 @@ def test_after_a_plain_run_a_short_probe_judges_the_drafts(tiny_reference):
     want = plain_tokens(tiny_reference, prompt, 80, GREEDY)
     good = oracle(want, 20)
 
-    def wrong(P, drafts):
-        return [(t + 1) % 300 + 3 for t in good(P, drafts)]
+    def wrong(P, L):
+        return [(t + 1) % 300 + 3 for t in good(P, L)]
     cfg = SpecConfig(length=3, low_acceptance=0.5, low_windows=4, probe_windows=1,
                      plain_backoff=2, max_plain_backoff=8)
     s = Session(tiny_reference, 256, speculative=cfg, draft_override=wrong)
@@ -167,8 +167,8 @@ def test_after_a_plain_run_a_short_probe_judges_the_drafts(tiny_reference):
     assert st.windows - (4 + len(st.backoffs) - 1) in (0, 1)
     assert st.plain_steps + st.windows == 79
 
-    def right_after(P, drafts):  # wrong for the first 10 positions, then right
-        return good(P, drafts) if P - 20 >= 10 else wrong(P, drafts)
+    def right_after(P, L):  # wrong for the first 10 positions, then right
+        return good(P, L) if P - 20 >= 10 else wrong(P, L)
     s = Session(tiny_reference, 256, speculative=cfg, draft_override=right_after)
     assert s.run(prompt, 80, GREEDY, stop_ids=frozenset()).tokens == want
     # windows at 0 … 3 fail, 2 plain steps, the probe at 6 fails, 4 plain, the probe at 11

@@ -493,9 +493,9 @@ def test_the_next_draft_launches_behind_a_window_before_its_picks_are_read(tiny_
 
     wrong_at = itertools.cycle(range(4))
 
-    def varied(P, drafts):  # a window's draft at index 0, 1, 2, 3 (none), … wrong
+    def varied(P, L):  # a window's draft at index 0, 1, 2, 3 (none), … wrong
         i, k = P - len(prompt), next(wrong_at)
-        out = list(want[i + 1:i + 1 + len(drafts)])
+        out = list(want[i + 1:i + 1 + L])
         if k < len(out):
             out[k] = (out[k] + 1) % vocab
         return out
@@ -532,3 +532,53 @@ def test_the_next_draft_launches_behind_a_window_before_its_picks_are_read(tiny_
     behind = [i for i, e in enumerate(events) if e == "draft behind"]
     assert len(behind) >= s.stats.windows - 2  # (not where a window may end the budget)
     assert all(events[i + 1] == "read" for i in behind)
+
+
+def test_a_fixed_length_window_launches_before_its_drafts_are_read(tiny_dir, monkeypatch):
+    """A window whose length needs no read of its draft (SpecConfig.length) is launched on
+    the draft's tokens where they are (DSparkDecoder._step: the window's tokens on the
+    device, their host copy queued before it) and the host reads the drafts only once the
+    window is launched — the tokens plain decoding's, sampled and greedy, with it and
+    without (STRATA_WINDOW_AHEAD=0, every window's drafts then read before its launch). A
+    draft override (oracle benchmarks, tests) is not read either: its windows launch on its
+    tokens without waiting for the head's draft."""
+    from strata.runtime import speculative
+    model = Model.load(tiny_dir, "cpu", Numerics("vendor"))
+    prompt = random_tokens(40, seed=9)
+    events = []
+    launch, download = GraphedForward.launch, speculative.download
+
+    def spy_launch(self, tokens, logits):
+        events.append("launch")
+        return launch(self, tokens, logits)
+
+    def spy_download(t):
+        wait = download(t)
+
+        def read():
+            events.append(t.numel())  # (a window's L drafts, or its L + 1 picks)
+            return wait()
+        return read
+    monkeypatch.setattr(GraphedForward, "launch", spy_launch)
+    monkeypatch.setattr(speculative, "download", spy_download)
+    for params in (SamplingParams(), SamplingParams(0.8, 0.9, seed=5)):
+        want = Session(model, 200).run(prompt, 30, params, mode="plain").tokens
+        for ahead in (True, False):
+            monkeypatch.setattr(speculative, "WINDOW_AHEAD", ahead)
+            s = Session(model, 200, speculative=SpecConfig(length=3, low_windows=10 ** 6))
+            _graphed(model, s)
+            events.clear()
+            assert s.run(prompt, 30, params, mode="dspark").tokens == want, (params, ahead)
+            # each window: launched, then (ahead) its L drafts read, then its L + 1 picks
+            reads = [i for i, e in enumerate(events) if e != "launch"]
+            drafts_read = [i for i in reads if events[i + 1:i + 2] == [events[i] + 1]]
+            assert len(reads) == (2 if ahead else 1) * s.stats.windows, events
+            assert len(drafts_read) == (s.stats.windows if ahead else 0), events
+            assert all(events[i - 1] == "launch" for i in drafts_read)
+    want = Session(model, 200).run(prompt, 30, mode="plain").tokens
+    s = Session(model, 200, speculative=SpecConfig(length=3, low_windows=10 ** 6),
+                draft_override=continuation_drafts(want, len(prompt), model.cfg.vocab_size))
+    _graphed(model, s)
+    events.clear()
+    assert s.run(prompt, 30, mode="dspark").tokens == want
+    assert len([e for e in events if e != "launch"]) == s.stats.windows  # (the picks alone)

@@ -92,9 +92,9 @@ def test_across_the_window_and_forced_rejections(group, tiny_reference):
     prompt = random_tokens(124, seed=7)
     want, _ = run_tokens(tiny_reference, prompt, 14, GREEDY)
 
-    def override(P, drafts):
+    def override(P, L):
         i = P - len(prompt)
-        out = list(want[i + 1:i + 1 + len(drafts)])
+        out = list(want[i + 1:i + 1 + L])
         if len(out) > 2:
             out[2] = (out[2] + 1) % 300 + 3
         return out

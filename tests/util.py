@@ -13,9 +13,9 @@ def continuation_drafts(want: list[int], prompt_len: int, vocab: int, wrong_at: 
     """A DSpark draft override: plain decoding's own continuation `want` (of a prompt of
     prompt_len tokens) with the draft at index `wrong_at` of each window made wrong, so every
     full window rejects its tail and rolls it back."""
-    def override(P, drafts):
+    def override(P, L):
         i = P - prompt_len
-        out = list(want[i + 1:i + 1 + len(drafts)])
+        out = list(want[i + 1:i + 1 + L])
         if len(out) > wrong_at:
             out[wrong_at] = (out[wrong_at] + 1) % vocab
         return out

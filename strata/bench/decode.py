@@ -166,9 +166,9 @@ def make_session(model, prompt: list[int], n: int, mode: str, reference: list[in
         spec = SpecConfig(length=L, low_windows=10 ** 9)
         vocab = model.cfg.vocab_size
 
-        def oracle_drafts(P, drafts):
+        def oracle_drafts(P, L):
             i = P - len(prompt)
-            out = list(reference[i + 1:i + 1 + len(drafts)])
+            out = list(reference[i + 1:i + 1 + L])
             a = len(out)  # (the first rejected draft)
             if schedule is not None:
                 a = next(schedule)

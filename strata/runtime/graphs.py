@@ -366,23 +366,25 @@ class GraphedForward:
                 and (j is None or (not j.writes and not j.n_written)))
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, logits: str = "last") -> tuple[torch.Tensor,
-                                                                          ForwardContext]:
+    def forward(self, tokens: torch.Tensor, logits: str = "last",
+                host_tokens=None) -> tuple[torch.Tensor, ForwardContext]:
         """Model.forward(tokens, state, logits), from a graph where one can run: the same
         logits bit for bit, the state advanced (and, inside a journal, journaled) the same
         way. Returns (logits, the step's context — its DSpark taps valid until the next
-        call)."""
+        call). `tokens` on the device (a draft's, not yet read): `host_tokens()` gives their
+        host copy — called once the replay is launched (eagerly: first)."""
         if not self.usable():
-            return self.model.forward(tokens, self.state, logits=logits)
-        return self.run(tokens, logits)
+            return self.model.forward(tokens if host_tokens is None else host_tokens(),
+                                      self.state, logits=logits)
+        return self.run(tokens, logits, host_tokens)
 
-    def run(self, tokens: torch.Tensor, logits: str) -> tuple[torch.Tensor | None,
-                                                            ForwardContext]:
+    def run(self, tokens: torch.Tensor, logits: str,
+            host_tokens=None) -> tuple[torch.Tensor | None, ForwardContext]:
         """The graph path (the caller checked `usable`; in a group, rank 0 did, and every
         rank runs it). Logits None where the route computes none (a group's other ranks)."""
         c, ctx = self.launch(tokens, logits)
         out = None if c.step.logits is None else c.step.logits.clone()
-        c.step.finish(ctx)
+        c.step.finish(ctx, None if host_tokens is None else host_tokens())
         return out, c.step.ctx
 
     def launch(self, tokens: torch.Tensor, logits: str) -> tuple[Captured, ForwardContext]:

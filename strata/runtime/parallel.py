@@ -695,7 +695,11 @@ class GraphedGroup:
         self.local = GraphedForward(model.local, state, GRAPH_BACKENDS[model.spec.graph_backend](),
                                     route=model.executor)
 
-    def forward(self, tokens: torch.Tensor, logits: str = "last"):
+    def forward(self, tokens: torch.Tensor, logits: str = "last", host_tokens=None):
+        """`tokens` (host_tokens() where they are on the device: a group's forward takes
+        them on the host) on every rank, each from its graphs."""
+        if host_tokens is not None:
+            tokens = host_tokens()
         return self.model.forward(tokens, self.local.state, logits, graphed=self.local)
 
     def __getattr__(self, name: str):  # captures, replays, capture_s: rank 0's counts

@@ -172,16 +172,20 @@ class Session:
                     return
             tok = more[-1]
 
-    def _runs_ahead(self, scripted: Sequence[int] | None) -> bool:
-        """Whether plain steps run a step ahead of the host (`_plain_ahead`): graphed on one
-        device (a group's graphs run through its driver), no script, no Engram tables on
-        disk (their reads need the token on the host), and on a GPU the Engram ids hashed
-        there."""
-        m, g = self.model, self.graphed
-        return (RUN_AHEAD and scripted is None
-                and type(g) is GraphedForward and g.usable()
-                and not m.engram_stores
+    def forwards_device_tokens(self) -> bool:
+        """Whether a forward can be launched on tokens the host has not read (on the device:
+        StaticStep.prepare): graphed on one device (a group's graphs run through its
+        driver), no Engram tables on disk (their reads need the tokens on the host), and on
+        a GPU the Engram ids hashed there."""
+        m = self.model
+        return (type(self.graphed) is GraphedForward and not m.engram_stores
                 and (m.device.type == "cpu" or m.hasher is None or m.hashes_on_device))
+
+    def _runs_ahead(self, scripted: Sequence[int] | None) -> bool:
+        """Whether plain steps run a step ahead of the host (`_plain_ahead`): no script, and
+        forwards on device tokens (`forwards_device_tokens`) from graphs usable now."""
+        return (RUN_AHEAD and scripted is None and self.forwards_device_tokens()
+                and self.graphed.usable())
 
     def _plain_ahead(self, first: int, params: SamplingParams, steps: int,
                      stop_ids: frozenset[int], should_stop: Callable[[], bool] | None,
@@ -229,12 +233,16 @@ class Session:
         through pinned memory: a pageable upload would wait for the queued step)."""
         return sample(logits, upload(torch.tensor([position]), logits.device), params)
 
-    def forward(self, tokens: torch.Tensor, logits: str):
+    def forward(self, tokens: torch.Tensor, logits: str,
+                host_tokens: Callable[[], torch.Tensor] | None = None):
         """A decode-time forward on the session's state (a step, a verify window): replayed
-        from a CUDA graph when the session has them, else Model.forward."""
+        from a CUDA graph when the session has them, else Model.forward. `tokens` on the
+        device (`forwards_device_tokens`): `host_tokens()` gives their host copy, called
+        once the forward is launched."""
         if self.graphed is not None:
-            return self.graphed.forward(tokens, logits)
-        return self.model.forward(tokens, self.state, logits=logits)
+            return self.graphed.forward(tokens, logits, host_tokens)
+        return self.model.forward(tokens if host_tokens is None else host_tokens(), self.state,
+                                  logits=logits)
 
     def commit_context(self, ctx, rows: int, start: int) -> None:
         """The draft windows for the first `rows` rows of a decode-time forward (`ctx`, from

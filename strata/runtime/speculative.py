@@ -36,12 +36,17 @@ from strata.errors import StrataError
 from strata.model.dspark import Draft
 from strata.runtime.sampling import SamplingParams, sample
 
-# (position P, proposed drafts) -> drafts to verify instead (tests force accept/reject).
-DraftOverride = Callable[[int, list[int]], list[int]]
+# (window position P, draft length L) -> the L drafts to verify instead of the head's (tests
+# and the oracle benchmarks force accepts and rejects; the head still drafts, unread).
+DraftOverride = Callable[[int, int], list[int]]
 
 # A graphed session launches each window's draft as soon as the step before has committed
 # (DSparkDecoder._draft_ahead); environment STRATA_DRAFT_AHEAD=0: off (the same tokens), for A/B.
 DRAFT_AHEAD = os.environ.get("STRATA_DRAFT_AHEAD", "1") != "0"
+# A window whose length needs no read of its draft (a fixed length) is launched on the draft's
+# tokens on the device, read by the host while it runs (DSparkDecoder._step);
+# environment STRATA_WINDOW_AHEAD=0: off (the same tokens), for A/B.
+WINDOW_AHEAD = os.environ.get("STRATA_WINDOW_AHEAD", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -221,16 +226,15 @@ class DSparkDecoder:
     def _step(self, anchor: int, params: SamplingParams, budget: int) -> list[int]:
         s, model, state = self.session, self.model, self.session.state
         P = state.position
-        L, drafted = 0, False
+        L, drafted, drafts = 0, False, []
         if self._plain_left > 0:
             self._plain_left -= 1
         elif budget > 1:
             drafted = True
             draft = self._draft(anchor, params)
             L = min(self._length(draft.confidence), budget - 1, state.capacity - P - 1)
-            drafts = draft.tokens[:L].tolist()
             if self.override is not None:
-                drafts = list(self.override(P, drafts))[:L]
+                drafts = list(self.override(P, L))[:L]
                 L = len(drafts)
         if L == 0:
             self.stats.plain_steps += 1
@@ -242,11 +246,28 @@ class DSparkDecoder:
             return [int(sample(logits, torch.tensor([P + 1]), params)[0])]
 
         t0 = time.perf_counter()
-        window = torch.tensor([anchor] + drafts)
-        model.prefetch_engram(window, state)  # the drafts' rows, as soon as they are known
+        host_tokens = None
+        if self.override is None and WINDOW_AHEAD and s.forwards_device_tokens():
+            # On the draft's tokens where they are, the window queued behind the draft: the
+            # host prepares and launches it while the GPU drafts, and reads the drafts (their
+            # copy queued before the window, so the read waits for the draft alone) once the
+            # window is launched.
+            read = download(draft.tokens[:L])
+            with made_current(draft.tokens.device):
+                window = torch.cat((torch.full((1,), anchor, dtype=torch.long,
+                                               device=draft.tokens.device), draft.tokens[:L]))
+
+            def host_tokens() -> torch.Tensor:
+                drafts.extend(read().tolist())
+                return torch.tensor([anchor] + drafts)
+        else:
+            if self.override is None:
+                drafts = draft.tokens[:L].tolist()
+            window = torch.tensor([anchor] + drafts)
+            model.prefetch_engram(window, state)  # the drafts' rows, as soon as they are known
         state.begin()
         try:  # (a failure anywhere before the rollback below leaves the state at P)
-            logits, ctx = s.forward(window, "all")
+            logits, ctx = s.forward(window, "all", host_tokens)
             picks_dev = sample(logits, torch.arange(P + 1, P + L + 2, device=logits.device),
                                params)
             read_picks = download(picks_dev)
