@@ -143,6 +143,10 @@ if triton is not None:
 
 
 TILE_WARPS = 4  # fixed: part of how tl.dot lowers (and the M = 1 kernel's default)
+# The M = 1 kernel's outputs per program (scripts/probe_row_widths.py times the widths and
+# compares their bits: the DSpark draft's Markov pick, [1, 256] · [129,280, 256]ᵀ, ran at
+# ~1.4 TB/s in this width — 47 µs, five times a draft; H200, session 23's profile).
+ROW_BLOCK_N = 32
 # Long reductions (Engram's row sums, 4·D-long rows) split K into chunks of this many,
 # computed in parallel and added in chunk order: the partition depends on K alone, so a row's
 # bits still do not depend on the batch. One chunk up to K_CHUNK (attention).
@@ -201,7 +205,7 @@ def tile_shape(M: int, prod: int = Product.FMA, B: int = SMALL_BATCH + 1) -> tup
     query's q·k 3.0 µs against 4.8 at 128, its p·v 8.4 against 9.4 at 64; six queries 4.7 /
     8.9 µs against 6.1 / 9.8). fp32 FMAs: 32 × 32."""
     if M == 1:
-        return 1, 32, 64
+        return 1, ROW_BLOCK_N, 64
     if prod in (Product.PAIR16, Product.SPLIT) and B <= SMALL_BATCH:
         return 64, 32, 64
     return {Product.PAIR16: (64, 128, 64), Product.SPLIT: (64, 64, 64)}.get(prod, (32, 32, 32))
