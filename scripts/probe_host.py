@@ -7,6 +7,7 @@ replay(): its launch, sampling with the token's read, Engram prefetch), and with
 CUDA events from just before the first part's launch to just after the last's (the GPU's
 span, including any wait for a launch). Prints the medians (µs) and the GPU idle the step's
 host work leaves: wall − GPU span, and a hash of the session's tokens (variants must agree).
+ENGRAM=disk (probe_session): the tables on disk, the host's hash and reads timed too.
 MODE=oracle+graphs (any DSpark mode of probe_session): a step is a verify window with its
 draft and commit — three graph chains and eager work between them; its GPU span is then the
 sum of the chains' spans (the eager kernels between them — sampling, rollback — count as
@@ -54,6 +55,10 @@ graphs.GraphedForward.forward = timed("forward (host)", graphs.GraphedForward.fo
 graphs.GraphedForward.launch = timed("launch (host)", graphs.GraphedForward.launch)
 Session._sample_at = timed("sample (ahead)", Session._sample_at)
 type(s.model).prefetch_engram = timed("prefetch_engram", type(s.model).prefetch_engram)
+if s.model.engram_stores:  # (ENGRAM=disk: the host's hash and the rows' reads)
+    from strata.engram_store import EngramStore
+    EngramStore.records = timed("engram records", EngramStore.records)
+    s.model.hasher.ids = timed("engram hash", s.model.hasher.ids)
 events = []
 marks: list[tuple[str, float]] = []  # (point, perf_counter) along a DSpark loop's host path
 

@@ -2,7 +2,8 @@
 layers (as scripts/device_probes.sh), a random prompt of PROMPT tokens (environment, default
 512; e.g. 32768: a step at an agent's context length), greedy, and a mode of
 `strata bench synthetic` (plain, oracle, oracle:X, each + "+graphs"); oracle drafts are
-plain decoding's own continuation. Imported by the probes (run from the repo root as
+plain decoding's own continuation. ENGRAM=disk (environment): the Engram tables on disk
+(in ENGRAM_DIR, default /tmp/eng), as `--engram disk`. Imported by the probes (run from the repo root as
 `python scripts/probe_….py`: this folder is on their path)."""
 from __future__ import annotations
 
@@ -28,7 +29,10 @@ def probe_session(mode: str, steps: int):
     out), WARM_UP steps run and the device synchronized, and room for `steps` more;
     one_step() runs one plain step or, in a DSpark mode, one verify window with its draft."""
     cfg = v41_flash_config()
-    model, _ = build_synthetic(cfg, "cuda:0", layers=parse_layers("0-9,20-29", cfg.n_layers))
+    engram = os.environ.get("ENGRAM", "device")
+    model, _ = build_synthetic(cfg, "cuda:0", layers=parse_layers("0-9,20-29", cfg.n_layers),
+                               engram=engram, engram_dir=os.environ.get("ENGRAM_DIR", "/tmp/eng")
+                               if engram == "disk" else None)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 100_000, (int(os.environ.get("PROMPT", 512)),),
                            generator=g).tolist()
