@@ -328,11 +328,15 @@ def test_model_with_disk_engram_is_bit_identical(tiny_dir, tiny_reference):
     want, _ = tiny_reference.forward(tokens[:16], s_mem)
     got, _ = disk.forward(tokens[:16], s_disk)
     assert torch.equal(want, got)
+    hashes = []
+    real = disk.hasher.ids
+    disk.hasher.ids = lambda *a: (hashes.append(1), real(*a))[1]
     for t in tokens[16:]:
         disk.prefetch_engram(t.view(1), s_disk)
         want, _ = tiny_reference.forward(t.view(1), s_mem)
         got, _ = disk.forward(t.view(1), s_disk)
         assert torch.equal(want, got)
+    assert len(hashes) == 4  # a step's token hashed once: the prefetch's ids reused
     for layer, store in disk.engram_stores.items():
         st = store.stats()
         assert st.rows_read > 0 and st.prefetch_rows > 0, (layer, st)

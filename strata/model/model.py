@@ -49,6 +49,8 @@ class Model:
     def __init__(self, cfg: ModelConfig, w: WeightReader, numerics: Numerics,
                  hasher: NgramHasher | None, part: ModelPart | None = None) -> None:
         self.cfg, self.numerics, self.hasher = cfg, numerics, hasher
+        # the last host hash of Engram ids: (tokens, history) → ids (`_engram_ids`)
+        self._hashed: tuple[tuple, dict[int, torch.Tensor]] | None = None
         self.part = part = part or ModelPart()
         self.device = w.device
         D, V = cfg.hidden_size, cfg.vocab_size
@@ -152,9 +154,20 @@ class Model:
         tables are in memory. The ids hash exactly as in forward (same token history)."""
         if not self.engram_stores or self.hasher is None:
             return
-        ids = self.hasher.ids(tokens.view(-1).long().cpu(), self._history(state))
+        ids = self._engram_ids(tokens.view(-1).long().cpu(), state)
         for layer, store in self.engram_stores.items():
             store.prefetch(ids[layer])
+
+    def _engram_ids(self, tokens: torch.Tensor, state: State) -> dict[int, torch.Tensor]:
+        """The host hash of tokens [T] at state.position: {layer: ids [T, width]} — the last
+        one remembered, since a decode step hashes its token twice (prefetch_engram as the
+        token is handed over, then the forward; ~30 µs each on the host, with the GPU idle
+        when the tables are on disk). A pure function of the tokens and their history."""
+        history = self._history(state)
+        key = (tuple(tokens.tolist()), tuple(history.tolist()))
+        if self._hashed is None or self._hashed[0] != key:
+            self._hashed = key, self.hasher.ids(tokens, history)
+        return self._hashed[1]
 
     def new_state(self, capacity: int) -> State:
         return State(self.cfg, capacity, self.device, kv_dtype=self.numerics.act_dtype,
@@ -303,7 +316,7 @@ class Model:
         elif self.hasher is not None:
             # Hashed on the host, where the tokens and their history are (disk tables: their
             # reads start here; CPU models).
-            ids = self.hasher.ids(tokens, self._history(state))
+            ids = self._engram_ids(tokens, state)
             # Disk tables: start every Engram layer's reads now, so a later layer's rows
             # arrive while the layers before it compute (a no-op for rows already cached or
             # in flight from an earlier prefetch_engram).
