@@ -17,6 +17,7 @@ from strata.runtime.graphs import CudaGraphs, EagerReplay, GraphedForward, no_cy
 from strata.runtime.sampling import SamplingParams
 from strata.runtime.session import Session
 from strata.runtime.speculative import SpecConfig
+from strata.runtime.static_step import StaticStep
 from util import continuation_drafts, random_tokens, stops_alike, windows_roll_back_alike
 
 
@@ -165,21 +166,49 @@ def test_a_replayed_commit_of_the_draft_windows_equals_the_eager_one(tiny_dir):
     assert sorted(g._commits) == [1, 3]  # (the big commit ran eagerly)
 
 
-def test_disk_engram_is_read_before_the_replay(tiny_dir):
-    """Engram tables on disk: a graphed step reads its records on the host before the
-    replay (the store's cache cannot run inside a graph) into a fixed buffer the graph
-    dequantises — the tokens of the in-memory model, the rows counted as read."""
+def test_disk_engram_is_read_as_the_part_that_needs_it_is_launched(tiny_dir, monkeypatch):
+    """Engram tables on disk: a graphed step reads its records on the host (the store's
+    cache cannot run inside a graph) into a fixed buffer the graph dequantises. The plain
+    loop still runs a step ahead: each step is launched on the token the step before left on
+    the device up to the part before its first Engram layer (layer 1: the chain's second
+    graph), then the host reads that token, hashes it, reads its rows and launches the rest
+    (GraphedForward.launch). The in-memory model's tokens, plain and in fixed-length DSpark
+    windows (launched on their drafts' tokens the same way), the rows counted as read."""
+    from strata.runtime import graphs as graphs_module
     mem = Model.load(tiny_dir, "cpu", Numerics("vendor"))
     disk = Model.load(tiny_dir, "cpu", Numerics("vendor"), engram="disk",
                       engram_cache_bytes=1 << 16)
     assert disk.engram_stores
+    events = []
+    replay, load = graphs_module.Chain.replay, StaticStep.load_records
+
+    def spy_replay(self, parts=slice(None)):
+        events.append((parts.start, parts.stop))
+        return replay(self, parts)
+
+    def spy_load(self, tokens):
+        events.append("records")
+        return load(self, tokens)
+    monkeypatch.setattr(graphs_module.Chain, "replay", spy_replay)
+    monkeypatch.setattr(StaticStep, "load_records", spy_load)
     prompt = random_tokens(30, seed=13)
     want = Session(mem, 64).run(prompt, 8, mode="plain").tokens
     s = Session(disk, 64)
     g = _graphed(disk, s)
     assert s.run(prompt, 8, mode="plain").tokens == want
     assert (g.captures, g.replays) == (1, 6)
+    loads = [i for i, e in enumerate(events) if e == "records"]
+    assert len(loads) == g.replays  # every replay (the first step, on its host token, captured)
+    assert all(events[i - 1] == (None, 1) and events[i + 1] == (1, None) for i in loads)
     assert all(st.stats().lookups >= 7 for st in disk.engram_stores.values())
+    want = Session(mem, 64).run(prompt, 12, mode="plain").tokens
+    d = Session(disk, 64, speculative=SpecConfig(length=3, low_windows=10 ** 6))
+    _graphed(disk, d)
+    events.clear()
+    assert d.run(prompt, 12, mode="dspark").tokens == want
+    loads = [i for i, e in enumerate(events) if e == "records"]
+    assert len(loads) >= d.stats.windows // 2  # (the windows replayed: not each length's first)
+    assert all(events[i - 1] == (None, 1) and events[i + 1] == (1, None) for i in loads)
     for store in disk.engram_stores.values():
         store.close()
 
@@ -548,9 +577,9 @@ def test_a_fixed_length_window_launches_before_its_drafts_are_read(tiny_dir, mon
     events = []
     launch, download = GraphedForward.launch, speculative.download
 
-    def spy_launch(self, tokens, logits):
+    def spy_launch(self, tokens, logits, host_tokens=None):
         events.append("launch")
-        return launch(self, tokens, logits)
+        return launch(self, tokens, logits, host_tokens)
 
     def spy_download(t):
         wait = download(t)

@@ -298,12 +298,15 @@ class Model:
             return self.logits(h, pre, logits, ctx.numerics)
 
     def new_context(self, tokens: torch.Tensor, state: State, nx: Numerics,
-                    inputs: torch.Tensor | None = None) -> ForwardContext:
+                    inputs: torch.Tensor | None = None,
+                    engram_ids: bool = True) -> ForwardContext:
         """A fresh context for tokens [T] (int64, on the host) at state.position: the token
         ids, positions and the Engram row ids — or, hashing on the device, the ids before
         the tokens — made on the host and uploaded in one copy (ForwardContext.inputs; into
         `inputs` if given — a graphed step's fixed buffer) — each small upload or device op
-        costs a decode step's idle GPU a launch."""
+        costs a decode step's idle GPU a launch. `engram_ids` False, hashing on the host:
+        placeholder ids (the tokens are placeholders too, their records read later:
+        StaticStep.load_records)."""
         T = tokens.numel()
         start = state.position
         # (assembled in numpy: a decode step's ~15 small torch ops on the host cost ~250 µs
@@ -313,6 +316,10 @@ class Model:
         if on_device:  # the ids before the tokens, −1 before the start: hashed in the forward
             history = self._history(state).numpy()
             parts += [np.full(self.cfg.engram_max_ngram_size - 1 - history.size, -1), history]
+        elif self.hasher is not None and not engram_ids:
+            ids = {layer: torch.zeros((T, self.hasher.width), dtype=torch.long)
+                   for layer in self.cfg.engram_layer_ids}
+            parts += [v.reshape(-1).numpy() for v in ids.values()]
         elif self.hasher is not None:
             # Hashed on the host, where the tokens and their history are (disk tables: their
             # reads start here; CPU models).

@@ -38,6 +38,7 @@ budget does not count yet.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import time
 from collections import OrderedDict
@@ -75,8 +76,8 @@ class Chain:
     def __init__(self, graphs: list) -> None:
         self.graphs = graphs
 
-    def replay(self) -> None:
-        for g in self.graphs:
+    def replay(self, parts: slice = slice(None)) -> None:
+        for g in self.graphs[parts]:
             g.replay()
 
     def reset(self) -> None:
@@ -90,6 +91,9 @@ class Captured:
     graph: Chain
     start: int                 # the position it was captured at
     writes: list[RingWrite]    # its journaled writes (empty without a journal)
+    # the first graph of the chain holding an Engram layer whose table is on disk (its
+    # records must be in before it runs: launch's host_tokens); len(chain) if none
+    disk_part: int
 
 
 class CudaGraphs:
@@ -382,28 +386,39 @@ class GraphedForward:
             host_tokens=None) -> tuple[torch.Tensor | None, ForwardContext]:
         """The graph path (the caller checked `usable`; in a group, rank 0 did, and every
         rank runs it). Logits None where the route computes none (a group's other ranks)."""
-        c, ctx = self.launch(tokens, logits)
+        host_tokens = None if host_tokens is None else functools.cache(host_tokens)
+        c, ctx = self.launch(tokens, logits, host_tokens)
         out = None if c.step.logits is None else c.step.logits.clone()
         c.step.finish(ctx, None if host_tokens is None else host_tokens())
         return out, c.step.ctx
 
-    def launch(self, tokens: torch.Tensor, logits: str) -> tuple[Captured, ForwardContext]:
+    def launch(self, tokens: torch.Tensor, logits: str,
+               host_tokens=None) -> tuple[Captured, ForwardContext]:
         """`run` up to the replay: the forward is queued (captured first where its key is
         new), the state not yet advanced — `Captured.step.finish(ctx)` does that, and
         `Captured.step.logits` holds the logits until the next replay. `tokens` on the host,
-        or on the device (StaticStep.prepare: a sample the host has not read)."""
+        or on the device (StaticStep.prepare: a sample the host has not read) — then, with
+        Engram tables on disk, `host_tokens()` (the same tensor at every call) gives their
+        host copy, whose records are read after the parts before the first Engram layer
+        are launched: the GPU runs those while the host waits for the tokens and reads."""
         model, state = self.model, self.state
         T = tokens.numel()
         journaled = state.journal is not None
+        later = host_tokens is not None and bool(model.engram_stores)
         key = (T, logits, journaled) + model.graph_key(state.position, T)
         with made_current(model.device):
             c = self.captured.get(key)
-            if c is None:
-                c, ctx = self._capture(tokens, logits)
+            if c is None:  # (a capture reads its records with its other inputs)
+                c, ctx = self._capture(host_tokens() if later else tokens, logits)
                 self.captured[key] = c
             else:
-                ctx = c.step.prepare(tokens)  # (checks the arguments)
-                c.graph.replay()
+                ctx = c.step.prepare(tokens, records=not later)  # (checks the arguments)
+                if later:
+                    c.graph.replay(slice(c.disk_part))
+                    c.step.load_records(host_tokens())
+                    c.graph.replay(slice(c.disk_part, None))
+                else:
+                    c.graph.replay()
                 self.replays += 1
                 if journaled:
                     state.journal.writes.extend(w.shifted(ctx.start - c.start)
@@ -519,4 +534,7 @@ class GraphedForward:
         self.capture_s += time.perf_counter() - t0
         graph.replay()
         self.captures += 1
-        return Captured(step, graph, ctx.start, writes), ctx
+        disk = [any(b.layer in self.model.engram_stores for b in group)
+                for group in step.groups(PART_LAYERS)]
+        return Captured(step, graph, ctx.start, writes,
+                        disk.index(True) if True in disk else len(disk)), ctx

@@ -6,6 +6,7 @@ The token picked at position p is `sample(logits of row p-1, p, params)`.
 """
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
@@ -175,11 +176,13 @@ class Session:
     def forwards_device_tokens(self) -> bool:
         """Whether a forward can be launched on tokens the host has not read (on the device:
         StaticStep.prepare): graphed on one device (a group's graphs run through its
-        driver), no Engram tables on disk (their reads need the tokens on the host), and on
-        a GPU the Engram ids hashed there."""
+        driver), and on a GPU the Engram ids hashed there — or the tables on disk, whose
+        reads wait for the tokens' host copy only before the first Engram layer
+        (GraphedForward.launch)."""
         m = self.model
-        return (type(self.graphed) is GraphedForward and not m.engram_stores
-                and (m.device.type == "cpu" or m.hasher is None or m.hashes_on_device))
+        return (type(self.graphed) is GraphedForward
+                and (m.device.type == "cpu" or m.hasher is None or m.hashes_on_device
+                     or bool(m.engram_stores)))
 
     def _runs_ahead(self, scripted: Sequence[int] | None) -> bool:
         """Whether plain steps run a step ahead of the host (`_plain_ahead`): no script, and
@@ -199,7 +202,10 @@ class Session:
         on the device; that token's copy to the host is queued before the forward, so reading
         it waits only for the forward before, and the host handles it (yield, stop checks)
         while the GPU runs the forward that consumes it — on a graphed GPU step the host's
-        ~0.5 ms between steps was GPU idle time (scripts/probe_host.py). A DSpark session's
+        ~0.5 ms between steps was GPU idle time (scripts/probe_host.py). With the Engram
+        tables on disk the host reads the token inside the launch, after the parts before
+        the first Engram layer, to hash it and read its rows (GraphedForward.launch). A
+        DSpark session's
         draft windows are committed behind each forward (a graph replay on its taps). A stop
         abandons the forward already launched: the state is not advanced, and its writes lie
         at the state's position, where the next forward rewrites them — ring rows tagged with
@@ -212,15 +218,16 @@ class Session:
         for i in range(steps):
             if dev is not None:
                 read = download(dev)  # (queued before the forward that consumes it)
+                read = functools.cache(lambda wait=read: torch.tensor([int(wait()[0])]))
             P = state.position
-            c, ctx = g.launch(torch.tensor([tok]) if dev is None else dev, "last")
+            c, ctx = g.launch(torch.tensor([tok]) if dev is None else dev, "last", read)
             if self.speculative is not None:  # keep the draft windows complete
                 g.commit_context(c.step.ctx, 1, P)
             if stats is not None:
                 stats.plain_steps += 1
             dev = self._sample_at(c.step.logits.view(1, -1), P + 1, params)
             if i:
-                tok = int(read()[0])
+                tok = int(read()[0])  # (with disk tables, read already by the launch)
                 yield tok
                 if tok in stop_ids or (should_stop and should_stop()):
                     return None

@@ -34,37 +34,41 @@ class StaticStep:
         self.ctx: ForwardContext | None = None  # the first step's: its buffers are the region's
         self.logits: torch.Tensor | None = None
         self._h = self._pre = None  # the stream between parts
+        # disk tables: each layer's pinned staging for its records' copy (None on the CPU)
+        self._staging: dict[int, torch.Tensor | None] = {}
 
-    def prepare(self, tokens: torch.Tensor) -> ForwardContext:
+    def prepare(self, tokens: torch.Tensor, records: bool = True) -> ForwardContext:
         """This step's inputs into the fixed buffers; returns the step's own context (for
         `finish`). The first call's context becomes the fixed one.
         `tokens` on the host, or on the model's GPU — a sampler's output the host has not
         read (Session.generate's plain loop runs a step ahead): then the inputs are uploaded
         with placeholder ids and the ids copied in after them on the stream (nothing read
-        back; the GPU hashes the Engram ids), and the context's host tokens stay None until
-        `finish` is given them."""
+        back), and the context's host tokens stay None until `finish` is given them. The
+        GPU hashes the Engram ids from them — or, the tables on disk, `records` False: the
+        host hashes them and reads their records later (`load_records`, before the part
+        holding the first Engram layer is launched)."""
         model, state = self.model, self.state
+        later = not records and bool(model.engram_stores)
         on_device = tokens.device.type != "cpu"
         if on_device:
-            if model.hasher is not None and not model.hashes_on_device:
+            if model.hasher is not None and not model.hashes_on_device and not later:
                 raise ValueError("a step's tokens can stay on the device only where the GPU "
-                                 "hashes the Engram ids (not with tables on disk)")
+                                 "hashes the Engram ids, or with the tables on disk and "
+                                 "their records read later (records=False)")
             device_tokens, tokens = tokens.view(-1), torch.zeros(tokens.numel(),
                                                                  dtype=torch.long)
+        if later and self.ctx is None:
+            raise ValueError("a static step's first inputs need their records (the "
+                             "buffers are made from them)")
         tokens = model.check_forward(tokens, state, self.mode)
         if tokens.numel() != self.T:
             raise ValueError(f"this static step takes {self.T} tokens, got {tokens.numel()}")
         # (after the first step, uploaded straight into the first step's buffer)
         ctx = model.new_context(tokens, state, model.numerics,
-                                None if self.ctx is None else self.ctx.inputs)
-        # Disk tables: the step's records are read here, on the host (the store's cache and
-        # reads cannot run inside a graph), into a fixed device buffer the region dequantises.
-        for layer, store in model.engram_stores.items():
-            raw = torch.from_numpy(store.records(ctx.engram_ids[layer]))
-            if self.ctx is None:
-                ctx.engram_records[layer] = raw.to(model.device)
-            else:
-                self.ctx.engram_records[layer].copy_(raw)
+                                None if self.ctx is None else self.ctx.inputs,
+                                engram_ids=not later)
+        if not later:
+            self._copy_records(ctx, ctx.engram_ids)
         if self.ctx is None:
             self.ctx = ctx
         else:
@@ -73,6 +77,32 @@ class StaticStep:
             ctx.device_tokens.copy_(device_tokens)  # (the fixed buffer's ids: a view of it)
             ctx.tokens = None
         return ctx
+
+    def load_records(self, tokens: torch.Tensor) -> None:
+        """Disk tables, a step prepared with records=False: its Engram records, from its
+        tokens' host copy (hashed at the state's position, the step's), into the fixed
+        buffers — queued on the stream, so the parts launched before run meanwhile."""
+        self._copy_records(self.ctx, self.model._engram_ids(tokens, self.state))
+
+    def _copy_records(self, ctx: ForwardContext, ids: dict[int, torch.Tensor]) -> None:
+        """Each disk table's records of `ids` read on the host (the store's cache and reads
+        cannot run inside a graph) into a fixed device buffer the region dequantises —
+        through pinned staging, so the copy queues behind the stream's work and the host
+        goes on (the staging is rewritten a step later, when the copy is long done: the host
+        has read that step's output since)."""
+        for layer, store in self.model.engram_stores.items():
+            raw = torch.from_numpy(store.records(ids[layer]))
+            if layer not in self._staging:
+                ctx.engram_records[layer] = raw.to(self.model.device)
+                self._staging[layer] = (torch.empty_like(raw, pin_memory=True)
+                                           if self.model.device.type == "cuda" else None)
+                continue
+            staging = self._staging[layer]
+            if staging is None:
+                self.ctx.engram_records[layer].copy_(raw)
+            else:
+                staging.copy_(raw)
+                self.ctx.engram_records[layer].copy_(staging, non_blocking=True)
 
     def run(self) -> None:
         """The region: embedding, the layers, the head; logits into self.logits. Everything
@@ -88,13 +118,7 @@ class StaticStep:
         repeated. Each can be a graph of its own: replayed in order, the GPU runs one piece
         while the host launches the next."""
         model = self.model
-        blocks = model.layers
-        groups, i, k = [], 0, 0
-        while i < len(blocks):
-            per = max(1, sizes[min(k, len(sizes) - 1)])
-            groups.append(blocks[i:i + per])
-            i, k = i + per, k + 1
-        groups = groups or [[]]
+        groups = self.groups(sizes)
 
         def part(i: int, group: list):
             def run() -> None:
@@ -109,6 +133,16 @@ class StaticStep:
                                                    self.mode)
             return run
         return [part(i, g) for i, g in enumerate(groups)]
+
+    def groups(self, sizes: tuple[int, ...]) -> list[list]:
+        """The layers of each of `parts(sizes)` (one empty group for a model without any)."""
+        blocks = self.model.layers
+        groups, i, k = [], 0, 0
+        while i < len(blocks):
+            per = max(1, sizes[min(k, len(sizes) - 1)])
+            groups.append(blocks[i:i + per])
+            i, k = i + per, k + 1
+        return groups or [[]]
 
     def finish(self, ctx: ForwardContext, tokens: torch.Tensor | None = None) -> None:
         """Record the step's tokens in the state (its position advances); `tokens`: their
