@@ -87,10 +87,11 @@ speculative.DSparkDecoder._length = marked("length chosen", speculative.DSparkDe
 StaticStep.prepare = marked("prepare begun", StaticStep.prepare, at_end=False)
 
 
-def chain_replay(self):
+def chain_replay(self, parts=slice(None)):  # (disk tables: a step in two ranges of parts)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for i, g in enumerate(self.graphs):
+    first = parts.start or 0
+    for i, g in enumerate(self.graphs[parts], start=first):
         t = time.perf_counter()
         if i == 0 and any(self is c.graph for c in s.graphed.captured.values()):
             marks.append(("first part launched", t))  # (a step's chain: not the draft's)
