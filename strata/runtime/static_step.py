@@ -95,7 +95,7 @@ class StaticStep:
             if layer not in self._staging:
                 ctx.engram_records[layer] = raw.to(self.model.device)
                 self._staging[layer] = (torch.empty_like(raw, pin_memory=True)
-                                           if self.model.device.type == "cuda" else None)
+                                        if self.model.device.type == "cuda" else None)
                 continue
             staging = self._staging[layer]
             if staging is None:
