@@ -94,7 +94,8 @@ class StaticStep:
             raw = torch.from_numpy(store.records(ids[layer]))
             if layer not in self._staging:
                 ctx.engram_records[layer] = raw.to(self.model.device)
-                self._staging[layer] = (torch.empty_like(raw, pin_memory=True)
+                self._staging[layer] = (torch.empty(raw.shape, dtype=raw.dtype,
+                                                    pin_memory=True)
                                         if self.model.device.type == "cuda" else None)
                 continue
             staging = self._staging[layer]
