@@ -165,9 +165,10 @@ class Model:
         when the tables are on disk). A pure function of the tokens and their history."""
         history = self._history(state)
         key = (tuple(tokens.tolist()), tuple(history.tolist()))
-        if self._hashed is None or self._hashed[0] != key:
-            self._hashed = key, self.hasher.ids(tokens, history)
-        return self._hashed[1]
+        hashed = self._hashed  # (read once: one tuple, whichever thread last replaced it)
+        if hashed is None or hashed[0] != key:
+            hashed = self._hashed = key, self.hasher.ids(tokens, history)
+        return hashed[1]
 
     def new_state(self, capacity: int) -> State:
         return State(self.cfg, capacity, self.device, kv_dtype=self.numerics.act_dtype,
