@@ -17,8 +17,10 @@ it, those writes — shifted to the replay's position — are filed in the live 
 are valid until the same graph replays again, so a graphed forward must be the journal's
 only one (a journal that already holds writes runs eagerly).
 
-Engram tables on disk: a step's records are read on the host before the replay
-(StaticStep.prepare) into a fixed device buffer, which the graph dequantises.
+Engram tables on disk: a step's records are read on the host into a fixed device buffer,
+which the graph dequantises — before the replay, or, for a step launched on tokens the host
+has not read yet, after the parts before the first Engram layer (`launch`'s host_tokens,
+StaticStep.load_records).
 
 The DSpark draft replays from more graphs: its block through the stages and the head
 (DraftRegion: a chain of one graph per stage), then the Markov picks with the request's sampler (MarkovPicks: a capture per
@@ -30,11 +32,11 @@ commits (CommitRegion: a capture per row count).
 What a graph cannot replay runs eagerly instead (`Model.forward`): a CPU model and the
 vendor's stale-index-key quirk.
 
-All of a state's graphs share one memory pool: they replay one at a time on one stream, so
-a later capture may reuse what an earlier one freed; what a step returns is copied out of
-the pool before the next replay. The graphs live on their State (Model.graphed), so a
-retained conversation keeps its captures — and their pool, which the prefix cache's byte
-budget does not count yet.
+A state's graphs hold a memory pool per kind of region (CudaGraphs: steps, draft, commit):
+a later capture may reuse what an earlier one of its pool freed, which is safe only where
+the earlier graph never replays before the later one's results are read. The graphs live on
+their State (Model.graphed), so a retained conversation keeps its captures — and their
+pools, which the prefix cache's byte budget counts (GraphedForward.nbytes).
 """
 from __future__ import annotations
 

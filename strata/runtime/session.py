@@ -217,8 +217,8 @@ class Session:
         dev, read, tok = None, None, first
         for i in range(steps):
             if dev is not None:
-                read = download(dev)  # (queued before the forward that consumes it)
-                read = functools.cache(lambda wait=read: torch.tensor([int(wait()[0])]))
+                wait = download(dev)  # (queued before the forward that consumes it)
+                read = functools.cache(lambda wait=wait: torch.tensor([int(wait()[0])]))
             P = state.position
             c, ctx = g.launch(torch.tensor([tok]) if dev is None else dev, "last", read)
             if self.speculative is not None:  # keep the draft windows complete
