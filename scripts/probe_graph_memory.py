@@ -1,11 +1,11 @@
 """GPU memory a decode state's CUDA graphs hold — what a state retained for prefix reuse keeps
-beyond its caches (runtime/prefix_cache counts the caches, state_nbytes, and what the graphs'
-captures reserved, GraphedForward.nbytes). The synthetic V4.1 as scripts/probe_session.py (20
+beyond its caches (runtime/prefix_cache counts the caches, state_nbytes, and the graphs'
+memory pools' segments, GraphedForward.nbytes). The synthetic V4.1 as scripts/probe_session.py (20
 layers, a 512-token prompt); for each mode, a fresh session decodes 64 tokens (plain steps;
 oracle: verify windows, drafts and commits), then prints the device memory allocated and
 reserved beyond the model's before and after State.drop_graphs() (a pool's freed scratch stays
-reserved: the allocated figure misses it), what the captures counted, and the caches' own
-bytes. One-off diagnostic (GPU): source scripts/device_env.sh && python
+reserved: the allocated figure misses it), what the prefix cache counts for the graphs, and
+the caches' own bytes. One-off diagnostic (GPU): source scripts/device_env.sh && python
 scripts/probe_graph_memory.py"""
 import gc
 
@@ -45,6 +45,6 @@ for mode in ("plain+graphs", "oracle+graphs", "oracle:p0.69@3+graphs"):
     without = [a - b for a, b in zip(settled(), base)]
     graphs = [(h - w) / MB for h, w in zip(held, without)]
     print(f"{mode}: {captures} captures; the graphs' memory {graphs[0]:.1f} MiB allocated, "
-          f"{graphs[1]:.1f} MiB reserved, {counted / MB:.1f} MiB counted by the captures; "
+          f"{graphs[1]:.1f} MiB reserved, {counted / MB:.1f} MiB in the pools' segments; "
           f"the caches' own bytes {caches / MB:.1f} MiB", flush=True)
     del s

@@ -313,32 +313,45 @@ def test_prefix_cache_budget_evicts_least_recent(tiny_reference):
 
 def test_a_retained_states_graphs_count_in_the_budget(tiny_reference, monkeypatch):
     """A retained state keeps its CUDA graphs, whose memory pools hold device memory (their
-    scratch stays reserved while the graphs live): the prefix cache counts what the captures
-    reserved. torch.cuda's capture and counters are stand-ins here (no CUDA in CI): each
-    capture's run reserves as much as a state's caches; what is checked is the accounting —
-    the pools' growth summed, counted with the caches, cleared when the graphs are released
-    (the eviction's)."""
+    scratch stays reserved while the graphs live): the prefix cache counts the segments
+    the allocator gives the state's pools. torch.cuda's capture and allocator are stand-ins
+    here (no CUDA in CI): each capture's run takes a segment as large as a state's caches
+    in its pool, another pool (someone else's graphs) holds one too; what is checked is
+    the accounting — only this state's pools' segments, counted with the caches, none once
+    the graphs are released (the eviction's)."""
     import contextlib
+    import itertools
     from strata.runtime.graphs import CudaGraphs, GraphedForward
-    reserved = [0]
+    segments, current, ids = [], [None], itertools.count()
 
     class Graph:
         pass
-    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
+
+    @contextlib.contextmanager
+    def graph(g, pool=None):
+        current[0] = pool
+        yield
+        current[0] = None
+    monkeypatch.setattr(torch.cuda, "graph", graph)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", object)
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved[0])
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, next(ids) + 1))
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: list(segments))
 
     caches = Retained(tiny_reference.new_state(256)).nbytes()
 
-    def grow():
-        reserved[0] += caches
+    def take():
+        segments.append({"total_size": caches, "segment_pool_id": current[0]})
+    segments.append({"total_size": 7 * caches, "segment_pool_id": (0, 0)})  # (not a pool)
     entry = Retained(tiny_reference.new_state(256))
     g = GraphedForward(tiny_reference, entry.state, CudaGraphs())
     entry.state.graphs = g
+    other = CudaGraphs()  # another state's graphs
+    other.capture(take, entry.state, "steps")
+    assert g.nbytes() == 0
     for pool in ("steps", "steps", "draft"):
-        g.backend.capture(grow, entry.state, pool)
+        g.backend.capture(take, entry.state, pool)
     assert g.nbytes() == 3 * caches and entry.nbytes() == 4 * caches
+    assert other.pool_bytes() == caches
     cache = PrefixCache(budget_bytes=5 * caches + caches // 2)
     cache.put(entry)
     cache.put(Retained(tiny_reference.new_state(256)))
