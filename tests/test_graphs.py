@@ -11,7 +11,6 @@ import itertools
 
 import torch
 
-from strata.engram_store import EngramStore
 from strata.model.model import Model
 from strata.model.numerics import Numerics
 from strata.runtime.graphs import CudaGraphs, EagerReplay, GraphedForward, no_cyclic_gc
@@ -190,53 +189,26 @@ def test_disk_engram_is_read_as_the_part_that_needs_it_is_launched(tiny_dir, mon
     def spy_load(self, tokens):
         events.append("records")
         return load(self, tokens)
-    prefetch, records = EngramStore.prefetch, EngramStore.records
-
-    def spy_prefetch(self, ids):
-        events.append(("prefetch", id(self)))
-        return prefetch(self, ids)
-
-    def spy_records(self, ids):
-        events.append(("read", id(self)))
-        return records(self, ids)
     monkeypatch.setattr(graphs_module.Chain, "replay", spy_replay)
     monkeypatch.setattr(StaticStep, "load_records", spy_load)
-    monkeypatch.setattr(EngramStore, "prefetch", spy_prefetch)
-    monkeypatch.setattr(EngramStore, "records", spy_records)
-
-    def store_call(e):
-        return isinstance(e, tuple) and e[0] in ("prefetch", "read")
-
-    def flow():  # the loads and replays, in order
-        return [e for e in events if not store_call(e)]
-
-    def table_calls(i):  # the store calls of the load events[i] makes (up to the next replay)
-        return list(itertools.takewhile(store_call, events[i + 1:]))
     prompt = random_tokens(30, seed=13)
     want = Session(mem, 64).run(prompt, 8, mode="plain").tokens
     s = Session(disk, 64)
     g = _graphed(disk, s)
     assert s.run(prompt, 8, mode="plain").tokens == want
     assert (g.captures, g.replays) == (1, 6)
-    f = flow()
-    loads = [i for i, e in enumerate(f) if e == "records"]
+    loads = [i for i, e in enumerate(events) if e == "records"]
     assert len(loads) == g.replays  # every replay (the first step, on its host token, captured)
-    assert all(f[i - 1] == (None, 1) and f[i + 1] == (1, None) for i in loads)
-    tables = sorted(id(st) for st in disk.engram_stores.values())
-    for i in (i for i, e in enumerate(events) if e == "records"):
-        calls = table_calls(i)  # every table's reads start before the first one's are read
-        assert [e[0] for e in calls] == ["prefetch"] * 2 + ["read"] * 2
-        assert sorted(e[1] for e in calls[:2]) == tables
+    assert all(events[i - 1] == (None, 1) and events[i + 1] == (1, None) for i in loads)
     assert all(st.stats().lookups >= 7 for st in disk.engram_stores.values())
     want = Session(mem, 64).run(prompt, 12, mode="plain").tokens
     d = Session(disk, 64, speculative=SpecConfig(length=3, low_windows=10 ** 6))
     _graphed(disk, d)
     events.clear()
     assert d.run(prompt, 12, mode="dspark").tokens == want
-    f = flow()
-    loads = [i for i, e in enumerate(f) if e == "records"]
+    loads = [i for i, e in enumerate(events) if e == "records"]
     assert len(loads) >= d.stats.windows // 2  # (the windows replayed: not each length's first)
-    assert all(f[i - 1] == (None, 1) and f[i + 1] == (1, None) for i in loads)
+    assert all(events[i - 1] == (None, 1) and events[i + 1] == (1, None) for i in loads)
     for store in disk.engram_stores.values():
         store.close()
 

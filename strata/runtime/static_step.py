@@ -81,10 +81,7 @@ class StaticStep:
     def load_records(self, tokens: torch.Tensor) -> None:
         """Disk tables, a step prepared with records=False: its Engram records, from its
         tokens' host copy (hashed at the state's position, the step's), into the fixed
-        buffers — queued on the stream, so the parts launched before run meanwhile. Every
-        table's reads start at once (a later layer's rows arrive while the first table's
-        are read, not after them)."""
-        self.model.prefetch_engram(tokens, self.state)
+        buffers — queued on the stream, so the parts launched before run meanwhile."""
         self._copy_records(self.ctx, self.model._engram_ids(tokens, self.state))
 
     def _copy_records(self, ctx: ForwardContext, ids: dict[int, torch.Tensor]) -> None:
