@@ -27,6 +27,7 @@ import strata  # noqa: F401  (sets the CPU kernel capability before torch loads)
 
 import torch
 
+from strata.engram_store import IO_THREADS
 from strata.errors import StrataError
 
 
@@ -190,9 +191,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engram-cache-mb", type=int, default=1024,
                    help="with --engram disk: host RAM for cached Engram rows, all tables "
                         "together (default 1024)")
-    p.add_argument("--engram-io-threads", type=int, default=8,
+    p.add_argument("--engram-io-threads", type=int, default=IO_THREADS,
                    help="with --engram disk: threads reading each table's rows (the queue "
-                        "depth the disk sees; default 8)")
+                        f"depth the disk sees; default {IO_THREADS})")
 
 
 def cmd_generate(args) -> int:

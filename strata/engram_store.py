@@ -47,6 +47,11 @@ ALIGN = 4096  # O_DIRECT offset/length/buffer alignment; 4 KiB satisfies 512 B a
 # tracemalloc at ~155 B on CPython 3.11; counted against the cache's byte budget.
 INDEX_BYTES_PER_ROW = 160
 SCALE_DTYPES = ("F8_E8M0", "U8")
+# Threads reading a table's rows. Measured, a cold 20-layer decode on the H200 machine's disk:
+# 153.5 tok/s with 4, 129-138 with 8, 121 with 16, ~101 with 32 or 64 (the hand-offs and the
+# GIL cost more than the deeper queue gives); the development VM's O_DIRECT reads peaked at 4
+# too (bench/results/engram.md).
+IO_THREADS = 4
 
 
 def record_bytes(dim: int) -> int:
@@ -248,7 +253,7 @@ class EngramStore:
     prefetches = True  # the model starts its reads ahead of the lookups (Model.prefetch_engram)
 
     def __init__(self, source: RowSource, device: torch.device | str = "cpu", *,
-                 cache_bytes: int = 1 << 30, io_threads: int = 8, direct: bool | None = None,
+                 cache_bytes: int = 1 << 30, io_threads: int = IO_THREADS, direct: bool | None = None,
                  merge_gap_bytes: int = ALIGN, max_read_bytes: int = 256 * 1024) -> None:
         if io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {io_threads}")

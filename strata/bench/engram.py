@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from strata.checkpoint.safetensors_io import SafetensorsFile
-from strata.engram_store import (INDEX_BYTES_PER_ROW, EngramStore, RowSource, drop_page_cache,
-                                  record_bytes)
+from strata.engram_store import (INDEX_BYTES_PER_ROW, IO_THREADS, EngramStore, RowSource,
+                                  drop_page_cache, record_bytes)
 
 DIM = 256  # V4.1 engram_head_dim: 264-byte records
 TOKEN_IDS = 24  # row ids per token per table in V4.1
@@ -130,7 +130,7 @@ def _prefill_run(store: EngramStore, reqs: np.ndarray) -> dict:
             "read_calls": st.read_calls, "bytes_read": st.bytes_read}
 
 
-def run(file: Path, size_bytes: int, layout: str = "packed", io_threads: int = 8,
+def run(file: Path, size_bytes: int, layout: str = "packed", io_threads: int = IO_THREADS,
         decode_steps: int = 2000, prefill_chunks: int = 4, prefill_tokens: int = 512,
         zipf_s: float = 1.0, zipf_ids_count: int = 200_000,
         cache_fractions: tuple[float, ...] = (0.001, 0.01, 0.1), seed: int = 0) -> dict:
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--file", type=Path, required=True, help="table file (written if needed)")
     ap.add_argument("--size-mb", type=float, default=256.0, help="table size in MiB")
     ap.add_argument("--layout", choices=("packed", "official"), default="packed")
-    ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=IO_THREADS)
     ap.add_argument("--decode-steps", type=int, default=2000)
     ap.add_argument("--prefill-chunks", type=int, default=4)
     ap.add_argument("--zipf-s", type=float, default=1.0)

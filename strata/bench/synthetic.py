@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from strata.config import ModelConfig
+from strata.engram_store import IO_THREADS
 from strata.quant.exl3 import Exl3Linear
 from strata.quant.linear import DenseLinear, Fp4Group32Linear, Fp8Block32Linear, Linear
 
@@ -59,7 +60,7 @@ class SyntheticWeights:
     engram: str = "device"                 # "device" or "disk"
     engram_rows: int = 1 << 20             # rows each folded Engram table keeps
     engram_dir: Path | None = None         # where engram="disk" writes its table files
-    engram_io_threads: int = 8             # engram="disk": each store's reading threads
+    engram_io_threads: int = IO_THREADS             # engram="disk": each store's reading threads
     stored_bytes: dict[str, int] = field(default_factory=dict)  # by group, for reports
     weights: dict[str, int] = field(default_factory=dict)       # quantized weights by group
     linear_weights: dict[str, int] = field(default_factory=dict)  # … by linear (prefix)
@@ -416,8 +417,9 @@ def add_arguments(p) -> None:
     p.add_argument("--engram-rows", type=int, default=1 << 20,
                    help="rows each folded Engram table keeps (same id stream, bounded size)")
     p.add_argument("--engram-dir", help="with --engram disk: where the table files go")
-    p.add_argument("--engram-io-threads", type=int, default=8,
-                   help="with --engram disk: threads reading each table's rows (default 8)")
+    p.add_argument("--engram-io-threads", type=int, default=IO_THREADS,
+                   help="with --engram disk: threads reading each table's rows "
+                        f"(default {IO_THREADS})")
     p.add_argument("--engram-cache", default="warm", choices=["warm", "cold"],
                    help="with --engram disk: cold = every run starts with the row cache "
                         "empty and the tables' pages dropped (each row a disk read, as at a "
