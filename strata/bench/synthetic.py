@@ -60,7 +60,7 @@ class SyntheticWeights:
     engram: str = "device"                 # "device" or "disk"
     engram_rows: int = 1 << 20             # rows each folded Engram table keeps
     engram_dir: Path | None = None         # where engram="disk" writes its table files
-    engram_io_threads: int = IO_THREADS             # engram="disk": each store's reading threads
+    engram_io_threads: int = IO_THREADS    # engram="disk": each store's reading threads
     stored_bytes: dict[str, int] = field(default_factory=dict)  # by group, for reports
     weights: dict[str, int] = field(default_factory=dict)       # quantized weights by group
     linear_weights: dict[str, int] = field(default_factory=dict)  # … by linear (prefix)
