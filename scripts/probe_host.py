@@ -87,7 +87,7 @@ speculative.DSparkDecoder._length = marked("length chosen", speculative.DSparkDe
 StaticStep.prepare = marked("prepare begun", StaticStep.prepare, at_end=False)
 
 
-def chain_replay(self, parts=slice(None)):  # (disk tables: a step in two ranges of parts)
+def chain_replay(self, parts=slice(None)):  # (disk tables: a step in ranges, one per Engram layer)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     first = parts.start or 0

@@ -168,17 +168,20 @@ def test_a_replayed_commit_of_the_draft_windows_equals_the_eager_one(tiny_dir):
 
 def test_disk_engram_is_read_as_the_part_that_needs_it_is_launched(tiny_dir, monkeypatch):
     """Engram tables on disk: a graphed step reads its records on the host (the store's
-    cache cannot run inside a graph) into a fixed buffer the graph dequantises. The plain
-    loop still runs a step ahead: each step is launched on the token the step before left on
-    the device up to the part before its first Engram layer (layer 1: the chain's second
-    graph), then the host reads that token, hashes it, reads its rows and launches the rest
-    (GraphedForward.launch). The in-memory model's tokens, plain and in fixed-length DSpark
-    windows (launched on their drafts' tokens the same way), the rows counted as read."""
+    cache cannot run inside a graph) into a fixed buffer the graph dequantises, each Engram
+    layer's just before the graph holding it is launched, so the GPU runs the graphs before
+    it meanwhile (the tiny model's layers 1 and 4: the chain's second and third graphs).
+    The plain loop still runs a step ahead: each step is launched on the token the step
+    before left on the device, the host reading that token once the graph before the first
+    Engram layer is launched (GraphedForward.launch); steps on host tokens (the loop not
+    ahead) read the same way. The in-memory model's tokens, plain and in fixed-length DSpark
+    windows (launched on their drafts' tokens), the rows counted as read."""
     from strata.runtime import graphs as graphs_module
+    from strata.runtime import session as session_module
     mem = Model.load(tiny_dir, "cpu", Numerics("vendor"))
     disk = Model.load(tiny_dir, "cpu", Numerics("vendor"), engram="disk",
                       engram_cache_bytes=1 << 16)
-    assert disk.engram_stores
+    assert sorted(disk.engram_stores) == [1, 4]
     events = []
     replay, load = graphs_module.Chain.replay, StaticStep.load_records
 
@@ -186,29 +189,36 @@ def test_disk_engram_is_read_as_the_part_that_needs_it_is_launched(tiny_dir, mon
         events.append((parts.start, parts.stop))
         return replay(self, parts)
 
-    def spy_load(self, tokens):
-        events.append("records")
-        return load(self, tokens)
+    def spy_load(self, ids, layers):
+        events.append(("records", tuple(layers)))
+        return load(self, ids, layers)
     monkeypatch.setattr(graphs_module.Chain, "replay", spy_replay)
     monkeypatch.setattr(StaticStep, "load_records", spy_load)
+    # a replayed step: graph 0, layer 1's records, graph 1, layer 4's, the rest
+    step = [(0, 1), ("records", (1,)), (1, 2), ("records", (4,)), (2, None)]
+    captured = [(None, None)]  # (a capture's one replay: its records read with its inputs)
     prompt = random_tokens(30, seed=13)
     want = Session(mem, 64).run(prompt, 8, mode="plain").tokens
-    s = Session(disk, 64)
-    g = _graphed(disk, s)
-    assert s.run(prompt, 8, mode="plain").tokens == want
-    assert (g.captures, g.replays) == (1, 6)
-    loads = [i for i, e in enumerate(events) if e == "records"]
-    assert len(loads) == g.replays  # every replay (the first step, on its host token, captured)
-    assert all(events[i - 1] == (None, 1) and events[i + 1] == (1, None) for i in loads)
+    for ahead in (True, False):
+        monkeypatch.setattr(session_module, "RUN_AHEAD", ahead)
+        events.clear()
+        s = Session(disk, 64)
+        g = _graphed(disk, s)
+        assert s.run(prompt, 8, mode="plain").tokens == want
+        assert (g.captures, g.replays) == (1, 6)
+        assert events == captured + step * 6
     assert all(st.stats().lookups >= 7 for st in disk.engram_stores.values())
+    monkeypatch.setattr(session_module, "RUN_AHEAD", True)
     want = Session(mem, 64).run(prompt, 12, mode="plain").tokens
     d = Session(disk, 64, speculative=SpecConfig(length=3, low_windows=10 ** 6))
     _graphed(disk, d)
     events.clear()
     assert d.run(prompt, 12, mode="dspark").tokens == want
-    loads = [i for i, e in enumerate(events) if e == "records"]
-    assert len(loads) >= d.stats.windows // 2  # (the windows replayed: not each length's first)
-    assert all(events[i - 1] == (None, 1) and events[i + 1] == (1, None) for i in loads)
+    # every replayed forward (windows and plain steps alike; drafts and commits replay
+    # chains of their own, whole) reads as a plain step does
+    starts = [i for i, e in enumerate(events) if e == step[0]]
+    assert len(starts) >= d.stats.windows // 2  # (the windows replayed: not each length's first)
+    assert all(events[i:i + len(step)] == step for i in starts)
     for store in disk.engram_stores.values():
         store.close()
 

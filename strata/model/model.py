@@ -306,8 +306,8 @@ class Model:
         the tokens — made on the host and uploaded in one copy (ForwardContext.inputs; into
         `inputs` if given — a graphed step's fixed buffer) — each small upload or device op
         costs a decode step's idle GPU a launch. `engram_ids` False, hashing on the host:
-        placeholder ids (the tokens are placeholders too, their records read later:
-        StaticStep.load_records)."""
+        placeholder ids (a graphed step with the tables on disk: its ids hashed and its
+        records read later, StaticStep.engram_ids / load_records)."""
         T = tokens.numel()
         start = state.position
         # (assembled in numpy: a decode step's ~15 small torch ops on the host cost ~250 µs

@@ -18,9 +18,10 @@ are valid until the same graph replays again, so a graphed forward must be the j
 only one (a journal that already holds writes runs eagerly).
 
 Engram tables on disk: a step's records are read on the host into a fixed device buffer,
-which the graph dequantises — before the replay, or, for a step launched on tokens the host
-has not read yet, after the parts before the first Engram layer (`launch`'s host_tokens,
-StaticStep.load_records).
+which the graph dequantises — each layer's just before the graph holding it is launched, so
+the GPU runs the graphs before it meanwhile (layer 14's reads overlap layers 1–13; for a
+step launched on tokens the host has not read yet, the host reads them after the graphs
+before the first Engram layer: `launch`'s host_tokens, StaticStep.load_records).
 
 The DSpark draft replays from more graphs: its block through the stages and the head
 (DraftRegion: a chain of one graph per stage), then the Markov picks with the request's sampler (MarkovPicks: a capture per
@@ -93,9 +94,9 @@ class Captured:
     graph: Chain
     start: int                 # the position it was captured at
     writes: list[RingWrite]    # its journaled writes (empty without a journal)
-    # the first graph of the chain holding an Engram layer whose table is on disk (its
-    # records must be in before it runs: launch's host_tokens); len(chain) if none
-    disk_part: int
+    # the graphs of the chain holding Engram layers whose tables are on disk, in order:
+    # (its index in the chain, those layers) — their records are queued before it runs
+    disk_layers: list[tuple[int, list[int]]]
 
 
 class CudaGraphs:
@@ -407,24 +408,24 @@ class GraphedForward:
         `Captured.step.logits` holds the logits until the next replay. `tokens` on the host,
         or on the device (StaticStep.prepare: a sample the host has not read) — then, with
         Engram tables on disk, `host_tokens()` (the same tensor at every call) gives their
-        host copy, whose records are read after the parts before the first Engram layer
-        are launched: the GPU runs those while the host waits for the tokens and reads."""
+        host copy. With disk tables each Engram layer's records are read as the graph
+        holding it is launched (`_replay_reading_records`)."""
         model, state = self.model, self.state
         T = tokens.numel()
         journaled = state.journal is not None
-        later = host_tokens is not None and bool(model.engram_stores)
+        disk = bool(model.engram_stores)
+        if disk and host_tokens is None:
+            host_tokens = lambda: tokens  # noqa: E731  (on the host already)
         key = (T, logits, journaled) + model.graph_key(state.position, T)
         with made_current(model.device):
             c = self.captured.get(key)
             if c is None:  # (a capture reads its records with its other inputs)
-                c, ctx = self._capture(host_tokens() if later else tokens, logits)
+                c, ctx = self._capture(host_tokens() if disk else tokens, logits)
                 self.captured[key] = c
             else:
-                ctx = c.step.prepare(tokens, records=not later)  # (checks the arguments)
-                if later:
-                    c.graph.replay(slice(c.disk_part))
-                    c.step.load_records(host_tokens())
-                    c.graph.replay(slice(c.disk_part, None))
+                ctx = c.step.prepare(tokens, records=not disk)  # (checks the arguments)
+                if disk:
+                    self._replay_reading_records(c, host_tokens)
                 else:
                     c.graph.replay()
                 self.replays += 1
@@ -432,6 +433,20 @@ class GraphedForward:
                     state.journal.writes.extend(w.shifted(ctx.start - c.start)
                                                 for w in c.writes)
         return c, ctx
+
+    def _replay_reading_records(self, c: Captured, host_tokens) -> None:
+        """A step's graphs replayed in order, each holding a disk Engram layer launched once
+        the host has read that layer's records into its buffer (queued behind the graphs
+        before it, which the GPU runs meanwhile): the graphs before the first Engram layer,
+        the tokens' host copy hashed, then each layer's rows read as its graph is due."""
+        at, ids = 0, None
+        for part, layers in c.disk_layers:
+            c.graph.replay(slice(at, part))
+            if ids is None:
+                ids = c.step.engram_ids(host_tokens())
+            c.step.load_records(ids, layers)
+            at = part
+        c.graph.replay(slice(at, None))
 
     def can_draft(self) -> bool:
         """Whether the draft can replay: not with the stages' experts in a host-managed cache
@@ -542,7 +557,7 @@ class GraphedForward:
         self.capture_s += time.perf_counter() - t0
         graph.replay()
         self.captures += 1
-        disk = [any(b.layer in self.model.engram_stores for b in group)
-                for group in step.groups(PART_LAYERS)]
-        return Captured(step, graph, ctx.start, writes,
-                        disk.index(True) if True in disk else len(disk)), ctx
+        stores = self.model.engram_stores
+        disk = [(i, [b.layer for b in group if b.layer in stores])
+                for i, group in enumerate(step.groups(PART_LAYERS))]
+        return Captured(step, graph, ctx.start, writes, [d for d in disk if d[1]]), ctx

@@ -45,8 +45,8 @@ class StaticStep:
         with placeholder ids and the ids copied in after them on the stream (nothing read
         back), and the context's host tokens stay None until `finish` is given them. The
         GPU hashes the Engram ids from them — or, the tables on disk, `records` False: the
-        host hashes them and reads their records later (`load_records`, before the part
-        holding the first Engram layer is launched)."""
+        host hashes them and reads each layer's records later (`engram_ids`, then
+        `load_records` as the part holding the layer is launched)."""
         model, state = self.model, self.state
         later = not records and bool(model.engram_stores)
         on_device = tokens.device.type != "cpu"
@@ -78,20 +78,28 @@ class StaticStep:
             ctx.tokens = None
         return ctx
 
-    def load_records(self, tokens: torch.Tensor) -> None:
-        """Disk tables, a step prepared with records=False: its Engram records, from its
-        tokens' host copy (hashed at the state's position, the step's), into the fixed
-        buffers — queued on the stream, so the parts launched before run meanwhile."""
-        self._copy_records(self.ctx, self.model._engram_ids(tokens, self.state))
+    def engram_ids(self, tokens: torch.Tensor) -> dict[int, torch.Tensor]:
+        """The Engram row ids of a step prepared with records=False, from its tokens' host
+        copy (hashed at the state's position, the step's): {layer: ids}."""
+        return self.model._engram_ids(tokens, self.state)
 
-    def _copy_records(self, ctx: ForwardContext, ids: dict[int, torch.Tensor]) -> None:
+    def load_records(self, ids: dict[int, torch.Tensor], layers: list[int]) -> None:
+        """Disk tables, a step prepared with records=False: the records of `layers` (of its
+        `engram_ids`) into the fixed buffers — queued on the stream, so the parts launched
+        before run meanwhile."""
+        self._copy_records(self.ctx, ids, layers)
+
+    def _copy_records(self, ctx: ForwardContext, ids: dict[int, torch.Tensor],
+                      layers=None) -> None:
         """Each disk table's records of `ids` read on the host (the store's cache and reads
         cannot run inside a graph) into a fixed device buffer the region dequantises —
         through pinned staging, so the copy queues behind the stream's work and the host
         goes on (the staging is rewritten a step later, when the copy is long done: the host
-        has read that step's output since)."""
-        for layer, store in self.model.engram_stores.items():
-            raw = torch.from_numpy(store.records(ids[layer]))
+        has read that step's output since). `layers`: those only (default: every disk
+        table's)."""
+        stores = self.model.engram_stores
+        for layer in stores if layers is None else layers:
+            raw = torch.from_numpy(stores[layer].records(ids[layer]))
             if layer not in self._staging:
                 ctx.engram_records[layer] = raw.to(self.model.device)
                 self._staging[layer] = (torch.empty(raw.shape, dtype=raw.dtype,
