@@ -1,5 +1,5 @@
 """The decode session the GPU probes (scripts/probe_*.py) run: the synthetic V4.1 with half the
-layers (as scripts/device_probes.sh), a random prompt of PROMPT tokens (environment, default
+layers (as scripts/device_probes.sh; LAYERS in the environment: others, as `--layers`), a random prompt of PROMPT tokens (environment, default
 512; e.g. 32768: a step at an agent's context length), greedy, and a mode of
 `strata bench synthetic` (plain, oracle, oracle:X, each + "+graphs"); oracle drafts are
 plain decoding's own continuation. ENGRAM=disk (environment): the Engram tables on disk
@@ -30,8 +30,8 @@ def probe_session(mode: str, steps: int):
     one_step() runs one plain step or, in a DSpark mode, one verify window with its draft."""
     cfg = v41_flash_config()
     engram = os.environ.get("ENGRAM", "device")
-    model, _ = build_synthetic(cfg, "cuda:0", layers=parse_layers("0-9,20-29", cfg.n_layers),
-                               engram=engram, engram_dir=os.environ.get("ENGRAM_DIR", "/tmp/eng")
+    layers = parse_layers(os.environ.get("LAYERS", "0-9,20-29"), cfg.n_layers)
+    model, _ = build_synthetic(cfg, "cuda:0", layers=layers, engram=engram, engram_dir=os.environ.get("ENGRAM_DIR", "/tmp/eng")
                                if engram == "disk" else None)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 100_000, (int(os.environ.get("PROMPT", 512)),),
