@@ -31,8 +31,9 @@ def probe_session(mode: str, steps: int):
     cfg = v41_flash_config()
     engram = os.environ.get("ENGRAM", "device")
     layers = parse_layers(os.environ.get("LAYERS", "0-9,20-29"), cfg.n_layers)
-    model, _ = build_synthetic(cfg, "cuda:0", layers=layers, engram=engram, engram_dir=os.environ.get("ENGRAM_DIR", "/tmp/eng")
-                               if engram == "disk" else None)
+    engram_dir = os.environ.get("ENGRAM_DIR", "/tmp/eng") if engram == "disk" else None
+    model, _ = build_synthetic(cfg, "cuda:0", layers=layers, engram=engram,
+                               engram_dir=engram_dir)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 100_000, (int(os.environ.get("PROMPT", 512)),),
                            generator=g).tolist()
