@@ -141,6 +141,20 @@ def test_cold_engram_needs_disk_tables(tiny_dir, capsys):
     assert "--engram-io-threads 0: must be ≥ 1" in capsys.readouterr().err
 
 
+def test_disk_engram_scaling_names_the_engram_layers_held(tiny_dir, tmp_path, capsys):
+    """With the tables on disk a step's reads grow with the Engram layers, not with the
+    layers: a layer subset holding some of them says so beside its scaled figures."""
+    from strata.cli import main
+    for layers, note in (("0-3", "(Engram layers held: [1] of [1, 4]"), ("0-4", None)):
+        assert main(["bench", "synthetic", "--config", str(tiny_dir), "--layers", layers,
+                     "--device", "cpu", "--prompt-tokens", "8", "--tokens", "2", "--runs",
+                     "1", "--warmup", "0", "--engram-rows", "32", "--modes", "plain",
+                     "--engram", "disk", "--engram-dir", str(tmp_path / layers)]) == 0
+        text = capsys.readouterr().out
+        assert "scaled to all layers" in text
+        assert (note in text) if note else "Engram layers held" not in text
+
+
 def test_bench_synthetic_cli(tiny_dir, cfg, tmp_path, capsys, monkeypatch):
     import json
 

@@ -765,6 +765,12 @@ def run(args) -> int:
             scaled[mode] = r.median * held / cfg.n_layers
         lines.append("scaled to all layers: " + ", ".join(f"{m} {v:.1f} tok/s"
                                                           for m, v in scaled.items()))
+        engram = sorted(cfg.engram_layer_ids)
+        held_engram = [l for l in engram if l in {b.layer for b in model.layers}]
+        if args.engram == "disk" and held_engram != engram:
+            # the disk reads happen per Engram layer, not per layer: scaling misses the rest
+            lines.append(f"(Engram layers held: {held_engram} of {engram} — the scaled "
+                         f"figures read only the held layers' tables from disk)")
     print("\n".join(lines))
     exact = all(r.get("logits_equal_to_full", True) for r in prefill)
     if not exact:
