@@ -1,10 +1,11 @@
 """The decode session the GPU probes (scripts/probe_*.py) run: the synthetic V4.1 with half the
-layers (as scripts/device_probes.sh; LAYERS in the environment: others, as `--layers`), a random prompt of PROMPT tokens (environment, default
-512; e.g. 32768: a step at an agent's context length), greedy, and a mode of
-`strata bench synthetic` (plain, oracle, oracle:X, each + "+graphs"); oracle drafts are
-plain decoding's own continuation. ENGRAM=disk (environment): the Engram tables on disk
-(in ENGRAM_DIR, default /tmp/eng), as `--engram disk`. Imported by the probes (run from the repo root as
-`python scripts/probe_….py`: this folder is on their path)."""
+layers (as scripts/device_probes.sh; LAYERS in the environment: others, as `--layers`), a
+random prompt of PROMPT tokens (environment, default 512; e.g. 32768: a step at an agent's
+context length), greedy, and a mode of `strata bench synthetic` (plain, oracle, oracle:X,
+each + "+graphs"); oracle drafts are plain decoding's own continuation. ENGRAM=disk
+(environment): the Engram tables on disk (in ENGRAM_DIR, default /tmp/eng), as `--engram
+disk`. Imported by the probes (run from the repo root as `python scripts/probe_….py`: this
+folder is on their path)."""
 from __future__ import annotations
 
 import gzip

@@ -253,8 +253,9 @@ class EngramStore:
     prefetches = True  # the model starts its reads ahead of the lookups (Model.prefetch_engram)
 
     def __init__(self, source: RowSource, device: torch.device | str = "cpu", *,
-                 cache_bytes: int = 1 << 30, io_threads: int = IO_THREADS, direct: bool | None = None,
-                 merge_gap_bytes: int = ALIGN, max_read_bytes: int = 256 * 1024) -> None:
+                 cache_bytes: int = 1 << 30, io_threads: int = IO_THREADS,
+                 direct: bool | None = None, merge_gap_bytes: int = ALIGN,
+                 max_read_bytes: int = 256 * 1024) -> None:
         if io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {io_threads}")
         if cache_bytes < 0 or merge_gap_bytes < 0 or max_read_bytes < ALIGN:

@@ -122,7 +122,8 @@ class CudaGraphs:
         pool keeps every segment a capture took until all its graphs are gone — the
         captures' scratch too, freed at their end but reserved for the pool — and a
         capture's growth of the reserved counter misses what it took from segments the
-        pool already had (on the H200 that growth counted 34 of 120 MiB)."""
+        pool already had (on the H200 that growth counted 34 MiB where dropping the graphs
+        freed 120)."""
         if not self.pools:
             return 0
         ours = {tuple(p) for p in self.pools.values()}
