@@ -184,18 +184,25 @@ def test_disk_engram_is_read_as_the_part_that_needs_it_is_launched(tiny_dir, mon
     assert sorted(disk.engram_stores) == [1, 4]
     events = []
     replay, load = graphs_module.Chain.replay, StaticStep.load_records
+    hash_ids = StaticStep.engram_ids
 
     def spy_replay(self, parts=slice(None)):
         events.append((parts.start, parts.stop))
         return replay(self, parts)
+
+    def spy_hash(self, tokens):  # (its argument: the tokens' host copy, read just before)
+        events.append("hash")
+        return hash_ids(self, tokens)
 
     def spy_load(self, ids, layers):
         events.append(("records", tuple(layers)))
         return load(self, ids, layers)
     monkeypatch.setattr(graphs_module.Chain, "replay", spy_replay)
     monkeypatch.setattr(StaticStep, "load_records", spy_load)
-    # a replayed step: graph 0, layer 1's records, graph 1, layer 4's, the rest
-    step = [(0, 1), ("records", (1,)), (1, 2), ("records", (4,)), (2, None)]
+    monkeypatch.setattr(StaticStep, "engram_ids", spy_hash)
+    # a replayed step: graph 0, the tokens read and hashed, layer 1's records, graph 1,
+    # layer 4's records, the rest
+    step = [(0, 1), "hash", ("records", (1,)), (1, 2), ("records", (4,)), (2, None)]
     captured = [(None, None)]  # (a capture's one replay: its records read with its inputs)
     prompt = random_tokens(30, seed=13)
     want = Session(mem, 64).run(prompt, 8, mode="plain").tokens
