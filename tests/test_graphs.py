@@ -230,6 +230,45 @@ def test_disk_engram_is_read_as_the_part_that_needs_it_is_launched(tiny_dir, mon
         store.close()
 
 
+def test_a_disk_read_failing_mid_step_leaves_the_state_usable(tiny_dir, monkeypatch):
+    """A graphed step whose second Engram layer's read fails (the disk gone) raises the
+    read's error after the graphs before it ran: the state is not advanced, and the next
+    forward at that position — another token — gives the logits a model that never saw the
+    failed step gives (the failed step's writes at the position are rewritten)."""
+    from strata.errors import CheckpointError
+    mem = Model.load(tiny_dir, "cpu", Numerics("vendor"))
+    disk = Model.load(tiny_dir, "cpu", Numerics("vendor"), engram="disk")
+    prompt = random_tokens(30, seed=21)
+    s = Session(disk, 64)
+    g = _graphed(disk, s)
+    s.prefill(prompt)
+    s.forward(torch.tensor([7]), "last")  # (captured: the next forward replays)
+    at = s.state.position
+    store = disk.engram_stores[4]
+
+    def gone(ids):
+        raise CheckpointError("Engram row read failed: the disk is gone")
+    monkeypatch.setattr(store, "records", gone)
+    first = disk.engram_stores[1].stats().lookups
+    try:
+        s.forward(torch.tensor([9]), "last")
+    except CheckpointError as e:
+        assert "disk is gone" in str(e)
+    else:
+        raise AssertionError("the failed read did not surface")
+    # (the graphs up to layer 4's ran: layer 1's rows were read, its layers wrote at `at`)
+    assert disk.engram_stores[1].stats().lookups == first + 1
+    assert s.state.position == at and (g.captures, g.replays) == (1, 0)
+    monkeypatch.undo()
+    logits, _ = s.forward(torch.tensor([11]), "last")
+    ref = mem.new_state(64)
+    mem.forward(torch.tensor(s.state.tokens[:at].tolist()), ref, logits="none")
+    want, _ = mem.forward(torch.tensor([11]), ref, logits="last")
+    assert torch.equal(logits, want) and g.replays == 1
+    for st in disk.engram_stores.values():
+        st.close()
+
+
 def test_graphs_stay_with_their_state(tiny_dir):
     """A state keeps its graphs (a retained conversation reuses its captures in the next
     request); a clone — other buffers — starts without; the engine and the CLI take
