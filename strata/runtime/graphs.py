@@ -19,9 +19,10 @@ only one (a journal that already holds writes runs eagerly).
 
 Engram tables on disk: a step's records are read on the host into a fixed device buffer,
 which the graph dequantises — each layer's just before the graph holding it is launched, so
-the GPU runs the graphs before it meanwhile (layer 14's reads overlap layers 1–13; for a
-step launched on tokens the host has not read yet, the host reads them after the graphs
-before the first Engram layer: `launch`'s host_tokens, StaticStep.load_records).
+the GPU runs the graphs before it meanwhile (layer 14's reads overlap the graphs of the
+layers before it; for a step launched on tokens the host has not read yet, the host reads
+them after the graphs before the first Engram layer: `launch`'s host_tokens,
+StaticStep.load_records).
 
 The DSpark draft replays from more graphs: its block through the stages and the head
 (DraftRegion: a chain of one graph per stage), then the Markov picks with the request's sampler (MarkovPicks: a capture per
