@@ -8,6 +8,7 @@ import torch
 
 from strata.bench.synthetic import build_synthetic, exl3_group
 from strata.config import ModelConfig
+from strata.errors import StrataError
 from strata.runtime.graphs import EagerReplay, GraphedForward
 from strata.runtime.session import Session
 from strata.runtime.speculative import SpecConfig
@@ -78,6 +79,14 @@ def test_prefill_chunk_breakdown_runs_the_chunk_it_names(cfg):
 def test_layer_subset(cfg):
     model, _ = build_synthetic(cfg, "cpu", layers=[0, 1, 2], engram_rows=16)
     assert [b.layer for b in model.layers] == [0, 1, 2]
+
+
+def test_a_subset_without_a_layers_index_source_is_refused_by_name(cfg):
+    """Layer 4 attends with layer 3's top-k selection: holding 4 without 3 names both
+    (the forward would otherwise fail deep inside attention)."""
+    assert cfg.index_source_of(4) == 3
+    with pytest.raises(StrataError, match="layer 4 attends with layer 3's top-k selection"):
+        build_synthetic(cfg, "cpu", layers=[0, 1, 2, 4], engram_rows=16)
 
 
 def test_folded_engram_on_disk_equals_on_device(cfg, tmp_path):

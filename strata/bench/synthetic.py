@@ -378,6 +378,8 @@ def build_synthetic(cfg: ModelConfig, device: torch.device | str, numerics=None,
         # same amount of work, and the weights are random anyway).
         n = len(cfg.dspark_target_layer_ids)
         cfg = replace(cfg, dspark_target_layer_ids=tuple(sorted(layers)[-n:]))
+    if part is None and layers is not None:
+        _check_index_sources(cfg, layers)
     w = SyntheticWeights(cfg, device, **options)
     if part is None and layers is not None:
         part = ModelPart(layers=layers)
@@ -388,6 +390,18 @@ def build_synthetic(cfg: ModelConfig, device: torch.device | str, numerics=None,
 
 
 # ---- `strata bench synthetic` ------------------------------------------------------------------
+def _check_index_sources(cfg: ModelConfig, layers) -> None:
+    """A one-device subset computes every top-k selection it uses: a held layer whose index
+    source is not held would find no selection (a layer split ships them between ranks)."""
+    from strata.errors import StrataError
+    held = set(layers)
+    for l in sorted(held):
+        src = cfg.index_source_of(l)
+        if src is not None and src not in held:
+            raise StrataError(f"--layers: layer {l} attends with layer {src}'s top-k selection "
+                              f"(its index source); hold layer {src} too")
+
+
 def parse_layers(text: str | None, n_layers: int) -> list[int] | None:
     """'0-7,20-27' → [0..7, 20..27]; None/'all' → every layer."""
     if text in (None, "", "all"):
