@@ -239,6 +239,60 @@ def test_unknown_route_and_unsupported_features(live):
     assert "image" in err["message"]
 
 
+def test_request_shapes_clients_send(live, an, real_vocab_dir):
+    """Fields the recipe does not read but clients send: OpenAI's max_completion_tokens (the
+    newer name of max_tokens, which wins when both come) and developer role (a system
+    message), an Anthropic tool of type "custom"; count_tokens; what this server cannot honour
+    refused by name — a missing Anthropic max_tokens (it would run to the end of the
+    context), a JSON-schema or regex response format (decoding is not constrained), chained
+    Responses (no store), numbers out of JSON's range."""
+    base = {"model": M, "messages": CHAT, "reasoning_effort": "none", "temperature": 0}
+    r = live.post("/v1/chat/completions", dict(base, max_completion_tokens=3))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    r = live.post("/v1/chat/completions", dict(base, max_tokens=2, max_completion_tokens=5))
+    assert r.json()["usage"]["completion_tokens"] == 2
+    dev = [dict(CHAT[0], role="developer"), CHAT[1]]
+    a = live.post("/v1/chat/completions", dict(base, messages=dev, max_tokens=1)).json()
+    b = live.post("/v1/chat/completions", dict(base, max_tokens=1)).json()
+    assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    tool = {"name": "get_weather", "description": "Weather of a city",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    plain = live.post("/v1/messages", {"model": M, "max_tokens": 1, "messages": msgs,
+                                       "tools": [tool]})
+    custom = live.post("/v1/messages", {"model": M, "max_tokens": 1, "messages": msgs,
+                                        "tools": [dict(tool, type="custom")]})
+    assert custom.status_code == 200, custom.text
+
+    def prompt_tokens(r):  # (Anthropic's input_tokens leave out what the cache served)
+        u = r.json()["usage"]
+        return u["input_tokens"] + (u.get("cache_read_input_tokens") or 0)
+    n = prompt_tokens(plain)
+    assert prompt_tokens(custom) == n
+    counted = live.post("/v1/messages/count_tokens", {"model": M, "messages": msgs,
+                                                      "tools": [tool]})
+    assert counted.json() == {"input_tokens": n}
+    assert an.messages.count_tokens(model=M, messages=msgs, tools=[tool]).input_tokens == n
+    err = _an_error(live.post("/v1/messages", {"model": M, "messages": msgs}), 400)
+    assert "max_tokens" in err["message"]
+    for fmt, what in (({"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object"}}}, "JSON schema"),
+                      ({"type": "regex", "regex": "a+"}, "regex")):
+        err = _oa_error(live.post("/v1/chat/completions", dict(base, response_format=fmt,
+                                                               max_tokens=2)), 400)
+        assert what in err["message"] and err["param"] == "response_format"
+    err = _oa_error(live.post("/v1/responses", {"model": M, "input": "hi",
+                                                "previous_response_id": "resp_x"}), 400)
+    assert "previous_response_id" in err["message"]
+    err = _oa_error(live.post("/v1/chat/completions", dict(base, seed=2 ** 64)), 400)
+    err = _oa_error(live.post("/v1/completions", b'{"model": "%s", "prompt": "hi", '
+                              b'"temperature": NaN}' % M.encode()), 400)
+    assert "finite" in err["message"]
+    err = _oa_error(live.post("/v1/completions", {"model": M, "prompt": "hi",
+                                                  "stream": "false"}), 400)
+    assert "stream" in err["message"]
+
+
 def test_still_serving_after_errors(oa):
     r = oa.chat.completions.create(model=M, messages=CHAT, max_tokens=2, temperature=0,
                                    reasoning_effort="none")
@@ -276,6 +330,9 @@ def test_api_key_required_when_set(model, real_vocab_dir):
                         headers={"Authorization": "Bearer sekrit"}).status_code == 200
         assert srv.post("/v1/chat/completions", body,
                         headers={"x-api-key": "sekrit"}).status_code == 200
+        # (a client may send the key in one header and leave the other empty)
+        assert srv.post("/v1/chat/completions", body, headers={
+            "x-api-key": "", "Authorization": "Bearer sekrit"}).status_code == 200
         assert httpx.get(srv.url + "/health").status_code == 200  # liveness stays open
 
 

@@ -211,6 +211,41 @@ def test_metrics(live):
     assert values['strata_requests_total{endpoint="chat",outcome="ok"}'] >= 2
 
 
+def test_metrics_count_each_requests_outcome(live):
+    """A non-streamed request whose client leaves is `cancelled`, not `ok`; a stream closed
+    early too, its delivered tokens counted; a request refused before it runs, by the kind of
+    error (invalid_request, not_found, …)."""
+    def values():
+        text_ = httpx.get(live.url + "/metrics").text
+        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text_.splitlines()
+                if line and not line.startswith("#")}
+
+    def outcome(v, what, endpoint="chat"):
+        return v.get(f'strata_requests_total{{endpoint="{endpoint}",outcome="{what}"}}', 0)
+    before = values()
+    body = {"model": M, "messages": [{"role": "user", "content": "go on and on"}],
+            "max_tokens": 4000, "reasoning_effort": "none", "temperature": 0}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(live.url + "/v1/chat/completions", json=body, timeout=1.0)
+    with httpx.stream("POST", live.url + "/v1/chat/completions", json=dict(body, stream=True),
+                      timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 8:
+                break
+    live.wait_idle(60)
+    assert live.post("/v1/chat/completions", dict(body, max_tokens=0)).status_code == 400
+    assert live.post("/v1/messages", {"model": "nope", "max_tokens": 1,
+                                      "messages": body["messages"]}).status_code == 404
+    after = values()
+    assert outcome(after, "cancelled") == outcome(before, "cancelled") + 2
+    assert outcome(after, "ok") == outcome(before, "ok")
+    assert outcome(after, "invalid_request") == outcome(before, "invalid_request") + 1
+    assert outcome(after, "not_found", "messages") == outcome(before, "not_found",
+                                                              "messages") + 1
+    assert (after["strata_generated_tokens_total"]
+            >= before["strata_generated_tokens_total"] + 4)
+
+
 def test_metrics_report_disk_engram_rows(real_vocab_dir):
     """With the Engram tables on disk, /metrics shows each table's rows by how they were
     served, and the bytes read."""

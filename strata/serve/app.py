@@ -5,6 +5,7 @@
   GET  /v1/models              the served model
   POST /v1/chat/completions    OpenAI Chat Completions (deepseek-recipe)
   POST /v1/messages            Anthropic Messages (deepseek-recipe)
+  POST /v1/messages/count_tokens  the prompt tokens a Messages request would take
   POST /v1/responses           OpenAI Responses (deepseek-recipe)
   POST /v1/completions         raw prompt completions (serve/completions.py)
 
@@ -20,6 +21,7 @@ import hmac
 import json
 import logging
 import secrets
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -62,6 +64,12 @@ def _style(path: str) -> str:
     return "anthropic" if path.startswith("/v1/messages") else "openai"
 
 
+# the endpoints whose requests /metrics counts, by path (the Generation's endpoint label)
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/messages": "messages",
+             "/v1/responses": "responses", "/v1/completions": "completions",
+             "/v1/messages/count_tokens": "count_tokens"}
+
+
 class Server:
     """Everything the routes share: engine, tokenizers, recipe encoder, stores, metrics."""
 
@@ -72,6 +80,8 @@ class Server:
         self.rtok = dr.Tokenizer.from_file(path)          # recipe: prompt encoding, parsing
         self.htok = load_tokenizer(model_dir)             # raw completions: text in and out
         self.encoder = dr.DeepseekV41Encoding().with_tokenizer(self.rtok)
+        # Prompts are encoded off the event loop (a long one takes seconds), one at a time.
+        self._encoding = threading.Lock()
         # Only the model we serve; the recipe would also accept DeepSeek-V4-Pro.
         self.options = dr.ConversionOptions().with_model_versions_by_name(
             {config.model_name: dr.ModelVersion.DeepseekV41Flash})
@@ -87,11 +97,13 @@ class Server:
         key = self.config.api_key
         if key is None:
             return
-        given = request.headers.get("x-api-key")
+        given = [request.headers.get("x-api-key")]
         auth = request.headers.get("authorization", "")
-        if given is None and auth.lower().startswith("bearer "):
-            given = auth[7:].strip()
-        if given is None or not hmac.compare_digest(given.encode(), key.encode()):
+        if auth.lower().startswith("bearer "):
+            given.append(auth[7:].strip())
+        # (either header may carry it: clients set one and may leave the other empty)
+        if not any(g is not None and hmac.compare_digest(g.encode(), key.encode())
+                   for g in given):
             raise ApiError("authentication", "missing or invalid API key (send it as "
                            "'Authorization: Bearer KEY' or 'x-api-key: KEY')")
 
@@ -153,7 +165,8 @@ class Server:
         finally:
             watcher.cancel()
         if gen.started is None:  # cancelled before it ran: only a gone client gets here
-            raise ApiError("unavailable", "the request was cancelled before it started")
+            raise ApiError("unavailable", "the request was cancelled before it started",
+                           counted=True)
         if after is not None:
             after(gen)
         return JSONResponse(gen.output.result())
@@ -176,30 +189,56 @@ class Server:
         if done is not None:
             yield f"data: {done}\n\n".encode()
 
-    async def recipe_request(self, request: Request, protocol: Protocol) -> Response:
-        arrived = time.perf_counter()
-        self.authorize(request)
-        body = await self.read_json(request)
+    def _encode(self, conversation) -> list[int]:
+        with self._encoding:
+            return list(self.encoder.encode(conversation))
+
+    async def prompt(self, body: dict, protocol: Protocol):
+        """(the converted request, its prompt ids) of a chat request body, or the ApiError
+        that names what is wrong with it."""
         self.check_model(body)
-        model = self.config.model_name
         try:
-            conv = protocol.convert(body, self.options, model)
+            conv = protocol.convert(body, self.options, self.config.model_name)
         except dr.ConversionError as e:
             raise from_conversion_error(e) from None
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, OverflowError) as e:
             raise ApiError("invalid_request", str(e)) from None
         creq = conv.request
         opts = creq.inference_options
         if opts.logprobs:
             raise ApiError("invalid_request", "logprobs are not supported", param="logprobs")
+        oc = opts.output_constraint
+        if oc is not None and (oc.kind == "regex" or (oc.kind == "json" and oc.schema)):
+            # (json_object stays: the V4.1 prompt asks for JSON, as DeepSeek's own API does)
+            what = "regex" if oc.kind == "regex" else "JSON schema"
+            raise ApiError("invalid_request", f"a {what} response format is not supported: "
+                           "this server does not constrain decoding", param="response_format")
         if any(m.image_sources for m in creq.conversation.messages):
             raise ApiError("invalid_request", "image inputs are not supported by this server "
                            "(the vision tower is not implemented)", param="messages")
         try:
-            ids = list(self.encoder.encode(creq.conversation))
+            ids = await asyncio.to_thread(self._encode, creq.conversation)
         except (RuntimeError, ValueError) as e:
             raise ApiError("invalid_request", f"cannot encode the conversation: {e}") from None
         ids, _ = self.tool_turns.apply(creq.conversation, ids)
+        return conv, ids
+
+    async def count_tokens(self, request: Request) -> dict:
+        """Anthropic's count_tokens: the prompt tokens the same Messages body would take
+        (max_tokens is not part of it)."""
+        self.authorize(request)
+        body = await self.read_json(request)
+        _, ids = await self.prompt(dict(body, max_tokens=body.get("max_tokens") or 1),
+                                   PROTOCOLS["messages"])
+        self.metrics.requests.labels("count_tokens", "ok").inc()
+        return {"input_tokens": len(ids)}
+
+    async def recipe_request(self, request: Request, protocol: Protocol) -> Response:
+        arrived = time.perf_counter()
+        self.authorize(request)
+        body = await self.read_json(request)
+        conv, ids = await self.prompt(body, protocol)
+        creq, opts, model = conv.request, conv.request.inference_options, self.config.model_name
         try:
             max_tokens = creq.resolve_max_tokens(len(ids), self.engine.capacity)
         except dr.ConversionError as e:
@@ -235,11 +274,14 @@ class Server:
         if "model" not in body:
             raise ApiError("invalid_request", "'model' is required", param="model")
         self.check_model(body)
-        req = completions.parse(body, self.htok, self.vocab_size)
+        req = await asyncio.to_thread(completions.parse, body, self.htok, self.vocab_size)
         if len(req.prompt) + req.max_tokens > self.engine.capacity:
             raise self.context_error(len(req.prompt), req.max_tokens)
-        params = SamplingParams(req.temperature, req.top_p,
-                                req.seed if req.seed is not None else secrets.randbits(63))
+        try:
+            params = SamplingParams(req.temperature, req.top_p,
+                                    req.seed if req.seed is not None else secrets.randbits(63))
+        except StrataError as e:
+            raise ApiError("invalid_request", str(e)) from None
         output: Output = completions.TextOutput(req, self.htok, self.config.model_name,
                                                 self.eos_id)
         gen = Generation(self.engine, self.metrics, output,
@@ -268,6 +310,9 @@ def create_app(engine: Engine, model_dir: str | Path, config: ServeConfig = Serv
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        endpoint = ENDPOINTS.get(request.url.path)
+        if endpoint is not None and not e.counted:  # (by its kind: invalid_request, …)
+            server.metrics.requests.labels(endpoint, e.kind).inc()
         return JSONResponse(e.body(_style(request.url.path)), status_code=e.status_code,
                             headers=e.headers)
 
@@ -309,6 +354,10 @@ def create_app(engine: Engine, model_dir: str | Path, config: ServeConfig = Serv
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         return await server.recipe_request(request, PROTOCOLS["messages"])
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> dict:
+        return await server.count_tokens(request)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:

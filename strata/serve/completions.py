@@ -40,9 +40,19 @@ def _number(body: dict, key: str, default, kind, lo=None, hi=None):
     if not ok:
         raise ApiError("invalid_request", f"'{key}' must be {'a number' if kind is float else 'an integer'}",
                        param=key)
+    if v != v or v in (float("inf"), float("-inf")):  # (NaN passes every comparison)
+        raise ApiError("invalid_request", f"'{key}' must be a finite number, got {v}", param=key)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise ApiError("invalid_request", f"'{key}' must be in [{lo}, {hi}], got {v}", param=key)
+        bounds = f"≥ {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ApiError("invalid_request", f"'{key}' must be {bounds}, got {v}", param=key)
     return kind(v)
+
+
+def _flag(body: dict, key: str) -> bool:
+    v = body.get(key, False)
+    if v is not None and not isinstance(v, bool):
+        raise ApiError("invalid_request", f"'{key}' must be true or false, got {v!r}", param=key)
+    return bool(v)
 
 
 def parse(body: dict, tokenizer: Tokenizer, vocab_size: int) -> CompletionRequest:
@@ -82,7 +92,7 @@ def parse(body: dict, tokenizer: Tokenizer, vocab_size: int) -> CompletionReques
         max_tokens=_number(body, "max_tokens", 16, int, 1),
         temperature=_number(body, "temperature", 1.0, float, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, float, 1e-6, 1.0),
-        seed=seed, stop=tuple(stop), stream=bool(body.get("stream", False)),
+        seed=seed, stop=tuple(stop), stream=_flag(body, "stream"),
         include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")))
 
 

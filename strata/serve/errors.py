@@ -30,6 +30,7 @@ class ApiError(Exception):
     code: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
     status: int | None = None  # overrides the kind's status (e.g. a recipe error's own)
+    counted: bool = False      # already in /metrics' request outcomes (rejected, error)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -143,7 +143,7 @@ class Generation:
         except QueueFull as e:
             self.metrics.requests.labels(self.endpoint, "rejected").inc()
             raise ApiError("rate_limit", f"the server is busy ({e}); retry shortly",
-                           headers={"Retry-After": "1"}) from None
+                           headers={"Retry-After": "1"}, counted=True) from None
         except EngineStopped as e:
             raise ApiError("unavailable", str(e)) from None
 
@@ -193,11 +193,14 @@ class Generation:
                 elif isinstance(ev, Finished):
                     self.finished = ev
                     self.metrics.finished(ev)
+                    # (a stop string ends the answer by cancelling the rest: that is done)
+                    gone = ev.reason == "cancelled" and not out.done
+                    self.metrics.requests.labels(self.endpoint,
+                                                 "cancelled" if gone else "ok").inc()
                     if self.started is None:  # cancelled while waiting
                         return
                     for s in out.finish(ev.reason):
                         yield s
-                    self.metrics.requests.labels(self.endpoint, "ok").inc()
                     return
                 elif isinstance(ev, Failed):
                     self.finished = Finished("error", len(self.emitted), 0.0, 0.0)
@@ -205,10 +208,12 @@ class Generation:
                     # A request too long for the context is the client's to fix; the app
                     # checks that before queueing, so this is only a second line of defence.
                     kind = "invalid_request" if ev.error_type == "CapacityError" else "server"
-                    raise ApiError(kind, f"generation failed: {ev.error_type}: {ev.message}")
+                    raise ApiError(kind, f"generation failed: {ev.error_type}: {ev.message}",
+                                   counted=True)
         finally:
             ticker.cancel()
-            if self.finished is None:
+            if self.finished is None:  # the consumer left (a closed stream)
                 self.metrics.requests.labels(self.endpoint, "cancelled").inc()
+                self.metrics.generated_tokens.inc(len(self.emitted))  # (its Finished unread)
                 self.cancel()
             out.close()

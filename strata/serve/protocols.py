@@ -14,6 +14,8 @@ from typing import Any
 
 import deepseek_recipe as dr
 
+from strata.serve.errors import ApiError
+
 
 @dataclass(frozen=True)
 class ToolCallOut:
@@ -45,9 +47,14 @@ class Protocol:
     request_cls: Any
     response_cls: Any
 
+    def prepare(self, body: dict) -> dict:
+        """The body as the recipe should read it: fields clients send that it does not know
+        mapped to the ones it does, and what this server cannot honour refused by name."""
+        return body
+
     def convert(self, body: dict, options: dr.ConversionOptions, model: str) -> Converted:
         rid = self.id_prefix + secrets.token_hex(12)
-        creq = self.request_cls(body).convert(options)
+        creq = self.request_cls(self.prepare(body)).convert(options)
         return Converted(creq, self.request_cls.chunk_generator(creq, rid, model), rid)
 
     def response(self, rid: str, model: str, created: int, prompt_tokens: int,
@@ -68,6 +75,20 @@ class ChatCompletions(Protocol):
     name, id_prefix = "chat", "chatcmpl-"
     request_cls, response_cls = dr.ChatCompletionRequest, dr.ChatCompletionResponse
 
+    def prepare(self, body: dict) -> dict:
+        # max_completion_tokens: the current name of max_tokens (which wins if both are sent);
+        # the developer role: the system role of OpenAI's newer models
+        body = dict(body)
+        limit = body.pop("max_completion_tokens", None)
+        if body.get("max_tokens") is None and limit is not None:
+            body["max_tokens"] = limit
+        msgs = body.get("messages")
+        if isinstance(msgs, list):
+            body["messages"] = [dict(m, role="system")
+                                if isinstance(m, dict) and m.get("role") == "developer" else m
+                                for m in msgs]
+        return body
+
     def turn(self, response: dict) -> TurnOut:
         msg = response["choices"][0]["message"]
         calls = tuple(ToolCallOut(c["id"], c["function"]["name"],
@@ -79,6 +100,19 @@ class ChatCompletions(Protocol):
 class Messages(Protocol):
     name, id_prefix, error_style = "messages", "msg_", "anthropic"
     request_cls, response_cls = dr.MessagesRequest, dr.MessagesResponse
+
+    def prepare(self, body: dict) -> dict:
+        # Anthropic requires max_tokens; without it one request would hold the engine until
+        # the context is full. A tool of type "custom" is a client tool, as one with no type.
+        if body.get("max_tokens") is None:
+            raise ApiError("invalid_request", "max_tokens: field required", param="max_tokens")
+        tools = body.get("tools")
+        if isinstance(tools, list) and any(isinstance(t, dict) and t.get("type") == "custom"
+                                           for t in tools):
+            body = dict(body, tools=[{k: v for k, v in t.items() if k != "type"}
+                                     if isinstance(t, dict) and t.get("type") == "custom"
+                                     else t for t in tools])
+        return body
 
     def turn(self, response: dict) -> TurnOut:
         blocks = response.get("content") or []
@@ -93,9 +127,19 @@ class Responses(Protocol):
     name, id_prefix = "responses", "resp_"
     request_cls, response_cls = dr.ResponsesRequest, dr.ResponsesResponse
 
+    def prepare(self, body: dict) -> dict:
+        # no response store: a chained request would silently lose its conversation
+        for key, what in (("previous_response_id", "stored responses"),
+                          ("background", "background responses")):
+            if body.get(key) not in (None, False):
+                raise ApiError("invalid_request", f"'{key}' is not supported: this server "
+                               f"keeps no {what}; send the whole conversation as input",
+                               param=key)
+        return body
+
     def convert(self, body: dict, options: dr.ConversionOptions, model: str) -> Converted:
         rid = self.id_prefix + secrets.token_hex(12)
-        req = self.request_cls(body)
+        req = self.request_cls(self.prepare(body))
         # Read before convert() consumes the request.
         echo, ns_map = req.echo(), req.namespace_tool_map(options)
         creq = req.convert(options)
