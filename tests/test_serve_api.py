@@ -293,6 +293,36 @@ def test_request_shapes_clients_send(live, an, real_vocab_dir):
     assert "stream" in err["message"]
 
 
+def test_anthropic_prefill_is_continued(live, model, real_vocab_dir):
+    """A final assistant message of text starts the answer: the prompt ends with its tokens
+    (no end-of-sentence, no new assistant turn) and the reply is what follows — the engine's
+    own continuation of that prompt; thinking is off for it, refused if asked for."""
+    msgs = [{"role": "user", "content": "Give me JSON."}]
+    body = {"model": M, "max_tokens": 4, "temperature": 0, "messages": msgs,
+            "thinking": {"type": "disabled"}}
+    prompt = recipe_prompt_ids(real_vocab_dir, body, dr.MessagesRequest)
+    prefill = live.server.htok.encode('{"a":', add_special_tokens=False).ids
+    want = direct(model, prompt + prefill, 4)
+    for last in ('{"a":', [{"type": "text", "text": '{"a":'}]):
+        r = live.post("/v1/messages", dict(body, messages=msgs + [
+            {"role": "assistant", "content": last}]))
+        assert r.status_code == 200, r.text
+        out = r.json()
+        u = out["usage"]
+        assert u["input_tokens"] + (u.get("cache_read_input_tokens") or 0) == len(
+            prompt + prefill)
+        text = "".join(b.get("text", "") for b in out["content"] if b["type"] == "text")
+        assert text == live.server.htok.decode(want, skip_special_tokens=False)
+    no_thinking = {k: v for k, v in body.items() if k != "thinking"}  # (off unless asked)
+    r = live.post("/v1/messages", dict(no_thinking, messages=msgs + [
+        {"role": "assistant", "content": '{"a":'}]))
+    assert r.status_code == 200 and r.json()["content"][0]["type"] == "text", r.text
+    err = _an_error(live.post("/v1/messages", dict(body, thinking={
+        "type": "enabled", "budget_tokens": 1024}, messages=msgs + [
+        {"role": "assistant", "content": '{"a":'}])), 400)
+    assert "thinking" in err["message"]
+
+
 def test_still_serving_after_errors(oa):
     r = oa.chat.completions.create(model=M, messages=CHAT, max_tokens=2, temperature=0,
                                    reasoning_effort="none")

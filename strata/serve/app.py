@@ -221,6 +221,8 @@ class Server:
         except (RuntimeError, ValueError) as e:
             raise ApiError("invalid_request", f"cannot encode the conversation: {e}") from None
         ids, _ = self.tool_turns.apply(creq.conversation, ids)
+        if conv.prefill:
+            ids += self.htok.encode(conv.prefill, add_special_tokens=False).ids
         return conv, ids
 
     async def count_tokens(self, request: Request) -> dict:
@@ -262,7 +264,8 @@ class Server:
                          protocol.name, arrived, self.config.keepalive_s)
 
         def remember(g: Generation) -> None:
-            if g.finished is not None and g.finished.reason == "stop":
+            # (a prefilled turn's text began in the prompt: its emitted tokens are not the turn)
+            if g.finished is not None and g.finished.reason == "stop" and not conv.prefill:
                 self.tool_turns.remember(ids, g.emitted, protocol.turn(g.output.result()))
 
         return await self.respond(request, gen, creq.stream, remember)

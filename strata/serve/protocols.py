@@ -38,6 +38,7 @@ class Converted:
     request: dr.ConversationRequest
     generator: Any  # a recipe chunk generator (consumed by one StreamProcessor)
     response_id: str
+    prefill: str = ""  # the start of the answer, given by the client: the prompt ends with it
 
 
 class Protocol:
@@ -113,6 +114,36 @@ class Messages(Protocol):
                                      if isinstance(t, dict) and t.get("type") == "custom"
                                      else t for t in tools])
         return body
+
+    def convert(self, body: dict, options: dr.ConversionOptions, model: str) -> Converted:
+        body, prefill = self.split_prefill(body)
+        conv = super().convert(body, options, model)
+        conv.prefill = prefill
+        return conv
+
+    @staticmethod
+    def split_prefill(body: dict) -> tuple[dict, str]:
+        """A final assistant message of text is the start of the answer (Anthropic's prefill):
+        the body without it, and its text — the prompt ends with it and the model continues
+        it, instead of the turn closing. The answer is text, so thinking must be off (off
+        unless asked for, as Anthropic's default)."""
+        msgs = body.get("messages")
+        if not (isinstance(msgs, list) and len(msgs) > 1 and isinstance(msgs[-1], dict)
+                and msgs[-1].get("role") == "assistant"):
+            return body, ""
+        content = msgs[-1].get("content")
+        if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text"
+                                             for b in content):
+            text = "".join(str(b.get("text", "")) for b in content)
+        elif isinstance(content, str):
+            text = content
+        else:
+            return body, ""  # (tool use or thinking blocks: the recipe's rules apply)
+        thinking = body.get("thinking")
+        if isinstance(thinking, dict) and thinking.get("type") == "enabled":
+            raise ApiError("invalid_request", "a final assistant message (the start of the "
+                           "answer) is continued only with thinking disabled", param="thinking")
+        return dict(body, messages=msgs[:-1], thinking={"type": "disabled"}), text
 
     def turn(self, response: dict) -> TurnOut:
         blocks = response.get("content") or []
