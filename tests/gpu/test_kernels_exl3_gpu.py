@@ -47,6 +47,24 @@ def i16(t):
     return t.view(torch.int16) if t.dtype in (torch.float16, torch.bfloat16) else t.view(torch.int32)
 
 
+def assert_replays_equal(fn, eager, what=None) -> None:
+    """fn captured in a CUDA graph (after a warm-up call on a side stream, as the decode step
+    is captured) and replayed three times: each replay's outputs equal `eager`, bit for bit."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = fn()
+    as_list = lambda t: list(t) if isinstance(t, (list, tuple)) else [t]
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(as_list(static), as_list(eager))), what
+
+
 def decode_case(device, seed: int, E: int = 8, T: int = 6, k: int = 6):
     """A decode step's EXL3 work at the experts' gate/up shape (5120 → 2304, K 2.5): a dense
     linear (trellis, suh, svh), two expert weight sets of E experts, the routing ids [T, k]
@@ -316,18 +334,7 @@ def test_the_early_launch_gives_plain_orders_bits_eager_and_graphed(cuda, monkey
     for pdl in (True, False):
         monkeypatch.setattr(X, "PDL", pdl)
         eager = run()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            run()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static = run()
-        for _ in range(3):
-            graph.replay()
-            torch.cuda.synchronize()
-            assert all(torch.equal(a, b) for a, b in zip(static, eager)), pdl
+        assert_replays_equal(run, eager, pdl)
         results[pdl] = eager
     assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
 
@@ -384,18 +391,7 @@ def test_the_mma_kernel_gives_the_triton_kernels_bits(cuda, monkeypatch, K, code
     tr = trellis_of(5120, 2304, K, seed=80, device=cuda)
     suh, svh = scales(5120, 81, cuda, scale=5120 ** -0.5), scales(2304, 82, cuda, scale=0.05)
     eager = X.exl3_linear(x, tr, suh, svh, codebook)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        X.exl3_linear(x, tr, suh, svh, codebook)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = X.exl3_linear(x, tr, suh, svh, codebook)
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(static, eager)
+    assert_replays_equal(lambda: X.exl3_linear(x, tr, suh, svh, codebook), eager)
 
 
 @pytest.mark.parametrize("K,codebook", [(2, "mul1"), (2.5, "mul1"), (4, "3inst")])
@@ -445,18 +441,7 @@ def test_the_kernel_rotating_its_own_x_gives_rotate_ins_bits(cuda, monkeypatch, 
         h = X.exl3_linear(x, tr1, s1, v1, codebook, out_dtype=torch.bfloat16)
         return h, X.exl3_linear(h, tr2, s2, v2, codebook, out_dtype=torch.bfloat16)
     eager = chain()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        chain()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = chain()
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip(static, eager))
+    assert_replays_equal(chain, eager)
     monkeypatch.setattr(exl3_mma, "ROTATE", False)
     assert all(torch.equal(a, b) for a, b in zip(chain(), eager))
 
