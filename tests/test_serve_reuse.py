@@ -346,6 +346,23 @@ def test_prefix_cache_budget_evicts_least_recent(tiny_reference):
     assert PrefixCache(0).take(torch.tensor([1, 2])) == (None, 0)
 
 
+def test_a_budget_below_one_conversation_says_so_once(tiny_reference, caplog):
+    """A budget no conversation fits in retains nothing — the operator is told (once), not
+    left to find the prefix-cache hits at zero."""
+    one = Retained(tiny_reference.new_state(256)).nbytes()
+    cache = PrefixCache(budget_bytes=one // 2)
+    with caplog.at_level("WARNING", logger="strata.prefix_cache"):
+        for _ in range(2):
+            cache.put(Retained(tiny_reference.new_state(256)))
+    assert len(cache) == 0
+    warned = [r for r in caplog.records if "--prefix-cache-mb" in r.getMessage()]
+    assert len(warned) == 1 and "no prompt is reused" in warned[0].getMessage()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="strata.prefix_cache"):
+        PrefixCache(0).put(Retained(tiny_reference.new_state(256)))  # (0: reuse off, quietly)
+    assert not caplog.records
+
+
 def test_a_retained_states_graphs_count_in_the_budget(tiny_reference, monkeypatch):
     """A retained state keeps its CUDA graphs, whose memory pools hold device memory (their
     scratch stays reserved while the graphs live): the prefix cache counts the segments

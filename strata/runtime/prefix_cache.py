@@ -17,6 +17,7 @@ state is forked (cloned), so the conversation it belongs to keeps its whole cont
 """
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from itertools import count
@@ -24,6 +25,9 @@ from itertools import count
 import torch
 
 from strata.runtime.state import Bookmark, State
+
+
+log = logging.getLogger("strata.prefix_cache")
 
 
 def state_nbytes(state: State) -> int:
@@ -97,6 +101,7 @@ class PrefixCache:
         self.max_bookmarks = max_bookmarks
         self._entries: OrderedDict[int, tuple[Retained, int]] = OrderedDict()  # key → (entry, bytes)
         self._keys = count()
+        self._warned = False  # (that one conversation exceeds the budget: said once)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -137,7 +142,13 @@ class PrefixCache:
 
     def put(self, entry: Retained) -> None:
         """Retain a conversation as the most recent; evict the least recent over budget."""
-        self._entries[next(self._keys)] = (entry, entry.nbytes())
+        n = entry.nbytes()
+        if n > self.budget_bytes > 0 and not self._warned:
+            self._warned = True
+            log.warning("the prefix cache's budget (%.1f MiB) is smaller than one "
+                        "conversation's state (%.1f MiB): no prompt is reused; raise "
+                        "--prefix-cache-mb", self.budget_bytes / 2**20, n / 2**20)
+        self._entries[next(self._keys)] = (entry, n)
         while self._entries and self.nbytes > self.budget_bytes:
             _, (evicted, _) = self._entries.popitem(last=False)
             evicted.state.drop_graphs()  # (its memory freed now, not at a cycle collection)
