@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import defaultdict
@@ -28,6 +29,7 @@ import strata  # noqa: F401  (sets the CPU kernel capability before torch loads)
 import torch
 
 from strata.engram_store import IO_THREADS
+from strata.argtypes import COUNT, NONNEGATIVE, PORT, SEED, integer
 from strata.errors import StrataError
 
 
@@ -142,6 +144,32 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
+def _check_ids(ids: list[int], cfg) -> None:
+    """--tokens against the model's vocabulary (known once it is loaded)."""
+    bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise StrataError(f"--tokens: {bad[0]} is not a token id of this model "
+                          f"(0..{cfg.vocab_size - 1})")
+
+
+def _check_writable(path: str, flag: str) -> None:
+    """An output file's folder exists and takes files — checked before the work, whose
+    result would otherwise be lost at the end."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise StrataError(f"{flag} {path}: is a folder; name a file")
+    if not os.path.isdir(folder):
+        raise StrataError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise StrataError(f"{flag} {path}: the folder {folder} is not writable")
+
+
+def _check_capacity(args, cfg) -> None:
+    if args.capacity is not None and args.capacity > cfg.max_position_embeddings:
+        raise StrataError(f"--capacity {args.capacity}: this model's context is at most "
+                          f"{cfg.max_position_embeddings} tokens")
+
+
 def _add_graphs_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graphs", action="store_true",
                    help="replay decode steps, DSpark verify windows and drafts from CUDA graphs "
@@ -150,7 +178,7 @@ def _add_graphs_arg(p: argparse.ArgumentParser) -> None:
 
 def _add_speculative_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", action="store_true", help="decode with DSpark")
-    p.add_argument("--draft-length", type=int, default=None,
+    p.add_argument("--draft-length", type=COUNT, default=None,
                    help="with --speculative: verify this many drafts a window (default: "
                         "adaptive, from the draft's confidences and window prices measured "
                         "at start-up)")
@@ -171,9 +199,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="activation dtype (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--vendor-stale-index-k", action="store_true",
                    help="reproduce the vendor's stale index-key quirk (spec §2.6)")
-    p.add_argument("--capacity", type=int, default=None,
+    p.add_argument("--capacity", type=integer(2), default=None,
                    help="context capacity in tokens (default: prompt + max tokens)")
-    p.add_argument("--load-buffer-mb", type=int, default=256,
+    p.add_argument("--load-buffer-mb", type=COUNT, default=256,
                    help="size of each of the 4 host staging buffers weights stream through "
                         "while loading (default 256: 1 GiB in all)")
     p.add_argument("--quiet", action="store_true", help="no loading progress bar")
@@ -185,13 +213,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="cache: keep the DSpark stages' routed experts off the device and bring "
                         "each draft step's experts in through a bounded cache (for when they do "
                         "not fit beside the backbone; drafts are identical)")
-    p.add_argument("--draft-cache-mb", type=int, default=None,
+    p.add_argument("--draft-cache-mb", type=COUNT, default=None,
                    help="with --draft-experts cache: its device budget (default 1024, or more "
                         "when the device has free memory)")
-    p.add_argument("--engram-cache-mb", type=int, default=1024,
+    p.add_argument("--engram-cache-mb", type=NONNEGATIVE, default=1024,
                    help="with --engram disk: host RAM for cached Engram rows, all tables "
                         "together (default 1024)")
-    p.add_argument("--engram-io-threads", type=int, default=IO_THREADS,
+    p.add_argument("--engram-io-threads", type=integer(1, 1024), default=IO_THREADS,
                    help="with --engram disk: threads reading each table's rows (the queue "
                         f"depth the disk sees; default {IO_THREADS})")
 
@@ -202,11 +230,13 @@ def cmd_generate(args) -> int:
     from strata.runtime.speculative import speculative_config
     from strata.tokenizer import load_tokenizer, tokenizer_path
     _check_speculative_args(args)
+    prompt = _parse_ids(args.tokens) if args.tokens is not None else None
     model = _load(args)
+    _check_capacity(args, model.cfg)
     model_dir = _model_dir(args.model)
     tok = load_tokenizer(model_dir)
-    if args.tokens is not None:
-        prompt = _parse_ids(args.tokens)
+    if prompt is not None:
+        _check_ids(prompt, model.cfg)
     else:
         import deepseek_recipe as dr
         conv = dr.Conversation([dr.UserMessage(args.prompt)], thinking_mode=args.thinking)
@@ -241,8 +271,12 @@ def cmd_generate(args) -> int:
 
 def cmd_score(args) -> int:
     import numpy as np
-    model = _load(args)
     ids = _parse_ids(args.tokens)
+    save = args.save if args.save.endswith(".npz") else args.save + ".npz"  # (numpy's name)
+    _check_writable(save, "--save")
+    model = _load(args)
+    _check_capacity(args, model.cfg)
+    _check_ids(ids, model.cfg)
     if not 0 <= args.start < len(ids):
         raise StrataError(f"--start {args.start}: must be in 0..{len(ids) - 1}")
     mode = args.mode
@@ -264,10 +298,10 @@ def cmd_score(args) -> int:
             if logits is not None:
                 out.append(logits.cpu())
     logits = torch.cat(out).numpy()
-    np.savez(args.save, logits=logits, tokens=np.array(ids),
+    np.savez(save, logits=logits, tokens=np.array(ids),
              positions=np.arange(args.start, len(ids)), mode=mode)
     print(f"saved logits {list(logits.shape)} for positions {args.start}..{len(ids) - 1} "
-          f"to {args.save}")
+          f"to {save}")
     return 0
 
 
@@ -494,7 +528,11 @@ def cmd_serve(args) -> int:
 
 def cmd_make_tiny(args) -> int:
     from strata.checkpoint.tiny import make_tiny
-    out = make_tiny(args.out, args.preset, args.seed, args.format)
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise StrataError(f"make-tiny {out}: exists and is not an empty folder; refusing to "
+                          "write into it (name a new folder)")
+    out = make_tiny(out, args.preset, args.seed, args.format)
     print(f"wrote {args.preset} {args.format} fixture (seed {args.seed}) to {out}")
     return 0
 
@@ -513,7 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=SEED, default=0)
     g.add_argument("--json", action="store_true", help="print one JSON object")
     _add_speculative_args(g)
     _add_graphs_arg(g)
@@ -523,7 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(s)
     s.add_argument("--tokens", required=True)
     s.add_argument("--mode", default="prefill", help="prefill, decode or chunk:N")
-    s.add_argument("--start", type=int, default=0, help="positions before this are context only")
+    s.add_argument("--start", type=NONNEGATIVE, default=0, help="positions before this are context only")
     s.add_argument("--save", required=True, help="output .npz (logits, tokens, positions)")
     s.set_defaults(fn=cmd_score)
 
@@ -572,10 +610,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_parallel_args(bd)
     bd.add_argument("--modes", default="plain,dspark,oracle",
                     help="comma-separated: plain, dspark, oracle (drafts = plain continuation)")
-    bd.add_argument("--tokens", type=int, default=96)
-    bd.add_argument("--runs", type=int, default=3)
-    bd.add_argument("--warmup", type=int, default=1)
-    bd.add_argument("--length", type=int, default=None,
+    bd.add_argument("--tokens", type=COUNT, default=96)
+    bd.add_argument("--runs", type=COUNT, default=3)
+    bd.add_argument("--warmup", type=NONNEGATIVE, default=1)
+    bd.add_argument("--length", type=COUNT, default=None,
                     help="fixed verify length for dspark (default: adaptive) and the oracle "
                          "modes (default: the draft block)")
     bd.add_argument("--json", help="write the results as JSON here")
@@ -601,7 +639,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where the key sits in the filler, 0 = start .. 1 = end")
     pk.add_argument("--chunk", type=int, default=2048, help="prefill chunk in tokens")
     pk.add_argument("--max-tokens", type=int, default=16, help="answer length")
-    pk.add_argument("--seed", type=int, default=0, help="picks the keys")
+    pk.add_argument("--seed", type=SEED, default=0, help="picks the keys")
     pk.add_argument("--json", help="write the results as JSON here")
     pk.set_defaults(fn=cmd_passkey)
 
@@ -610,17 +648,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_parallel_args(sv)
     sv.add_argument("--host", default="127.0.0.1",
                     help="bind address (default loopback; others need an API key)")
-    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--port", type=PORT, default=8000)
     sv.add_argument("--api-key", help="required from clients as 'Authorization: Bearer KEY' or "
                                       "'x-api-key: KEY' (default: $STRATA_API_KEY)")
     sv.add_argument("--max-queue", type=int, default=16,
                     help="requests that may wait for the engine; more get 429 (default 16)")
     sv.add_argument("--prefix-cache-mb", type=int, default=2048,
                     help="memory for retained conversation states (default 2048)")
-    sv.add_argument("--max-body-mb", type=int, default=16, help="request size limit")
+    sv.add_argument("--max-body-mb", type=COUNT, default=16, help="request size limit")
     _add_speculative_args(sv)
     _add_graphs_arg(sv)
-    sv.add_argument("--drain-timeout", type=int, default=300,
+    sv.add_argument("--drain-timeout", type=NONNEGATIVE, default=300,
                     help="seconds to wait for requests in flight on shutdown")
     sv.add_argument("--log-level", default="info")
     sv.add_argument("--script", help="test hook: JSON rules of scripted outputs "
@@ -630,7 +668,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("make-tiny", help="write a deterministic random fixture checkpoint")
     m.add_argument("out")
     m.add_argument("--preset", default="real-vocab", choices=["tiny", "real-vocab"])
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--seed", type=SEED, default=0)
     m.add_argument("--format", default="official", choices=["official", "exl3", "exl3-routed"],
                    help="official fp8/fp4, exllamav3's EXL3 convention, or EXL3 routed experts "
                         "only (random trellis data)")
@@ -639,15 +677,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # a usage error (2), --help (0): argparse has said why
+        return e.code if isinstance(e.code, int) else 2
     if getattr(args, "max_tokens", 1) is not None and getattr(args, "max_tokens", 1) < 1:
         print("strata: error: --max-tokens must be ≥ 1", file=sys.stderr)
         return 2
     try:
+        if isinstance(getattr(args, "json", None), str):  # (a results file: before the run)
+            _check_writable(args.json, "--json")
         return args.fn(args)
     except StrataError as e:
         print(f"strata: error: {e}", file=sys.stderr)
         return 2
+    except (OSError, MemoryError) as e:  # the machine's answer (a path, the memory): no bug
+        print(f"strata: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("strata: interrupted (a pack resumes where it stopped when run again)",
+              file=sys.stderr)
+        return 130
     finally:
         if getattr(args, "parallel", None):  # stop the other ranks of a multi-device run
             from strata.runtime.parallel import close_all

@@ -85,6 +85,38 @@ def test_bad_arguments_are_reported(tiny_dir, capsys, argv, needle):
     assert needle in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["generate", "--tokens", "1,-5"], "-5 is not a token id of this model (0..319)"),
+    (["generate", "--tokens", "1,320"], "320 is not a token id"),
+    (["generate", "--tokens", "1", "--capacity", "-3"], "--capacity: must be ≥ 2, got -3"),
+    (["generate", "--tokens", "1", "--capacity", "0"], "--capacity: must be ≥ 2, got 0"),
+    (["generate", "--tokens", "1", "--capacity", "99999999999"], "context is at most"),
+    (["generate", "--tokens", "1", "--load-buffer-mb", "0"], "--load-buffer-mb: must be ≥ 1"),
+    (["score", "--tokens", "1,2", "--save", "/nonexistent_dir/x.npz"], "does not exist"),
+    (["bench", "decode", "--tokens", "0"], "--tokens: must be ≥ 1, got 0"),
+    (["bench", "decode", "--runs", "0"], "--runs: must be ≥ 1, got 0"),
+    (["bench", "decode", "--tokens", "4", "--json", "/nonexistent_dir/r.json"],
+     "does not exist"),
+    (["serve", "--port", "70000"], "--port: must be in 0..65535, got 70000"),
+])
+def test_bad_values_are_refused_before_the_work(tiny_dir, capsys, argv, needle):
+    """Out-of-range numbers are usage errors (exit 2, before anything loads); token ids and
+    capacities the model cannot take, and output paths that cannot be written, are named
+    before the run whose result they would lose."""
+    assert main(argv[:2 if argv[0] == "bench" else 1] + ["--model", str(tiny_dir)]
+                + argv[2 if argv[0] == "bench" else 1:]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_make_tiny_keeps_an_existing_folder(tmp_path, capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text("{}")
+    assert main(["make-tiny", str(mine)]) == 2
+    assert "not an empty folder" in capsys.readouterr().err
+    assert (mine / "config.json").read_text() == "{}"
+
+
 def test_make_tiny_and_default_model_subprocess(tmp_path):
     """`strata generate` with no --model makes the real-vocab fixture in the cache first."""
     env = dict(os.environ, STRATA_CACHE=str(tmp_path / "cache"))

@@ -328,6 +328,47 @@ def test_refusals(packs, tmp_path, monkeypatch):
         pack(src, tmp_path / "full", progress=False)
 
 
+def test_a_changed_source_is_packed_again_and_another_ones_pack_is_kept(packs, tmp_path):
+    """Resuming keeps only files made from the same bytes: a shard replaced by another of the
+    same size (a re-download) gets its files written again, and the pack then equals a fresh
+    pack of the new shard's model. A pack of another source is refused, not overwritten."""
+    src0, _ = packs["official"]
+    src = tmp_path / "src"
+    shutil.copytree(src0, src)
+    dst = tmp_path / "pack"
+    pack(src, dst, progress=False)
+    other = make_tiny(tmp_path / "seed1", "tiny", seed=1, fmt="official")
+    shard = sorted(p.name for p in src.glob("model-*.safetensors"))[1]
+    assert (other / shard).stat().st_size == (src / shard).stat().st_size
+    shutil.copyfile(other / shard, src / shard)
+    os.utime(src / shard, ns=(1, 1))  # (a different time, whatever this machine's clock does)
+    r = pack(src, dst, progress=False)
+    assert r.written and r.reused
+    fresh = pack(src, tmp_path / "fresh", progress=False).path
+    sums = lambda d: {x["name"]: x["sha256"]
+                      for x in json.loads((d / MANIFEST_NAME).read_text())["files"]}
+    assert sums(dst) == sums(fresh)
+    before = sums(dst)
+    with pytest.raises(CheckpointError, match="holds a pack of"):
+        pack(other, dst, progress=False)
+    assert sums(dst) == before and verify_pack(dst, restamp=False) is not None
+
+
+def test_verifying_a_read_only_pack_reports_the_check(packs, tmp_path, monkeypatch):
+    """--verify of a pack it cannot write (a read-only mount; mocked: the manifest's write
+    fails as such a mount fails it) still verifies and says what it could not record."""
+    _, ref = packs["official"]
+    dst = tmp_path / "copy"
+    shutil.copytree(ref, dst, copy_function=shutil.copyfile)  # (new times: to record)
+
+    def read_only(path, data):
+        raise OSError(30, "Read-only file system", str(path))
+    monkeypatch.setattr(pack_mod, "_write_json", read_only)
+    with pytest.warns(UserWarning, match="Read-only file system"):
+        files, nbytes, _ = verify_pack(dst)
+    assert files == len(json.loads((ref / MANIFEST_NAME).read_text())["files"]) and nbytes > 0
+
+
 # ---- command line --------------------------------------------------------------------------
 
 def test_cli_pack_inspect_verify_generate(packs, tmp_path, capsys):

@@ -81,12 +81,25 @@ def test_layer_subset(cfg):
     assert [b.layer for b in model.layers] == [0, 1, 2]
 
 
+def test_disk_tables_need_their_folder(tiny_dir, capsys):
+    from strata.cli import main
+    assert main(["bench", "synthetic", "--config", str(tiny_dir), "--device", "cpu",
+                 "--engram", "disk"]) == 2
+    assert "--engram disk needs --engram-dir" in capsys.readouterr().err
+
+
 def test_a_subset_without_a_layers_index_source_is_refused_by_name(cfg):
     """Layer 4 attends with layer 3's top-k selection: holding 4 without 3 names both
     (the forward would otherwise fail deep inside attention)."""
     assert cfg.index_source_of(4) == 3
     with pytest.raises(StrataError, match="layer 4 attends with layer 3's top-k selection"):
         build_synthetic(cfg, "cpu", layers=[0, 1, 2, 4], engram_rows=16)
+    # a re-indexing layer picks among its candidate source's blocks
+    reindex = [l for l in range(cfg.n_layers) if cfg.is_reindex(l)]
+    c = cfg.candidate_source_layer_id
+    with pytest.raises(StrataError, match=f"picks among layer {c}'s candidate blocks"):
+        build_synthetic(cfg, "cpu", layers=list(range(reindex[0], cfg.n_layers)),
+                        engram_rows=16)
 
 
 def test_folded_engram_on_disk_equals_on_device(cfg, tmp_path):
@@ -147,7 +160,7 @@ def test_cold_engram_needs_disk_tables(tiny_dir, capsys):
     assert "--engram-cache cold needs --engram disk" in capsys.readouterr().err
     assert main(["bench", "synthetic", "--config", str(tiny_dir), "--device", "cpu",
                  "--engram", "disk", "--engram-io-threads", "0"]) != 0
-    assert "--engram-io-threads 0: must be ≥ 1" in capsys.readouterr().err
+    assert "--engram-io-threads: must be in 1..1024, got 0" in capsys.readouterr().err
 
 
 def test_disk_engram_scaling_names_the_engram_layers_held(tiny_dir, tmp_path, capsys):

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from strata.argtypes import COUNT, NONNEGATIVE, SEED, integer
 from strata.config import ModelConfig
 from strata.engram_store import IO_THREADS
 from strata.quant.exl3 import Exl3Linear
@@ -392,7 +393,8 @@ def build_synthetic(cfg: ModelConfig, device: torch.device | str, numerics=None,
 # ---- `strata bench synthetic` ------------------------------------------------------------------
 def _check_index_sources(cfg: ModelConfig, layers) -> None:
     """A one-device subset computes every top-k selection it uses: a held layer whose index
-    source is not held would find no selection (a layer split ships them between ranks)."""
+    source (or a re-indexing layer whose candidate source) is not held would find none (a
+    layer split ships them between ranks)."""
     from strata.errors import StrataError
     held = set(layers)
     for l in sorted(held):
@@ -400,6 +402,10 @@ def _check_index_sources(cfg: ModelConfig, layers) -> None:
         if src is not None and src not in held:
             raise StrataError(f"--layers: layer {l} attends with layer {src}'s top-k selection "
                               f"(its index source); hold layer {src} too")
+        c = cfg.candidate_source_layer_id
+        if cfg.is_reindex(l) and c not in held:
+            raise StrataError(f"--layers: layer {l} picks among layer {c}'s candidate blocks; "
+                              f"hold layer {c} too")
 
 
 def parse_layers(text: str | None, n_layers: int) -> list[int] | None:
@@ -428,29 +434,29 @@ def add_arguments(p) -> None:
     p.add_argument("--format", dest="fmt", default="exl3", choices=["exl3", "official"])
     p.add_argument("--device", default="cuda")
     p.add_argument("--engram", default="device", choices=["device", "disk"])
-    p.add_argument("--engram-rows", type=int, default=1 << 20,
+    p.add_argument("--engram-rows", type=COUNT, default=1 << 20,
                    help="rows each folded Engram table keeps (same id stream, bounded size)")
     p.add_argument("--engram-dir", help="with --engram disk: where the table files go")
-    p.add_argument("--engram-io-threads", type=int, default=IO_THREADS,
+    p.add_argument("--engram-io-threads", type=integer(1, 1024), default=IO_THREADS,
                    help="with --engram disk: threads reading each table's rows "
                         f"(default {IO_THREADS})")
     p.add_argument("--engram-cache", default="warm", choices=["warm", "cold"],
                    help="with --engram disk: cold = every run starts with the row cache "
                         "empty and the tables' pages dropped (each row a disk read, as at a "
                         "fresh start); warm = runs reuse what earlier runs read")
-    p.add_argument("--prompt-tokens", type=int, default=512)
-    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=COUNT, default=512)
+    p.add_argument("--tokens", type=COUNT, default=64)
     p.add_argument("--modes", default="plain,oracle")
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--length", type=int, default=None,
+    p.add_argument("--runs", type=COUNT, default=3)
+    p.add_argument("--warmup", type=NONNEGATIVE, default=1)
+    p.add_argument("--length", type=COUNT, default=None,
                    help="fixed verify length for dspark (default: adaptive) and the oracle "
                         "modes (default: the draft block)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=SEED, default=0)
     p.add_argument("--prefill", help="also time chunked prefills of these prompt lengths, "
                                      "e.g. 8K,32K,128K (K = 1024)")
-    p.add_argument("--prefill-chunk", type=int, default=2048)
-    p.add_argument("--prefill-piece", type=int, default=32768,
+    p.add_argument("--prefill-chunk", type=COUNT, default=2048)
+    p.add_argument("--prefill-piece", type=COUNT, default=32768,
                    help="feed a prefill's prompt in pieces of this many tokens, with a "
                         "progress line after each")
     p.add_argument("--prefill-warmup", action=argparse.BooleanOptionalAction, default=None,
@@ -460,7 +466,7 @@ def add_arguments(p) -> None:
     p.add_argument("--prefill-skip", default="both", choices=["both", "on", "off"],
                    help="the exact decoder-skipping prefill: with, without, or both (then the "
                         "last logits are checked bit-identical)")
-    p.add_argument("--breakdown", type=int, default=0, metavar="STEPS",
+    p.add_argument("--breakdown", type=NONNEGATIVE, default=0, metavar="STEPS",
                    help="also profile this many plain decode steps and split their time by "
                         "part (attention, MoE, mHC, …, launch gaps); with --parallel, rank 0's "
                         "process and device (its waits on the others show as collective "
@@ -670,13 +676,12 @@ def run(args) -> int:
     from strata.config import v41_flash_config
     cfg = ModelConfig.from_model_dir(Path(args.config)) if args.config else v41_flash_config()
     layers = parse_layers(args.layers, cfg.n_layers)
-    if args.engram_io_threads < 1:
-        from strata.errors import StrataError
-        raise StrataError(f"--engram-io-threads {args.engram_io_threads}: must be ≥ 1")
+    from strata.errors import StrataError
     if args.engram_cache == "cold" and (args.engram != "disk" or args.parallel):
-        from strata.errors import StrataError
         raise StrataError("--engram-cache cold needs --engram disk on one device (the tables' "
                           "row cache and pages are what it drops)")
+    if args.engram == "disk" and not args.engram_dir:
+        raise StrataError("--engram disk needs --engram-dir DIR (where the table files go)")
     from strata.kernels import exl3_mma, pdl
     if args.no_mma:  # (the environment reaches the ranks of a parallel run)
         os.environ["STRATA_EXL3_MMA"] = "0"

@@ -278,14 +278,17 @@ def plan_pack(folder: CheckpointFolder) -> list[_Planned]:
             entry = _Entry(name, info.dtype, tuple(info.shape), [info])
         units.setdefault(_unit_of(name), []).append(entry)
 
-    file_sizes: dict[Path, int] = {}
+    file_stats: dict[Path, tuple[int, int]] = {}
 
     def where(i: TensorInfo) -> list:
-        """What identifies a source tensor's bytes, for the resume check."""
-        if i.file not in file_sizes:
-            file_sizes[i.file] = i.file.stat().st_size
+        """What identifies a source tensor's bytes, for the resume check: its place, and its
+        file's size and modification time (a shard replaced by another of the same size — a
+        re-download — changes the time, so the files made from it are written again)."""
+        if i.file not in file_stats:
+            st = i.file.stat()
+            file_stats[i.file] = (st.st_size, st.st_mtime_ns)
         rel = i.file.relative_to(src).as_posix() if i.file.is_relative_to(src) else str(i.file)
-        return [rel, i.offset, i.nbytes, file_sizes[i.file]]
+        return [rel, i.offset, i.nbytes, *file_stats[i.file]]
 
     planned: list[_Planned] = []
     for name in _copy_names(src):
@@ -574,11 +577,16 @@ def pack(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         if journal.is_file():
             try:
                 data = _read_json(journal)
-                if data.get("format") == PACK_FORMAT and data.get("version") == PACK_VERSION:
-                    old.update({r["name"]: r for r in data.get("files", [])
-                                if isinstance(r, dict) and isinstance(r.get("name"), str)})
             except CheckpointError:
-                pass  # an unreadable journal only means nothing is reused
+                continue  # an unreadable journal only means nothing is reused
+            was = (data.get("source") or {}).get("path") if isinstance(data, dict) else None
+            if isinstance(was, str) and Path(was) != src.resolve():
+                # (resuming is for the same source; another model's pack is not overwritten)
+                raise CheckpointError(f"{dst}: holds a pack of {was}, not of {src.resolve()}; "
+                                      "pack into another folder, or remove that one first")
+            if data.get("format") == PACK_FORMAT and data.get("version") == PACK_VERSION:
+                old.update({r["name"]: r for r in data.get("files", [])
+                            if isinstance(r, dict) and isinstance(r.get("name"), str)})
 
     def reusable(p: _Planned) -> dict | None:
         r = old.get(p.name)
@@ -993,6 +1001,10 @@ def verify_pack(path: str | os.PathLike[str], progress: bool | None = None,
             if r.get("mtime_ns") != m:
                 r["mtime_ns"], changed = m, True
         if changed:
-            _write_json(path / MANIFEST_NAME, manifest)
+            try:
+                _write_json(path / MANIFEST_NAME, manifest)
+            except OSError as e:  # (a read-only pack: verified all the same)
+                warnings.warn(f"{path}: verified, but its manifest could not record the "
+                              f"files' times ({e.strerror}); loads will check them in full")
     return len(manifest["files"]), sum(r["bytes"] for r in manifest["files"]), \
         time.perf_counter() - t0
