@@ -41,6 +41,10 @@ def _model_dir(arg: str | None) -> Path:
 def _load(args) -> "Model":  # noqa: F821
     if getattr(args, "parallel", None):
         return _load_parallel(args)
+    for flag in ("devices", "split"):
+        if getattr(args, flag, None):
+            raise StrataError(f"--{flag} is for a multi-device run: add --parallel layer|tp "
+                              "(one device: --device)")
     from strata.model.model import Model
     from strata.model.numerics import Numerics
     try:
@@ -463,6 +467,8 @@ def cmd_bench_decode(args) -> int:
     model = _load(args)
     prompt = prompt_tokens(tokenizer_path(_model_dir(args.model)))
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes:
+        raise StrataError(f"--modes {args.modes!r}: no mode named (e.g. plain,dspark,oracle)")
     results = bench_decode(model, prompt, modes, n=args.tokens, runs=args.runs,
                            warmup=args.warmup, length=args.length,
                            progress=lambda line: print(line, file=sys.stderr, flush=True))
@@ -523,7 +529,9 @@ def cmd_serve(args) -> int:
     from strata.serve.server import api_key, check_bind, serve
     check_bind(args.host, api_key(args.api_key))  # before the (long) model load
     _check_speculative_args(args)
-    return serve(_load(args), _model_dir(args.model), args)
+    model = _load(args)
+    _check_capacity(args, model.cfg)
+    return serve(model, _model_dir(args.model), args)
 
 
 def cmd_make_tiny(args) -> int:
@@ -660,7 +668,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_graphs_arg(sv)
     sv.add_argument("--drain-timeout", type=NONNEGATIVE, default=300,
                     help="seconds to wait for requests in flight on shutdown")
-    sv.add_argument("--log-level", default="info")
+    sv.add_argument("--log-level", default="info",
+                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     sv.add_argument("--script", help="test hook: JSON rules of scripted outputs "
                                      "(strata/serve/scripts.py)")
     sv.set_defaults(fn=cmd_serve)

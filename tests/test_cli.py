@@ -95,9 +95,14 @@ def test_bad_arguments_are_reported(tiny_dir, capsys, argv, needle):
     (["score", "--tokens", "1,2", "--save", "/nonexistent_dir/x.npz"], "does not exist"),
     (["bench", "decode", "--tokens", "0"], "--tokens: must be ≥ 1, got 0"),
     (["bench", "decode", "--runs", "0"], "--runs: must be ≥ 1, got 0"),
+    (["bench", "decode", "--modes", ","], "no mode named"),
     (["bench", "decode", "--tokens", "4", "--json", "/nonexistent_dir/r.json"],
      "does not exist"),
     (["serve", "--port", "70000"], "--port: must be in 0..65535, got 70000"),
+    (["serve", "--log-level", "bogus"], "--log-level: invalid choice"),
+    (["generate", "--tokens", "1", "--devices", "cpu,cpu"], "add --parallel"),
+    (["generate", "--tokens", "1", "--parallel", "layer", "--devices", "cuda:x,cuda:1"],
+     "'cuda:x' is not a device"),
 ])
 def test_bad_values_are_refused_before_the_work(tiny_dir, capsys, argv, needle):
     """Out-of-range numbers are usage errors (exit 2, before anything loads); token ids and

@@ -29,7 +29,7 @@ from strata.checkpoint.tiny import make_tiny
 from strata.checkpoint.weights import WeightReader
 from strata.cli import main
 from strata.engram_store import pack_records
-from strata.errors import CheckpointError
+from strata.errors import CheckpointError, ConfigError
 from strata.model.model import Model
 from strata.runtime.session import Session
 
@@ -322,6 +322,12 @@ def test_refusals(packs, tmp_path, monkeypatch):
         pack(dst, tmp_path / "again", progress=False)
     with pytest.raises(CheckpointError, match="this is a strata pack"):
         CheckpointFolder(dst)
+    broken = tmp_path / "broken"
+    shutil.copytree(src, broken)
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="config"):
+        pack(broken, tmp_path / "never", progress=False)
+    assert not (tmp_path / "never").exists()
     monkeypatch.setattr(pack_mod.shutil, "disk_usage",
                         lambda p: type("Usage", (), {"free": 1000})())
     with pytest.raises(CheckpointError, match="disk space"):

@@ -703,6 +703,8 @@ def run(args) -> int:
     prompt = torch.randint(3, min(cfg.vocab_size, 100_000), (args.prompt_tokens,),
                            generator=g).tolist()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes:
+        raise StrataError(f"--modes {args.modes!r}: no mode named (e.g. plain,dspark,oracle)")
     before_run = None
     if args.engram_cache == "cold":
         def before_run() -> None:  # (the page-cache note, printed once)

@@ -560,6 +560,8 @@ def pack(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     if dst.is_dir() and any(dst.iterdir()) and not is_pack(dst):
         raise CheckpointError(f"{dst}: folder is not empty and holds no strata pack; refusing "
                               "to write into it")
+    from strata.config import ModelConfig
+    ModelConfig.from_model_dir(src)  # (a config the engine cannot read: said before hours of work)
     folder = CheckpointFolder(src)
     try:
         folder.validate()

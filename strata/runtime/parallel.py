@@ -143,6 +143,14 @@ def parse_devices(text: str) -> tuple[str, ...]:
     kinds = {d.split(":")[0] for d in devs}
     if not kinds <= {"cpu", "cuda"} or len(kinds) != 1:
         raise StrataError(f"--devices {text!r}: expected all cpu or all cuda[:N]")
+    for d in devs:
+        try:
+            torch.device(d)
+        except RuntimeError:
+            raise StrataError(f"--devices {text!r}: {d!r} is not a device (cpu, cuda:N)") \
+                from None
+    if kinds == {"cuda"} and len(set(devs)) != len(devs):
+        raise StrataError(f"--devices {text!r}: a device is named twice")
     return devs
 
 
