@@ -560,8 +560,9 @@ def pack(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     if dst.is_dir() and any(dst.iterdir()) and not is_pack(dst):
         raise CheckpointError(f"{dst}: folder is not empty and holds no strata pack; refusing "
                               "to write into it")
-    from strata.config import ModelConfig
-    ModelConfig.from_model_dir(src)  # (a config the engine cannot read: said before hours of work)
+    if any((src / c).is_file() for c in ("config.json", "inference/config.json")):
+        from strata.config import ModelConfig
+        ModelConfig.from_model_dir(src)  # (one the engine cannot read: said before the work)
     folder = CheckpointFolder(src)
     try:
         folder.validate()
