@@ -420,8 +420,6 @@ def cmd_pack(args) -> int:
         return 0
     if len(args.paths) != 2:
         raise StrataError("strata pack SRC DST: give the checkpoint folder and the pack folder")
-    if args.buffer_mb < 1:
-        raise StrataError(f"--buffer-mb {args.buffer_mb}: must be ≥ 1")
     r = pack(args.paths[0], args.paths[1], buffer_bytes=args.buffer_mb << 20,
              progress=progress)
     gbs = r.bytes / 1e9 / max(r.seconds, 1e-9)
@@ -584,7 +582,7 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--verify", action="store_true",
                     help="check every file of the pack against the manifest's sizes and "
                          "checksums")
-    pk.add_argument("--buffer-mb", type=int, default=32,
+    pk.add_argument("--buffer-mb", type=integer(1, 4096), default=32,
                     help="size of each of the 4 buffers the bytes stream through (default 32)")
     pk.add_argument("--quiet", action="store_true", help="no progress bar")
     pk.set_defaults(fn=cmd_pack)

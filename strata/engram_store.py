@@ -286,7 +286,10 @@ class EngramStore:
         self.io_mode = notes[0] if len(notes) == 1 else "; ".join(notes)
         self.direct = all(f.direct_fd is not None for f in self._files.values())
 
-        self.capacity = cache_bytes // (self.row_bytes + INDEX_BYTES_PER_ROW)
+        # (never more slots than the table has rows: a budget above the table's size is the
+        # whole table, not an allocation of the budget)
+        self.capacity = min(cache_bytes // (self.row_bytes + INDEX_BYTES_PER_ROW),
+                            source.n_rows)
         self._slab = np.empty((self.capacity, self.row_bytes), dtype=np.uint8)
         self._index: OrderedDict[int, int] = OrderedDict()  # row id → slab slot, LRU first
         self._used_slots = 0  # slots [0, used) hold rows; once full, the LRU row's slot is reused

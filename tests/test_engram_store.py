@@ -139,6 +139,16 @@ def test_cache_serves_repeats_without_reads(tmp_path, table):
     assert 0.4 < st.hit_rate <= 0.5  # half the unique lookups were hits
 
 
+def test_a_cache_budget_above_the_table_holds_the_table(tmp_path, table):
+    """Slots are never more than the table's rows: a budget of a petabyte is the table."""
+    rows, scale = table
+    src = write_packed(tmp_path / "t.bin", rows, scale)
+    ids = torch.arange(N_ROWS).view(1, -1)
+    with EngramStore(src, cache_bytes=1 << 50) as store:
+        assert store.capacity == N_ROWS
+        assert same_bits(store.lookup(ids), expected(rows, scale, ids))
+
+
 def test_lru_keeps_recent_rows(tmp_path, table):
     rows, scale = table
     src = write_packed(tmp_path / "t.bin", rows, scale)

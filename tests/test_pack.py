@@ -360,6 +360,20 @@ def test_a_changed_source_is_packed_again_and_another_ones_pack_is_kept(packs, t
     assert sums(dst) == before and verify_pack(dst, restamp=False) is not None
 
 
+def test_verify_names_every_bad_file(packs, tmp_path):
+    _, ref = packs["official"]
+    dst = tmp_path / "copy"
+    shutil.copytree(ref, dst)
+    names = [r["name"] for r in json.loads((ref / MANIFEST_NAME).read_text())["files"]
+             if r["name"].endswith(".safetensors")]
+    _flip_byte(dst / names[0])
+    (dst / names[1]).unlink()
+    with pytest.raises(CheckpointError, match="2 pack files are bad") as e:
+        verify_pack(dst, restamp=False)
+    assert names[0] in str(e.value) and "checksum mismatch" in str(e.value)
+    assert names[1] in str(e.value) and "missing from the pack" in str(e.value)
+
+
 def test_verifying_a_read_only_pack_reports_the_check(packs, tmp_path, monkeypatch):
     """--verify of a pack it cannot write (a read-only mount; mocked: the manifest's write
     fails as such a mount fails it) still verifies and says what it could not record."""

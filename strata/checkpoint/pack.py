@@ -942,7 +942,7 @@ def read_manifest(path: Path) -> dict:
 
 def verify_files(path: Path, manifest: dict, mode: str = "size", progress: bool | None = False,
                  threads: int = 4) -> list[str]:
-    """Check the pack's files against the manifest; raise CheckpointError naming the first bad
+    """Check the pack's files against the manifest; raise CheckpointError naming every bad
     file. mode "size": each file exists with its recorded size, and files whose mtime differs
     from the record are checksummed; "full": every checksum; "none": nothing.
     Returns the names of the files that were checksummed."""
@@ -950,35 +950,40 @@ def verify_files(path: Path, manifest: dict, mode: str = "size", progress: bool 
         raise ValueError(f"verify={mode!r}: expected one of {VERIFY_MODES}")
     if mode == "none":
         return []
-    to_hash = []
+    to_hash, bad = [], []
     for r in manifest["files"]:
         p = path / r["name"]
         try:
             st = p.stat()
         except FileNotFoundError:
-            raise CheckpointError(f"{p}: missing from the pack (the manifest lists it, "
-                                  f"{r['bytes']} bytes)") from None
+            bad.append(f"{p}: missing from the pack (the manifest lists it, {r['bytes']} "
+                       "bytes)")
+            continue
         except OSError as e:
-            raise CheckpointError(f"{p}: cannot stat pack file: {e}") from e
+            bad.append(f"{p}: cannot stat pack file: {e}")
+            continue
         if st.st_size != r["bytes"]:
-            raise CheckpointError(f"{p}: wrong size: {st.st_size} bytes, the pack manifest "
-                                  f"says {r['bytes']} (truncated, replaced or edited file)")
-        if mode == "full" or st.st_mtime_ns != r.get("mtime_ns"):
+            bad.append(f"{p}: wrong size: {st.st_size} bytes, the pack manifest says "
+                       f"{r['bytes']} (truncated, replaced or edited file)")
+        elif mode == "full" or st.st_mtime_ns != r.get("mtime_ns"):
             to_hash.append(r)
+    sums = []
+    if to_hash:
+        bar = _bar(sum(r["bytes"] for r in to_hash), f"verifying {path.name}", progress)
+        try:
+            with ThreadPoolExecutor(max(1, min(threads, len(to_hash)))) as pool:
+                sums = list(pool.map(lambda r: file_checksum(path / r["name"], bar), to_hash))
+        finally:
+            if bar is not None:
+                bar.close()
+    bad += [f"{path / r['name']}: checksum mismatch ({CHECKSUM} {got}, the pack manifest says "
+            f"{r[CHECKSUM]}): the file was modified or corrupted; pack the checkpoint again"
+            for r, got in zip(to_hash, sums) if got != r[CHECKSUM]]
+    if bad:  # (every bad file, not only the first: one repair for all of them)
+        raise CheckpointError(bad[0] if len(bad) == 1 else
+                              f"{len(bad)} pack files are bad:\n  " + "\n  ".join(bad))
     if not to_hash:
         return []
-    bar = _bar(sum(r["bytes"] for r in to_hash), f"verifying {path.name}", progress)
-    try:
-        with ThreadPoolExecutor(max(1, min(threads, len(to_hash)))) as pool:
-            sums = list(pool.map(lambda r: file_checksum(path / r["name"], bar), to_hash))
-    finally:
-        if bar is not None:
-            bar.close()
-    for r, got in zip(to_hash, sums):
-        if got != r[CHECKSUM]:
-            raise CheckpointError(f"{path / r['name']}: checksum mismatch ({CHECKSUM} {got}, "
-                                  f"the pack manifest says {r[CHECKSUM]}): the file was "
-                                  "modified or corrupted; pack the checkpoint again")
     if mode == "size":
         warnings.warn(f"{path}: {len(to_hash)} pack file(s) changed since packing (mtime) and "
                       "were checksummed (they match); run `strata pack --verify "
