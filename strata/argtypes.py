@@ -25,3 +25,4 @@ COUNT = integer(1)            # how many of something: at least one
 NONNEGATIVE = integer(0)
 SEED = integer(0, 2 ** 63 - 1)
 PORT = integer(0, 65535)
+THREADS = integer(1, 1024)    # a thread pool's size

@@ -29,7 +29,7 @@ import strata  # noqa: F401  (sets the CPU kernel capability before torch loads)
 import torch
 
 from strata.engram_store import IO_THREADS
-from strata.argtypes import COUNT, NONNEGATIVE, PORT, SEED, integer
+from strata.argtypes import COUNT, NONNEGATIVE, PORT, SEED, THREADS, integer
 from strata.errors import StrataError
 
 
@@ -223,7 +223,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engram-cache-mb", type=NONNEGATIVE, default=1024,
                    help="with --engram disk: host RAM for cached Engram rows, all tables "
                         "together (default 1024)")
-    p.add_argument("--engram-io-threads", type=integer(1, 1024), default=IO_THREADS,
+    p.add_argument("--engram-io-threads", type=THREADS, default=IO_THREADS,
                    help="with --engram disk: threads reading each table's rows (the queue "
                         f"depth the disk sees; default {IO_THREADS})")
 

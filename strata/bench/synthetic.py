@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from strata.argtypes import COUNT, NONNEGATIVE, SEED, integer
+from strata.argtypes import COUNT, NONNEGATIVE, SEED, THREADS
 from strata.config import ModelConfig
 from strata.engram_store import IO_THREADS
 from strata.quant.exl3 import Exl3Linear
@@ -437,7 +437,7 @@ def add_arguments(p) -> None:
     p.add_argument("--engram-rows", type=COUNT, default=1 << 20,
                    help="rows each folded Engram table keeps (same id stream, bounded size)")
     p.add_argument("--engram-dir", help="with --engram disk: where the table files go")
-    p.add_argument("--engram-io-threads", type=integer(1, 1024), default=IO_THREADS,
+    p.add_argument("--engram-io-threads", type=THREADS, default=IO_THREADS,
                    help="with --engram disk: threads reading each table's rows "
                         f"(default {IO_THREADS})")
     p.add_argument("--engram-cache", default="warm", choices=["warm", "cold"],

@@ -876,7 +876,7 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
         trellis = trellis if trellis.is_contiguous() else trellis.contiguous()
         cb = CODEBOOK_IDS[codebook]
         per, S = split_schedule(16 * kt, sched_cols or 16 * nt, target_programs)
-        rotating = x2.is_cuda and exl3_mma.rotates(x2, suh, per)
+        rotating = exl3_mma.rotates(x2, suh, per)
         if exl3_mma.why_not(x2, K2, cb, 16 * nt, out_dtype, bias, trellis, S,
                             rotating=rotating) is None:  # same bits
             part = torch.empty((S, M, 16 * nt), dtype=torch.float32, device=x.device)

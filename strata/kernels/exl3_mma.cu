@@ -371,8 +371,7 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
                 long long ssvh_e, long long ssvh_set, int so, long long so_set,
                 int n_p, int n_out, int k_steps, int per_split, int row_words, double inv_d,
                 const long long* __restrict__ sets, int n_sets,
-                const void* __restrict__ xin, const unsigned short* __restrict__ suh, int sxin,
-                int k_in) {
+                const unsigned short* __restrict__ suh, int k_in) {
     __shared__ int last;
     const float inv = (float)inv_d;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -417,19 +416,19 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
     float* const ps = part + set * sp_set;
 #if XI >= 0
     // (x' of this program's rows and k-steps, rotated below: load_x's k-step counts from k_lo)
+    // (xr is then x itself, rows sxr apart; suh its scales, k_in its width)
     __shared__ __align__(16) unsigned short xs[8][XI_STEPS * 128];
     const unsigned short* const x0 = &xs[0][0];
-    const int xk = k_lo;
-    sxr = XI_STEPS * 128;
+    const int xk = k_lo, sxq = XI_STEPS * 128;
 #else
     const unsigned short* const x0 = xr + set * sx_set;  // (row 0: every tile's sets have it)
-    const int xk = 0;
+    const int xk = 0, sxq = sxr;
 #endif
     const unsigned short* xq[RG];
 #pragma unroll
     for (int q = 0; q < RG; ++q) {
         const int r = tile_row(rows, tile, tile_m, M, 8 * q + g);
-        xq[q] = r >= 0 ? x0 + (long long)r * sxr : x0;
+        xq[q] = r >= 0 ? x0 + (long long)r * sxq : x0;
     }
 
     const Window win = lane_window(lane);
@@ -449,7 +448,7 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
     // x' (or x) comes from the kernel launched just before (a no-op without an early launch)
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #if XI >= 0
-    rotate_x(xin, sxin, k_in, suh, M, k_lo, k_hi, inv, warp, lane, xs);
+    rotate_x(xr, sxr, k_in, suh, M, k_lo, k_hi, inv, warp, lane, xs);
     __syncthreads();
 #endif
     load_x(xq, k_lo - xk, t, x);

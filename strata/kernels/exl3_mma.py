@@ -259,7 +259,7 @@ def linear(xr: torch.Tensor, trellis: torch.Tensor, svh: torch.Tensor, codebook_
              M, MAX_ROWS, 1, xr.stride(0), _L(0), _L(0), _L(0),
              part.stride(1), _L(part.stride(0)), _L(0), _L(0), _L(0), out.stride(0), _L(0),
              n_p, out.shape[1], kt * 16 // 128, per_split, nt * 4 * K2, float(inv),
-             _NULL, 0, xr, svh if suh is None else suh, xr.stride(0), xr.shape[1]], early)
+             _NULL, 0, svh if suh is None else suh, xr.shape[1]], early)
     return out
 
 
@@ -286,7 +286,7 @@ def moe(xr: torch.Tensor, words: torch.Tensor, str_set: int, svh: torch.Tensor,
              _L(str_set), part.stride(2), _L(part.stride(1)), _L(part.stride(0)),
              _L(svh.stride(0)), _L(ssvh_set), out.stride(1), _L(out.stride(0)),
              n_p, out.shape[2], kt * 16 // 128, per_split, nt * 4 * K2, float(inv),
-             _NULL, 0, xr, svh, 0, 0], early)  # (x' from rotate_in: no x, suh)
+             _NULL, 0, svh, 0], early)  # (x' from rotate_in: no suh, k_in)
     return out
 
 
@@ -349,4 +349,4 @@ def linear_set(xr: torch.Tensor, table: torch.Tensor, programs: int, codebook_id
             [xr, xr, part, counters, xr, xr, out, xr, xr,  # (per-set tensors: in the table)
              M, MAX_ROWS, 1, xr.stride(1), _L(xr.stride(0)), _L(0), _L(0),
              0, _L(0), _L(0), _L(0), _L(0), 0, _L(0),
-             0, 0, k_steps, 0, 0, float(inv), table, W, xr, xr, 0, 0], early)
+             0, 0, k_steps, 0, 0, float(inv), table, W, xr, 0], early)
