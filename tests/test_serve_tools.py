@@ -181,3 +181,32 @@ def test_anthropic_tool_use_round_trip(live, tok, real_vocab_dir):
     assert r2.usage.input_tokens + r2.usage.cache_read_input_tokens == len(oracle)
     assert [b.type for b in r2.content] == ["thinking", "text"]
     assert r2.content[1].text == "It is sunny in Paris."
+
+
+def test_anthropic_tool_choice_any_forces_a_call(live):
+    """tool_choice "any" (the recipe would read it as "auto"): the prompt opens the tool-call
+    block, as OpenAI's "required" does, and the parser starts inside it — the scripted model
+    output is only the invoke; thinking is off unless asked for, and refused if asked for."""
+    forced = "<｜Assistant｜></think>\n\n<｜DSML｜ calls>\n"
+    live.script([{"match": forced, "text": CALL[CALL.index("<｜DSML｜ invoke"):]},
+                 {"match": "", "text": "Not forced.</think>No call." + EOS}])
+    an = anthropic.Anthropic(base_url=live.url, api_key="unused", max_retries=0)
+    tools = [{"name": "get_weather", "description": "Weather of a city",
+              "input_schema": TOOLS[0]["function"]["parameters"]}]
+    kw = dict(model=M, max_tokens=200, tools=tools, messages=ASK)
+    auto = an.messages.create(**kw)
+    assert auto.stop_reason == "end_turn"
+    msg = an.messages.create(**kw, tool_choice={"type": "any"})
+    assert msg.stop_reason == "tool_use" and [b.type for b in msg.content] == ["tool_use"]
+    assert msg.content[0].name == "get_weather"
+    assert msg.content[0].input == {"city": "Paris", "days": 3}
+    with an.messages.stream(**kw, tool_choice={"type": "any"}) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use" and final.content[0].input == msg.content[0].input
+
+    body = dict(kw, tool_choice={"type": "any"})
+    r = live.post("/v1/messages", dict(body, thinking={"type": "enabled", "budget_tokens": 1024}))
+    assert r.status_code == 400 and "thinking" in r.json()["error"]["message"]
+    r = live.post("/v1/messages", {k: v for k, v in body.items() if k != "tools"})
+    assert r.status_code == 400 and "at least one tool" in r.json()["error"]["message"]
+    assert an.messages.create(**kw).stop_reason == "end_turn"  # still serving

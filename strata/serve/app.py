@@ -213,14 +213,14 @@ class Server:
             what = "regex" if oc.kind == "regex" else "JSON schema"
             raise ApiError("invalid_request", f"a {what} response format is not supported: "
                            "this server does not constrain decoding", param="response_format")
-        if any(m.image_sources for m in creq.conversation.messages):
+        if any(m.image_sources for m in conv.conversation.messages):
             raise ApiError("invalid_request", "image inputs are not supported by this server "
                            "(the vision tower is not implemented)", param="messages")
         try:
-            ids = await asyncio.to_thread(self._encode, creq.conversation)
+            ids = await asyncio.to_thread(self._encode, conv.conversation)
         except (RuntimeError, ValueError) as e:
             raise ApiError("invalid_request", f"cannot encode the conversation: {e}") from None
-        ids, _ = self.tool_turns.apply(creq.conversation, ids)
+        ids, _ = self.tool_turns.apply(conv.conversation, ids)
         if conv.prefill:
             ids += self.htok.encode(conv.prefill, add_special_tokens=False).ids
         return conv, ids
@@ -257,7 +257,7 @@ class Server:
         scripted = None
         if self.scripts is not None:
             scripted = self.scripts.pick(
-                dr.DeepseekV41Encoding().render_conversation(creq.conversation).prompt)
+                dr.DeepseekV41Encoding().render_conversation(conv.conversation).prompt)
         output = RecipeOutput(protocol, conv, self.rtok, model, self.eos_id)
         gen = Generation(self.engine, self.metrics, output,
                          GenRequest(ids, max_tokens, params, scripted=scripted),

@@ -64,7 +64,7 @@ class RecipeOutput:
     def __init__(self, protocol: Protocol, conv: Converted, tokenizer: dr.Tokenizer,
                  model: str, eos_id: int) -> None:
         self.protocol, self.conv, self.model, self.eos_id = protocol, conv, model, eos_id
-        self.sp = dr.StreamProcessor(conv.generator, conv.request.parsing_options, tokenizer)
+        self.sp = dr.StreamProcessor(conv.generator, conv.parsing, tokenizer)
         self.response: Any = None
         self._final: dict | None = None
 

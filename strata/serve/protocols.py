@@ -39,6 +39,16 @@ class Converted:
     generator: Any  # a recipe chunk generator (consumed by one StreamProcessor)
     response_id: str
     prefill: str = ""  # the start of the answer, given by the client: the prompt ends with it
+    # What the prompt is rendered from and how the output is parsed: the request's own,
+    # unless the protocol had to adjust them (Messages: tool_choice "any")
+    conversation: dr.Conversation | None = None
+    parsing: dr.ParsingOptions | None = None
+
+    def __post_init__(self) -> None:
+        if self.conversation is None:
+            self.conversation = self.request.conversation
+        if self.parsing is None:
+            self.parsing = self.request.parsing_options
 
 
 class Protocol:
@@ -117,9 +127,41 @@ class Messages(Protocol):
 
     def convert(self, body: dict, options: dr.ConversionOptions, model: str) -> Converted:
         body, prefill = self.split_prefill(body)
+        choice = body.get("tool_choice")
+        any_tool = isinstance(choice, dict) and choice.get("type") == "any"
+        if any_tool:  # the recipe reads "any" as "auto"; converted as auto, then made required
+            body = dict(body, tool_choice=dict(choice, type="auto"))
+            body.setdefault("thinking", {"type": "disabled"})  # (Anthropic's default)
         conv = super().convert(body, options, model)
         conv.prefill = prefill
+        if any_tool:
+            self.require_a_tool_call(conv)
         return conv
+
+    @staticmethod
+    def require_a_tool_call(conv: Converted) -> None:
+        """tool_choice "any": the answer must be a call of one of the tools. The conversation
+        becomes one with tool choice "required" (its prompt opens the tool-call block, as the
+        recipe renders OpenAI's "required") and parsing starts inside that block. Anthropic
+        refuses "any" with extended thinking, and so does this server (the recipe refuses
+        "required" in thinking mode)."""
+        c = conv.conversation
+        if c.thinking_mode:
+            raise ApiError("invalid_request", "tool_choice 'any' is not supported with thinking "
+                           "enabled: disable thinking, or use tool_choice 'auto'",
+                           param="tool_choice")
+        if not c.tools:
+            raise ApiError("invalid_request", "tool_choice 'any' needs at least one tool",
+                           param="tool_choice")
+        if conv.prefill:
+            raise ApiError("invalid_request", "tool_choice 'any' cannot continue a final "
+                           "assistant message (the answer must be a tool call)",
+                           param="tool_choice")
+        conv.conversation = dr.Conversation(
+            c.messages, thinking_mode=False, tools=c.tools, tool_choice="required",
+            reasoning_effort=c.reasoning_effort, response_format=c.response_format,
+            response_schema=c.response_schema, response_regex=c.response_regex)
+        conv.parsing.starts_in_tool_calls = True
 
     @staticmethod
     def split_prefill(body: dict) -> tuple[dict, str]:
