@@ -403,7 +403,6 @@ def test_the_kernel_rotating_its_own_x_gives_rotate_ins_bits(cuda, monkeypatch, 
     a bias, bf16 output; eager, and replayed from a CUDA graph after another linear (the
     early launch after a kernel that lets it start)."""
     from strata.kernels import exl3_mma
-    monkeypatch.setattr(exl3_mma, "ROTATE", True)
     g = torch.Generator().manual_seed(90)
     cases = [((5120, 2304), 5120), ((2304, 5120), 2304), ((1280, 4096), 1276),
              ((256, 32768), 256)]
@@ -416,6 +415,7 @@ def test_the_kernel_rotating_its_own_x_gives_rotate_ins_bits(cuda, monkeypatch, 
         for M in (1, 6, 8):
             for dtype in (torch.float32, torch.bfloat16, torch.float16):
                 x = torch.randn(M, k_in, generator=g).to(cuda, dtype)
+                monkeypatch.setattr(exl3_mma, "ROTATE", True)
                 assert exl3_mma.rotates(x, suh, per)
                 outs = []
                 for rotate, mma in ((True, True), (False, True), (False, False)):
@@ -426,7 +426,7 @@ def test_the_kernel_rotating_its_own_x_gives_rotate_ins_bits(cuda, monkeypatch, 
                 assert torch.equal(outs[0], outs[1]), ((k, n), M, dtype, "vs rotate_in")
                 assert torch.equal(outs[0], outs[2]), ((k, n), M, dtype, "vs Triton")
         key = exl3_mma._key(X.k2_of(tr), X.CODEBOOK_IDS[codebook], torch.float32, None, 8,
-                            False, S, torch.device(cuda).index, x_dtype=torch.float16)
+                            False, S, tr.device.index, x_dtype=torch.float16)
         assert exl3_mma._KERNELS.get(key) is not None and not isinstance(
             exl3_mma._KERNELS[key], str), "the rotating variant did not compile"
     # in a graph, right after another rotating linear (which lets it launch early)
