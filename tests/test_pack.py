@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -332,6 +333,32 @@ def test_refusals(packs, tmp_path, monkeypatch):
                         lambda p: type("Usage", (), {"free": 1000})())
     with pytest.raises(CheckpointError, match="disk space"):
         pack(src, tmp_path / "full", progress=False)
+
+
+@pytest.mark.parametrize("fmt", ["official", "exl3"])
+def test_a_checkpoint_the_engine_cannot_load_is_refused_before_packing(packs, tmp_path, fmt):
+    """Before any file is written the model is built on the meta device from the source's
+    headers (pack.check_loadable): a tensor missing, or one of the wrong shape, is named."""
+    from safetensors.torch import load_file, save_file
+    src = packs[fmt][0]
+    index = json.loads((src / INDEX_NAME).read_text())
+    name = sorted(n for n in index["weight_map"] if n.startswith("layers.1.attn."))[0]
+    for case in ("missing", "shape"):
+        bad = tmp_path / f"{case}-src"
+        shutil.copytree(src, bad)
+        shard = bad / index["weight_map"][name]
+        tensors = load_file(shard)
+        if case == "missing":
+            del tensors[name]
+            idx = json.loads((bad / INDEX_NAME).read_text())
+            del idx["weight_map"][name]
+            (bad / INDEX_NAME).write_text(json.dumps(idx))
+        else:
+            tensors[name] = torch.cat([tensors[name], tensors[name][:1]])
+        save_file(tensors, shard)
+        with pytest.raises(CheckpointError, match=re.escape(name)):
+            pack(bad, tmp_path / f"{case}-pack", progress=False)
+        assert not (tmp_path / f"{case}-pack").exists()
 
 
 def test_a_changed_source_is_packed_again_and_another_ones_pack_is_kept(packs, tmp_path):

@@ -543,6 +543,21 @@ class PackResult:
     seconds: float
 
 
+def check_loadable(src: Path) -> None:
+    """Build the model of `src` on the meta device: its config, tokenizer and every tensor's
+    name, dtype and shape checked as loading checks them, no weight read — a checkpoint
+    missing a tensor is refused before hours of packing, not after."""
+    from strata.errors import StrataError
+    from strata.model.model import Model
+    try:
+        Model.load(src, device="meta", verify="none")
+    except StrataError:
+        raise  # (the loader's own refusal: it names the tensor or field)
+    except Exception as e:  # a step that needs data on meta: a gap in the dry run, not the files
+        warnings.warn(f"{src}: the dry-run load stopped ({type(e).__name__}: {e}); packing "
+                      "without checking every tensor first", stacklevel=2)
+
+
 def pack(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
          buffer_bytes: int = DEFAULT_PACK_BUFFER_BYTES, n_buffers: int = DEFAULT_PACK_BUFFERS,
          progress: bool | None = None) -> PackResult:
@@ -561,8 +576,7 @@ def pack(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         raise CheckpointError(f"{dst}: folder is not empty and holds no strata pack; refusing "
                               "to write into it")
     if any((src / c).is_file() for c in ("config.json", "inference/config.json")):
-        from strata.config import ModelConfig
-        ModelConfig.from_model_dir(src)  # (one the engine cannot read: said before the work)
+        check_loadable(src)  # (a checkpoint the engine cannot load: said before the work)
     folder = CheckpointFolder(src)
     try:
         folder.validate()

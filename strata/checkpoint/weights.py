@@ -67,6 +67,16 @@ class WeightReader:
             return self._record_column(info)
         return self.loader.load(info)
 
+    def host_scalar(self, name: str, dtype: str) -> int:
+        """The first element of a small stored tensor (a marker's value), read on the host:
+        what the loader decides by (no device round trip, and a meta dry run can read it)."""
+        info = self.folder.info(name)
+        if info.dtype != dtype or info.nbytes > 64:
+            raise CheckpointError(f"{self._where(name)} is {info.dtype} {list(info.shape)}; "
+                                  f"expected a small {dtype} tensor")
+        self.used.add(name)
+        return int(self.folder.read(name).reshape(-1)[0])
+
     def _record_column(self, info: RecordColumnInfo) -> torch.Tensor:
         """A column (values or scales) of a packed record file, on the device: whole records
         stream through the loader in chunks of about one staging buffer, and every column of
@@ -213,7 +223,7 @@ class WeightReader:
             raise CheckpointError(f"EXL3 linear {prefix} in {info.file}: unknown tensor(s) "
                                   f"{', '.join(unknown)} (unknown codebook marker?)")
         marker = markers[0] if markers else None
-        value = int(self.tensor(f"{prefix}.{marker}", ("I32",)).reshape(-1)[0]) if marker else None
+        value = self.host_scalar(f"{prefix}.{marker}", "I32") if marker else None
         codebook = codebook_from_marker(marker, value, f"EXL3 linear {prefix} in {info.file}")
         bias = (self.tensor(f"{prefix}.bias", ("F16", "F32"), (out_features,))
                 if self.folder.has(f"{prefix}.bias") else None)
