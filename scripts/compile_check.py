@@ -164,9 +164,9 @@ def compile_cuda(nvrtc: str, arch: int, sass: bool = False) -> int:
     ptxas = os.path.join(os.path.dirname(nv), "bin", "ptxas")
     failures = 0
     rg = exl3_mma.PREFILL_TILE_M // 8
-    for K2, CB, OT, BT, R16, G, NW, PF, RS, XI in itertools.product(
+    for K2, CB, OT, BT, R16, G, NW, PF, RS in itertools.product(
             range(4, 13), (0, 1, 2), (0, 1, 2), (-1, 0, 1, 2), (0, 1), (0, 1), (4, 8), (0, 1),
-            (0, 1), (-1, 0, 1, 2)):
+            (0, 1)):
         if K2 % 2 and CB != 2:
             continue  # half-integer K exists with MUL1 only
         if G and (BT >= 0 or R16):
@@ -175,10 +175,8 @@ def compile_cuda(nvrtc: str, arch: int, sass: bool = False) -> int:
             continue  # the prefill kernel: grouped, 8 warps
         if RS and (G or PF or NW == 8 or OT or BT >= 0):
             continue  # ragged sets: 4 warps, no bias, output dtypes read per set
-        if XI >= 0 and (G or PF or RS or R16):
-            continue  # rotating its own x': lone linears of ≤ 8 rows
         opts = exl3_mma._options(K2, CB, OT, BT, R16, G, NW, PF, rg if PF else 0,
-                                 exl3_mma.PREFILL_MIN_BLOCKS if PF else 0, RS, XI) \
+                                 exl3_mma.PREFILL_MIN_BLOCKS if PF else 0, RS) \
             + [f"--gpu-architecture=compute_{arch}"]
         prog = ctypes.c_void_p()
         lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"exl3_mma.cu", 0, None, None)
@@ -219,7 +217,7 @@ def compile_cuda(nvrtc: str, arch: int, sass: bool = False) -> int:
             regs = [a for a, _ in info if a]
             spills = [b for _, b in info if b]
             print(f"exl3_mma K2={K2} CB={CB} OT={OT} BT={BT} R16={R16} G={G} NW={NW} PF={PF} "
-                  f"RS={RS} XI={XI}: "
+                  f"RS={RS}: "
                   f"{regs[0]} registers, "
                   f"{spills[0] if spills else 0} bytes spilled{loop}", flush=True)
     print(f"exl3_mma.cu compiled for sm_{arch}: {failures} failed")

@@ -113,37 +113,6 @@ def test_a_one_split_weight_gets_eight_warps_a_program():
             f"-DMINB={exl3_mma.PREFILL_MIN_BLOCKS}"} <= set(opts)
 
 
-def test_which_linears_rotate_their_own_x(monkeypatch):
-    """exl3_mma.rotates: the one-launch variant takes lone linears of ≤ 8 rows whose splits
-    span ≤ ROTATE_MAX_STEPS k-steps, x in a dtype it reads with aligned 4-element loads and
-    suh contiguous fp16 — everything else goes through rotate_in; its compiled variant is
-    XI = x's dtype code (−1 otherwise)."""
-    monkeypatch.setattr(exl3_mma, "ROTATE", True)  # (off by default until measured)
-    suh = torch.zeros(5120, dtype=torch.float16)
-    x = torch.zeros(6, 5120, dtype=torch.bfloat16)
-    assert exl3_mma.rotates(x, suh, 3)
-    assert exl3_mma.rotates(x.float(), suh, exl3_mma.ROTATE_MAX_STEPS)
-    assert not exl3_mma.rotates(x, suh, exl3_mma.ROTATE_MAX_STEPS + 1)  # (wo_b: 10, head: 40)
-    assert not exl3_mma.rotates(torch.zeros(9, 5120, dtype=torch.bfloat16), suh, 3)
-    assert not exl3_mma.rotates(torch.zeros(0, 5120, dtype=torch.bfloat16), suh, 3)
-    assert not exl3_mma.rotates(x[:, 2:5122 - 4], suh, 3)          # 4 bytes in: unaligned
-    assert not exl3_mma.rotates(x[:, :5118], suh, 3)                # width not a multiple of 4
-    assert not exl3_mma.rotates(x.t().contiguous().t(), suh, 3)     # columns not contiguous
-    assert not exl3_mma.rotates(x.to(torch.float64), suh, 3)
-    assert not exl3_mma.rotates(x, suh.float(), 3)
-    assert not exl3_mma.rotates(x, torch.zeros(2, 5120, dtype=torch.float16)[:, 0], 3)
-    monkeypatch.setattr(exl3_mma, "ROTATE", False)
-    assert not exl3_mma.rotates(x, suh, 3)
-
-    def xi(**kw):
-        key = exl3_mma._key(5, 2, torch.float32, None, 6, False, 14, 0, **kw)
-        return [o for o in exl3_mma._options(*key[:-1]) if o.startswith("-DXI")]
-    assert xi() == ["-DXI=-1"]
-    assert xi(x_dtype=torch.float32) == ["-DXI=0"]
-    assert xi(x_dtype=torch.bfloat16) == ["-DXI=1"]
-    assert xi(x_dtype=torch.float16) == ["-DXI=2"]
-
-
 def test_fragment_order_gives_each_lane_its_b_fragments():
     """load_x, transcribed: lane l = 4g + t reads 16-byte vectors v = 0…3 at half 32t + 8v of
     each 128-block of x' in fragment order, words (x, y, z, w) = steps 2v, 2v + 1 × (b0, b1).

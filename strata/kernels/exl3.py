@@ -856,8 +856,7 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
     """The EXL3 linear y = x·W (+ bias) on the kernels: x [..., k_in] → [..., out_features]
     (`sched_cols`, `target_programs`: the weight's split schedule, see exl3_partials).
     Fused path: rotate_in + the fused kernel finishing each column block (2 launches; the
-    second the CUDA kernel of exl3_mma where it applies, with the same bits — one launch
-    where that kernel rotates x itself, exl3_mma.rotates);
+    second the CUDA kernel of exl3_mma where it applies, with the same bits);
     GEMM path: rotate_in + reconstruct + GEMM + rotate_out. Same bits either way."""
     _require_triton()
     lead = x.shape[:-1]
@@ -870,24 +869,17 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
         kt, nt, K2 = _check_shapes(trellis, codebook)
         y = torch.empty((M, n_out), dtype=out_dtype, device=x.device)
         # (any copy before the rotation: the early-launched kernel reads the trellis before it
-        # waits, so nothing between the two launches may write what it reads; a kernel that
-        # rotates x itself follows the copies, which never let a kernel start early)
+        # waits, so nothing between the two launches may write what it reads)
         svh = _contig_rows(svh)
         trellis = trellis if trellis.is_contiguous() else trellis.contiguous()
         cb = CODEBOOK_IDS[codebook]
         per, S = split_schedule(16 * kt, sched_cols or 16 * nt, target_programs)
-        rotating = exl3_mma.rotates(x2, suh, per)
-        if exl3_mma.why_not(x2, K2, cb, 16 * nt, out_dtype, bias, trellis, S,
-                            rotating=rotating) is None:  # same bits
+        if exl3_mma.why_not(x2, K2, cb, 16 * nt, out_dtype, bias, trellis, S) is None:  # same bits
             part = torch.empty((S, M, 16 * nt), dtype=torch.float32, device=x.device)
             words, cnt = _words(trellis), _counters(x.device, 16 * nt // 128)
-            if rotating:  # (one launch: each program rotates the x' it reads)
-                exl3_mma.linear(x2, words, svh, cb, K2, y, part, cnt, per, bias, INV_SQRT128,
-                                early=bool(_pdl(x.device)), suh=suh)
-            else:
-                xr = rotate_in(x2, suh, fragment_order=True)
-                exl3_mma.linear(xr, words, svh, cb, K2, y, part, cnt, per, bias, INV_SQRT128,
-                                early=bool(_pdl(x.device)))
+            xr = rotate_in(x2, suh, fragment_order=True)
+            exl3_mma.linear(xr, words, svh, cb, K2, y, part, cnt, per, bias, INV_SQRT128,
+                            early=bool(_pdl(x.device)))
         else:
             xr = rotate_in(x2, suh)
             _fused(xr, trellis, codebook, svh, bias, y, sched_cols, after_rotate=True,

@@ -18,9 +18,6 @@
 // NW (warps per program, 4 or 8: a program covers 16·NW columns; with 8 — chosen for a weight
 // of one split, S = 1 — one program per 128-column block finishes its block from shared
 // memory, without the partials' round trip through global memory and the arrival count).
-// XI (−1: x' comes from rotate_in; 0 / 1 / 2, x's dtype as OT's codes: a lone linear of ≤ 8
-// rows whose splits span ≤ XI_STEPS k-steps rotates its own x' — each program the rows and
-// k-steps it reads, into shared memory — and runs without a rotate_in launch before it).
 //
 // Why the fragments need no exchange between lanes: a 16×16 trellis tile's ring position p has
 // bits (r0, r3, c3, r1, r2, c0, c1, c2) of its row r and column c. The kernel computes the
@@ -48,13 +45,6 @@
 // quants' head). Larger K (EXL3 allows up to 8) stays on the Triton kernel.
 #if K2 > 12
 #error "exl3_mma: K > 6"
-#endif
-#ifndef XI
-#define XI -1
-#endif
-#define XI_STEPS 4  // (exl3_mma.ROTATE_MAX_STEPS)
-#if XI >= 0 && (G || RS || R16 || PF)
-#error "exl3_mma: XI is for lone linears of ≤ 8 rows"
 #endif
 
 typedef unsigned int u32;
@@ -277,65 +267,6 @@ __device__ __forceinline__ void load_x(const unsigned short* const (&xq)[RG], in
     }
 }
 
-#if XI >= 0
-// x' = fp16(H128(fp16(x·suh)) · inv) of rows 0 … M − 1 and k-steps k_lo … k_hi − 1 into xs
-// [row][k-step − k_lo][128] in fragment order: exl3.rotate_in's operations in its order (x and
-// suh to fp32, the product rounded to fp16, the same butterflies, · inv, rounded to fp16).
-// Warp w takes the (row, k-step) blocks w, w + NW, …, lane l the elements 4l … 4l + 3 (as
-// fwht128 holds them), every block's loads issued before the first is used; columns ≥ k_in
-// (k_in a multiple of 4) are zero.
-__device__ __forceinline__ void rotate_x(const void* __restrict__ xin, int sxin, int k_in,
-                                         const unsigned short* __restrict__ suh, int M,
-                                         int k_lo, int k_hi, float inv, int warp, int lane,
-                                         unsigned short (*xs)[XI_STEPS * 128]) {
-    constexpr int VB = 8 * XI_STEPS / NW;  // blocks a warp takes at most
-    const int nk = k_hi - k_lo, nv = M * nk;
-    float xv[VB][4];
-    uint2 sv[VB];
-#pragma unroll
-    for (int i = 0; i < VB; ++i) {
-        const int v = warp + NW * i;
-        const int r = v / nk, c = (k_lo + v % nk) * 128 + 4 * lane;
-        const bool in = v < nv && c < k_in;  // (suh's columns all exist: 0 · suh as rotate_in)
-        sv[i] = v < nv ? *(const uint2*)(suh + c) : uint2{0u, 0u};
-#if XI == 0
-        const float4 f = in ? *(const float4*)((const float*)xin + (long long)r * sxin + c)
-                            : float4{0.f, 0.f, 0.f, 0.f};
-        xv[i][0] = f.x; xv[i][1] = f.y; xv[i][2] = f.z; xv[i][3] = f.w;
-#else
-        const uint2 b = in ? *(const uint2*)((const unsigned short*)xin + (long long)r * sxin + c)
-                           : uint2{0u, 0u};
-        const u32 w2[2] = {b.x, b.y};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const unsigned short h = (unsigned short)(w2[j >> 1] >> (16 * (j & 1)));
-#if XI == 1
-            xv[i][j] = __uint_as_float((u32)h << 16);
-#else
-            xv[i][j] = h2f(h);
-#endif
-        }
-#endif
-    }
-    // lane's elements 4l + j go to 32·(2(l % 2) + j / 2) + 4·(l / 4) + 2·((l % 4) / 2) + j % 2
-    const int d0 = 64 * (lane & 1) + 4 * (lane >> 2) + 2 * ((lane & 3) >> 1);
-#pragma unroll
-    for (int i = 0; i < VB; ++i) {
-        const int v = warp + NW * i;
-        if (v >= nv) break;  // (uniform across the warp)
-        const u32 s2[2] = {sv[i].x, sv[i].y};
-        float h[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-            h[j] = h2f(f2h(xv[i][j] * h2f((unsigned short)(s2[j >> 1] >> (16 * (j & 1))))));
-        fwht128(h, lane);
-        unsigned short* const o = &xs[v / nk][(v % nk) * 128];
-        *(u32*)(o + d0) = (u32)f2h(h[0] * inv) | ((u32)f2h(h[1] * inv) << 16);
-        *(u32*)(o + d0 + 32) = (u32)f2h(h[2] * inv) | ((u32)f2h(h[3] * inv) << 16);
-    }
-}
-#endif
-
 // Row r (0 ≤ r < 16) of this program's row tile: its row of x', the partials and the output
 // (a pair id when grouped, r itself otherwise), or −1 where the tile has no row r. A grouped
 // tile's pairs come before its −1 padding (moe_grouping), so valid rows are a prefix.
@@ -370,8 +301,7 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
                 int sp_row, long long sp_split, long long sp_set,
                 long long ssvh_e, long long ssvh_set, int so, long long so_set,
                 int n_p, int n_out, int k_steps, int per_split, int row_words, double inv_d,
-                const long long* __restrict__ sets, int n_sets,
-                const unsigned short* __restrict__ suh, int k_in) {
+                const long long* __restrict__ sets, int n_sets) {
     __shared__ int last;
     const float inv = (float)inv_d;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -414,21 +344,12 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
     // this warp's tile column of this set's (expert's) trellis
     const u32* col = trellis + set * str_set + e * str_exp + (long long)(nb * NW + warp) * WT;
     float* const ps = part + set * sp_set;
-#if XI >= 0
-    // (x' of this program's rows and k-steps, rotated below: load_x's k-step counts from k_lo)
-    // (xr is then x itself, rows sxr apart; suh its scales, k_in its width)
-    __shared__ __align__(16) unsigned short xs[8][XI_STEPS * 128];
-    const unsigned short* const x0 = &xs[0][0];
-    const int xk = k_lo, sxq = XI_STEPS * 128;
-#else
     const unsigned short* const x0 = xr + set * sx_set;  // (row 0: every tile's sets have it)
-    const int xk = 0, sxq = sxr;
-#endif
     const unsigned short* xq[RG];
 #pragma unroll
     for (int q = 0; q < RG; ++q) {
         const int r = tile_row(rows, tile, tile_m, M, 8 * q + g);
-        xq[q] = r >= 0 ? x0 + (long long)r * sxq : x0;
+        xq[q] = r >= 0 ? x0 + (long long)r * sxr : x0;
     }
 
     const Window win = lane_window(lane);
@@ -445,13 +366,11 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
     u32 x[RG][8][2];
     stage_w(col, step_words, k_lo, goff, sbuf[0], lane);
     commit();
-    // x' (or x) comes from the kernel launched just before (a no-op without an early launch)
+    // x' comes from the rotate_in launched just before (a no-op without an early launch).
+    // Nothing that kernel writes may be read above this line: ptxas may hoist a read-only
+    // (.nc, const __restrict__) load above the wait — check the SASS (no LDG before ACQBULK).
     asm volatile("griddepcontrol.wait;" ::: "memory");
-#if XI >= 0
-    rotate_x(xr, sxr, k_in, suh, M, k_lo, k_hi, inv, warp, lane, xs);
-    __syncthreads();
-#endif
-    load_x(xq, k_lo - xk, t, x);
+    load_x(xq, k_lo, t, x);
     int cur = 0;
 #pragma unroll 2
     for (int ks = k_lo; ks < k_hi; ++ks) {
@@ -463,7 +382,7 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
         stage_w(col, step_words, kn, goff, sbuf[cur ^ 1], lane);
         commit();
         u32 xn[RG][8][2];
-        load_x(xq, kn - xk, t, xn);
+        load_x(xq, kn, t, xn);
         asm volatile("cp.async.wait_group 1;" ::: "memory");  // this step's chunks (own)
         __syncwarp();                                          // … and the other lanes'
         const u32* const sw = &stage[warp][cur][0];

@@ -7,11 +7,9 @@ a tile as its A fragment of Ŵᵀ — so this kernel computes y'ᵀ = Ŵᵀ·x'�
 its window straight into registers and 8 rows of x' as the MMA's n8, and finishes each
 128-column block in the last program to arrive, like the Triton kernel. It follows
 exl3.rotate_in and is launched early after it (programmatic dependent launch, through the
-driver's cuLaunchKernelEx), as the Triton fused kernel is. `linear` serves exl3_linear (a
-lone linear of ≤ 8 rows with short splits is given x itself, each program rotating the x' it
-reads — no rotate_in launch: `rotates`), `moe` exl3_moe_linear (rows: tiles of MOE_TILE_M
-pairs sharing an expert, for W weight sets) up to MAX_PAIRS pairs, `moe_prefill` (a second
-kernel of the same source, exl3_mma_prefill) above:
+driver's cuLaunchKernelEx), as the Triton fused kernel is. `linear` serves exl3_linear, `moe`
+exl3_moe_linear (rows: tiles of MOE_TILE_M pairs sharing an expert, for W weight sets) up to
+MAX_PAIRS pairs, `moe_prefill` (a second kernel of the same source, exl3_mma_prefill) above:
 tiles of PREFILL_TILE_M pairs whose x' rows are staged in shared memory for all of a
 program's warps, each program running every split of its 128-column block and finishing it;
 `linear_set` exl3_linear_set (a ragged set: weights of one input with their own widths,
@@ -55,12 +53,6 @@ MOE_TILE_M = 8
 # expert decoded twice as often), of 96 and 128 no faster (one program an SM)
 PREFILL_TILE_M = 64
 PREFILL_MIN_BLOCKS = 2  # programs (of 8 warps) an SM must hold: registers ≤ 65536 / (256 · this)
-# True: a lone linear of ≤ 8 rows whose splits span ≤ ROTATE_MAX_STEPS k-steps (exl3_mma.cu's
-# XI_STEPS) rotates its own x' in each program — no rotate_in launch before it. Off until its
-# GPU tests and timings have run (written in session 30 without a GPU): STRATA_EXL3_ROTATE=1
-# in the environment turns it on in every process.
-ROTATE = os.environ.get("STRATA_EXL3_ROTATE", "0") == "1"
-ROTATE_MAX_STEPS = 4
 _SOURCE = Path(__file__).with_name("exl3_mma.cu")
 _OT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -87,21 +79,10 @@ def fragment_order(xr: torch.Tensor) -> torch.Tensor:
     return out.reshape(xr.shape)
 
 
-def rotates(x: torch.Tensor, suh: torch.Tensor, per_split: int) -> bool:
-    """Whether `linear` may take x [M, k_in] itself and rotate it in the kernel (no rotate_in
-    launch): switched on, ≤ 8 rows, splits of ≤ ROTATE_MAX_STEPS k-steps, x in a dtype the
-    kernel reads with its rows' 4-element groups aligned loads, suh contiguous fp16."""
-    item = x.element_size()
-    return (ROTATE and x.dim() == 2 and 0 < x.shape[0] <= 8 and per_split <= ROTATE_MAX_STEPS
-            and x.dtype in _OT and x.stride(1) == 1 and x.shape[1] % 4 == 0
-            and x.stride(0) % 4 == 0 and x.data_ptr() % (4 * item) == 0
-            and suh.dtype == torch.float16 and suh.is_contiguous() and suh.data_ptr() % 8 == 0)
-
-
 def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: torch.dtype,
             bias: torch.Tensor | None, trellis: torch.Tensor, S: int,
             pairs: int | None = None, str_set: int = 0, prefill: bool = False,
-            ragged: bool = False, rotating: bool = False) -> str | None:
+            ragged: bool = False) -> str | None:
     """None where the kernel may run here with the Triton kernels' bits, else the reason it
     may not (a failed NVRTC compile included: the Triton kernels then run). x: the input,
     [M, k_in] for exl3_linear; trellis: the (contiguous) trellis it reads, whose tiles it copies
@@ -110,7 +91,7 @@ def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: tor
     then only gives the device), str_set its words from one weight set's trellis to the
     next; prefill: for moe_prefill (tiles of PREFILL_TILE_M pairs, any number of them);
     ragged: for one weight of a `linear_set` call (the compiled variant serves every output
-    dtype); rotating: for `linear` given x itself (`rotates` holds)."""
+    dtype)."""
     rows_ok = (pairs is not None and pairs > 0 if prefill
                else 0 < pairs <= MAX_PAIRS if pairs is not None
                else x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS)
@@ -138,7 +119,7 @@ def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: tor
     key = (_prefill_key(K2, codebook_id, out_dtype, x.device.index) if prefill else
            _key(K2, codebook_id, out_dtype, bias,
                 MOE_TILE_M if pairs is not None else x.shape[0], pairs is not None, S,
-                x.device.index, ragged, x.dtype if rotating else None))
+                x.device.index, ragged))
     if key not in _KERNELS:
         try:
             with torch.cuda.device(x.device.index):
@@ -153,34 +134,32 @@ def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: tor
     return k if isinstance(k, str) else None
 
 
-# (K2, CB, OT, BT, R16, G, NW, PF, RG, MINB, RS, XI, device index) → compiled kernel or why not
+# (K2, CB, OT, BT, R16, G, NW, PF, RG, MINB, RS, device index) → compiled kernel or why not
 _KERNELS: dict = {}
 
 
 def _key(K2: int, codebook_id: int, out_dtype: torch.dtype, bias: torch.Tensor | None,
          tile_rows: int, grouped: bool, S: int, index: int | None,
-         ragged: bool = False, x_dtype: torch.dtype | None = None) -> tuple:
+         ragged: bool = False) -> tuple:
     """exl3_mma_linear's compiled variant; NW: 8 warps a program for a weight of one split (a
     program a 128-column block, finished in shared memory), else 4 (two programs a block —
     always for ragged sets, whose weights' splits differ; the same bits either way). A
-    ragged set's output dtypes are read per set (OT unused: 0). x_dtype: the input's, for a
-    kernel that rotates its own x' (XI), else None."""
+    ragged set's output dtypes are read per set (OT unused: 0)."""
     return (K2, codebook_id, 0 if ragged else _OT[out_dtype],
             -1 if bias is None else _OT[bias.dtype], int(tile_rows > 8), int(grouped),
-            8 if S == 1 and not ragged else 4, 0, 0, 0, int(ragged),
-            -1 if x_dtype is None else _OT[x_dtype], index)
+            8 if S == 1 and not ragged else 4, 0, 0, 0, int(ragged), index)
 
 
 def _prefill_key(K2: int, codebook_id: int, out_dtype: torch.dtype, index: int | None) -> tuple:
     """exl3_mma_prefill's compiled variant: 8 warps, RG groups of 8 pairs."""
     return (K2, codebook_id, _OT[out_dtype], -1, 0, 1, 8, 1, PREFILL_TILE_M // 8,
-            PREFILL_MIN_BLOCKS, 0, -1, index)
+            PREFILL_MIN_BLOCKS, 0, index)
 
 
 def _options(K2: int, CB: int, OT: int, BT: int, R16: int, G: int, NW: int, PF: int,
-             RG: int, MINB: int, RS: int, XI: int) -> list[str]:
+             RG: int, MINB: int, RS: int) -> list[str]:
     return [f"-DK2={K2}", f"-DCB={CB}", f"-DOT={OT}", f"-DBT={BT}", f"-DR16={R16}", f"-DG={G}",
-            f"-DNW={NW}", f"-DPF={PF}", f"-DRS={RS}", f"-DXI={XI}"] \
+            f"-DNW={NW}", f"-DPF={PF}", f"-DRS={RS}"] \
         + ([f"-DRG={RG}", f"-DMINB={MINB}"] if PF else []) + ["--fmad=false"]
 
 
@@ -239,27 +218,24 @@ _NULL = ctypes.c_void_p(0)  # (no ragged-set table)
 
 def linear(xr: torch.Tensor, trellis: torch.Tensor, svh: torch.Tensor, codebook_id: int,
            K2: int, out: torch.Tensor, part: torch.Tensor, counters: torch.Tensor,
-           per_split: int, bias: torch.Tensor | None, inv: float, early: bool,
-           suh: torch.Tensor | None = None) -> torch.Tensor:
+           per_split: int, bias: torch.Tensor | None, inv: float, early: bool) -> torch.Tensor:
     """out [M, n_out] = H128(x'·Ŵ)·svh (+ bias) for x' [M, k_p] fp16 in fragment order
-    (rotate_in's output with fragment_order=True, rows contiguous) — or, given suh, for x
-    [M, k_in] itself, each program rotating the x' it reads (`rotates` holds) — given the
-    int32 word view of the contiguous trellis [kt, nt, 16·K], the split schedule's
-    per_split, a partials buffer part [S, M, n_p] fp32 (S = its first dim) and zeroed
-    arrival counters (left zero). early: launched right after the kernel writing xr. The
-    caller checked why_not (which compiled the kernel) for the same arguments."""
+    (rotate_in's output with fragment_order=True, rows contiguous), given the int32 word view
+    of the contiguous trellis [kt, nt, 16·K], the split schedule's per_split, a partials
+    buffer part [S, M, n_p] fp32 (S = its first dim) and zeroed arrival counters (left
+    zero). early: launched right after xr's rotate_in. The caller checked why_not (which
+    compiled the kernel) for the same arguments."""
     M = xr.shape[0]
     kt, nt = trellis.shape[-3], trellis.shape[-2]
     n_p, S = 16 * nt, part.shape[0]
-    key = _key(K2, codebook_id, out.dtype, bias, M, False, S, xr.device.index,
-               x_dtype=None if suh is None else xr.dtype)
+    key = _key(K2, codebook_id, out.dtype, bias, M, False, S, xr.device.index)
     _launch(_KERNELS[key], (n_p // (16 * key[6]), S, 1), (32 * key[6], 1, 1),
             [xr, trellis, part, counters, svh, bias if bias is not None else svh, out,
              part, part,  # (no row tiles)
              M, MAX_ROWS, 1, xr.stride(0), _L(0), _L(0), _L(0),
              part.stride(1), _L(part.stride(0)), _L(0), _L(0), _L(0), out.stride(0), _L(0),
              n_p, out.shape[1], kt * 16 // 128, per_split, nt * 4 * K2, float(inv),
-             _NULL, 0, svh if suh is None else suh, xr.shape[1]], early)
+             _NULL, 0], early)
     return out
 
 
@@ -286,7 +262,7 @@ def moe(xr: torch.Tensor, words: torch.Tensor, str_set: int, svh: torch.Tensor,
              _L(str_set), part.stride(2), _L(part.stride(1)), _L(part.stride(0)),
              _L(svh.stride(0)), _L(ssvh_set), out.stride(1), _L(out.stride(0)),
              n_p, out.shape[2], kt * 16 // 128, per_split, nt * 4 * K2, float(inv),
-             _NULL, 0, svh, 0], early)  # (x' from rotate_in: no suh, k_in)
+             _NULL, 0], early)
     return out
 
 
@@ -349,4 +325,4 @@ def linear_set(xr: torch.Tensor, table: torch.Tensor, programs: int, codebook_id
             [xr, xr, part, counters, xr, xr, out, xr, xr,  # (per-set tensors: in the table)
              M, MAX_ROWS, 1, xr.stride(1), _L(xr.stride(0)), _L(0), _L(0),
              0, _L(0), _L(0), _L(0), _L(0), 0, _L(0),
-             0, 0, k_steps, 0, 0, float(inv), table, W, xr, 0], early)
+             0, 0, k_steps, 0, 0, float(inv), table, W], early)

@@ -394,58 +394,6 @@ def test_the_mma_kernel_gives_the_triton_kernels_bits(cuda, monkeypatch, K, code
     assert_replays_equal(lambda: X.exl3_linear(x, tr, suh, svh, codebook), eager)
 
 
-@pytest.mark.parametrize("K,codebook", [(2, "mul1"), (2.5, "mul1"), (4, "3inst")])
-def test_the_kernel_rotating_its_own_x_gives_rotate_ins_bits(cuda, monkeypatch, K, codebook):
-    """A lone linear of ≤ 8 rows whose splits span ≤ ROTATE_MAX_STEPS k-steps runs as one
-    launch, each program rotating the x' it reads (exl3_mma.rotates): bit for bit the CUDA
-    kernel after rotate_in and the Triton kernels — fp32, bf16 and fp16 inputs, 1 / 6 / 8
-    rows, an input narrower than k_p (zero columns), one split of 8 warps and several of 4,
-    a bias, bf16 output; eager, and replayed from a CUDA graph after another linear (the
-    early launch after a kernel that lets it start)."""
-    from strata.kernels import exl3_mma
-    g = torch.Generator().manual_seed(90)
-    cases = [((5120, 2304), 5120), ((2304, 5120), 2304), ((1280, 4096), 1276),
-             ((256, 32768), 256)]
-    for (k, n), k_in in cases:
-        per, S = X.split_schedule(k, n)
-        assert per <= exl3_mma.ROTATE_MAX_STEPS, (k, n)
-        tr = trellis_of(k, n, K, seed=k + n, device=cuda)
-        suh, svh = scales(k, 91, cuda, scale=k ** -0.5), scales(n, 92, cuda, scale=0.05)
-        bias = scales(n, 93, cuda, scale=0.1).to(torch.bfloat16)
-        for M in (1, 6, 8):
-            for dtype in (torch.float32, torch.bfloat16, torch.float16):
-                x = torch.randn(M, k_in, generator=g).to(cuda, dtype)
-                monkeypatch.setattr(exl3_mma, "ROTATE", True)
-                assert exl3_mma.rotates(x, suh, per)
-                outs = []
-                for rotate, mma in ((True, True), (False, True), (False, False)):
-                    monkeypatch.setattr(exl3_mma, "ROTATE", rotate)
-                    monkeypatch.setattr(exl3_mma, "ENABLED", mma)
-                    kw = dict(out_dtype=torch.bfloat16, bias=bias) if M == 6 else {}
-                    outs.append(X.exl3_linear(x, tr, suh, svh, codebook, **kw))
-                assert torch.equal(outs[0], outs[1]), ((k, n), M, dtype, "vs rotate_in")
-                assert torch.equal(outs[0], outs[2]), ((k, n), M, dtype, "vs Triton")
-        key = exl3_mma._key(X.k2_of(tr), X.CODEBOOK_IDS[codebook], torch.float32, None, 8,
-                            False, S, tr.device.index, x_dtype=torch.float16)
-        assert exl3_mma._KERNELS.get(key) is not None and not isinstance(
-            exl3_mma._KERNELS[key], str), "the rotating variant did not compile"
-    # in a graph, right after another rotating linear (which lets it launch early)
-    monkeypatch.setattr(exl3_mma, "ROTATE", True)
-    monkeypatch.setattr(exl3_mma, "ENABLED", True)
-    tr1, tr2 = trellis_of(5120, 2304, K, 94, cuda), trellis_of(2304, 5120, K, 95, cuda)
-    s1, v1 = scales(5120, 96, cuda, scale=5120 ** -0.5), scales(2304, 97, cuda, scale=0.05)
-    s2, v2 = scales(2304, 98, cuda, scale=2304 ** -0.5), scales(5120, 99, cuda, scale=0.05)
-    x = torch.randn(6, 5120, generator=g).to(cuda, torch.bfloat16)
-
-    def chain():
-        h = X.exl3_linear(x, tr1, s1, v1, codebook, out_dtype=torch.bfloat16)
-        return h, X.exl3_linear(h, tr2, s2, v2, codebook, out_dtype=torch.bfloat16)
-    eager = chain()
-    assert_replays_equal(chain, eager)
-    monkeypatch.setattr(exl3_mma, "ROTATE", False)
-    assert all(torch.equal(a, b) for a, b in zip(chain(), eager))
-
-
 def expert_sets(K, E, seed, device):
     """E random experts at V4.1's shapes: [w1, w3] (5120 → 2304) and [w2] (2304 → 5120) as
     exl3_moe_linear's weight sets."""
