@@ -293,6 +293,48 @@ def test_request_shapes_clients_send(live, an, real_vocab_dir):
     assert "stream" in err["message"]
 
 
+def test_what_the_recipe_would_drop_is_refused_by_name(live):
+    """Responses input items, content parts, tools and stored state the recipe does not
+    convert (it would drop them without a word: a prompt missing part of the conversation) are
+    refused, each naming the field; a forced tool call without tools and JSON nested past the
+    parser's depth are 400s; the server keeps serving."""
+    hi = [{"role": "user", "content": "hi"}]
+    cases = [
+        ({"input": hi + [{"type": "item_reference", "id": "msg_1"}]}, "input[1].type"),
+        ({"input": hi + [{"type": "compaction", "encrypted_content": "x"}]}, "input[1].type"),
+        ({"input": [{"type": "bogus"}]}, "input[0].type"),
+        ({"input": [{"role": "user", "content": [
+            {"type": "input_text", "text": "read"},
+            {"type": "input_file", "filename": "a.pdf", "file_data": "abc"}]}]},
+         "input[0].content[1]"),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": "hi", "conversation": "conv_1"}, "conversation"),
+        ({"input": "hi", "prompt": {"id": "pmpt_1"}}, "prompt"),
+        ({"input": "hi", "tool_choice": "required", "reasoning": {"effort": "none"}},
+         "tool_choice"),
+    ]
+    for extra, param in cases:
+        err = _oa_error(live.post("/v1/responses", dict({"model": M, "max_output_tokens": 2},
+                                                        **extra)), 400)
+        assert err["param"] == param, (extra, err)
+    err = _oa_error(live.post("/v1/chat/completions", {
+        "model": M, "messages": CHAT, "reasoning_effort": "none", "max_tokens": 2,
+        "tool_choice": {"type": "function", "function": {"name": "f"}}}), 400)
+    assert err["param"] == "tool_choice" and "no tools" in err["message"]
+    deep = {"a": 1}
+    for _ in range(200):
+        deep = [deep]
+    for path, body in (("/v1/responses", {"model": M, "input": "hi", "metadata": deep}),
+                       ("/v1/chat/completions", {"model": M, "messages": CHAT,
+                                                 "metadata": deep})):
+        _oa_error(live.post(path, body), 400)
+    _oa_error(live.post("/v1/chat/completions", b"[" * 5000 + b"]" * 5000), 400)
+    r = live.post("/v1/responses", {"model": M, "input": hi + [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "x"}]}],
+        "max_output_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
 def test_anthropic_prefill_is_continued(live, model, real_vocab_dir):
     """A final assistant message of text starts the answer: the prompt ends with its tokens
     (no end-of-sentence, no new assistant turn) and the reply is what follows — the engine's

@@ -208,5 +208,35 @@ def test_anthropic_tool_choice_any_forces_a_call(live):
     r = live.post("/v1/messages", dict(body, thinking={"type": "enabled", "budget_tokens": 1024}))
     assert r.status_code == 400 and "thinking" in r.json()["error"]["message"]
     r = live.post("/v1/messages", {k: v for k, v in body.items() if k != "tools"})
-    assert r.status_code == 400 and "at least one tool" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "no tools" in r.json()["error"]["message"]
     assert an.messages.create(**kw).stop_reason == "end_turn"  # still serving
+
+
+def test_a_tool_call_whose_arguments_are_not_json_is_returned_not_a_500(live, oa):
+    """The model may write a call whose values are not JSON (here days="three" typed as a
+    number): the client gets the call as written, streamed or not, in Chat and Responses,
+    and the stream still ends properly — remembering the turn for replay must not fail the
+    response."""
+    bad = ('No.</think>\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n'
+           '<｜DSML｜ parameter name="days" string="false">three</｜DSML｜ parameter>\n'
+           '</｜DSML｜ invoke>\n</｜DSML｜ calls>' + EOS)
+    live.script([{"match": "", "text": bad}])
+    body = {"model": M, "messages": ASK, "tools": TOOLS, "max_tokens": 200}
+    r = live.post("/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    call = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "get_weather" and "three" in call["arguments"]
+    with pytest.raises(ValueError):
+        json.loads(call["arguments"])
+    r = live.post("/v1/chat/completions", dict(body, stream=True))
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
+    rb = {"model": M, "input": ASK, "max_output_tokens": 200,
+          "tools": [dict(TOOLS[0]["function"], type="function")]}
+    r = live.post("/v1/responses", rb)
+    assert r.status_code == 200, r.text
+    assert [o["type"] for o in r.json()["output"]][-1] == "function_call"
+    r = live.post("/v1/responses", dict(rb, stream=True))
+    assert r.status_code == 200 and "response.completed" in r.text
+    live.script(RULES)
+    assert oa.chat.completions.create(model=M, messages=ASK, tools=TOOLS,
+                                      max_tokens=200).choices[0].finish_reason == "tool_calls"

@@ -123,7 +123,7 @@ class Server:
                 raise ApiError("too_large", f"request body exceeds the limit of {limit} bytes")
         try:
             data = json.loads(body)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise ApiError("invalid_request", f"malformed JSON in the request body: {e}") \
                 from None
         if not isinstance(data, dict):
@@ -167,9 +167,19 @@ class Server:
         if gen.started is None:  # cancelled before it ran: only a gone client gets here
             raise ApiError("unavailable", "the request was cancelled before it started",
                            counted=True)
-        if after is not None:
-            after(gen)
+        self._after(after, gen)
         return JSONResponse(gen.output.result())
+
+    @staticmethod
+    def _after(after, gen: Generation) -> None:
+        """The bookkeeping after a finished generation (remembering a tool-call turn): its
+        failure costs only that, never the response the client is owed."""
+        if after is None:
+            return
+        try:
+            after(gen)
+        except Exception:
+            log.exception("after the response: bookkeeping failed")
 
     async def _sse(self, gen: Generation, after) -> AsyncIterator[bytes]:
         try:
@@ -183,8 +193,7 @@ class Server:
             yield gen.output.error(ApiError("server", f"internal error: {type(e).__name__}: "
                                                       f"{e}")).encode()
             return
-        if after is not None:
-            after(gen)
+        self._after(after, gen)
         done = gen.output.done_data()
         if done is not None:
             yield f"data: {done}\n\n".encode()
@@ -201,7 +210,7 @@ class Server:
             conv = protocol.convert(body, self.options, self.config.model_name)
         except dr.ConversionError as e:
             raise from_conversion_error(e) from None
-        except (ValueError, TypeError, OverflowError) as e:
+        except (ValueError, TypeError, OverflowError, RecursionError) as e:
             raise ApiError("invalid_request", str(e)) from None
         creq = conv.request
         opts = creq.inference_options

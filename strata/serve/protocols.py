@@ -21,7 +21,22 @@ from strata.serve.errors import ApiError
 class ToolCallOut:
     id: str
     name: str
-    arguments: Any  # the parsed JSON arguments
+    arguments: Any  # the parsed JSON arguments (the text where it is not JSON)
+
+
+def arguments(text: str | None) -> Any:
+    """A tool call's arguments as parsed JSON; the text itself where the model wrote no valid
+    JSON (the call is still returned to the client as written — it is not a server error)."""
+    try:
+        return json.loads(text or "{}")
+    except ValueError:
+        return text
+
+
+def forces_a_tool(choice: Any) -> bool:
+    """Whether a request's tool_choice asks for a tool call (in any protocol's spelling)."""
+    return choice == "required" or (isinstance(choice, dict)
+                                    and choice.get("type") in ("function", "custom", "tool", "any"))
 
 
 @dataclass(frozen=True)
@@ -66,7 +81,15 @@ class Protocol:
     def convert(self, body: dict, options: dr.ConversionOptions, model: str) -> Converted:
         rid = self.id_prefix + secrets.token_hex(12)
         creq = self.request_cls(self.prepare(body)).convert(options)
+        self.check_tools(body, creq.conversation)
         return Converted(creq, self.request_cls.chunk_generator(creq, rid, model), rid)
+
+    @staticmethod
+    def check_tools(body: dict, conversation: dr.Conversation) -> None:
+        # (the recipe would render a forced call of no tool as an ordinary answer)
+        if forces_a_tool(body.get("tool_choice")) and not conversation.tools:
+            raise ApiError("invalid_request", "tool_choice asks for a tool call, but the "
+                           "request has no tools", param="tool_choice")
 
     def response(self, rid: str, model: str, created: int, prompt_tokens: int,
                  cached_tokens: int) -> Any:
@@ -103,7 +126,7 @@ class ChatCompletions(Protocol):
     def turn(self, response: dict) -> TurnOut:
         msg = response["choices"][0]["message"]
         calls = tuple(ToolCallOut(c["id"], c["function"]["name"],
-                                  json.loads(c["function"]["arguments"] or "{}"))
+                                  arguments(c["function"]["arguments"]))
                       for c in msg.get("tool_calls") or [])
         return TurnOut(msg.get("reasoning_content") or "", msg.get("content") or "", calls)
 
@@ -135,6 +158,7 @@ class Messages(Protocol):
         conv = super().convert(body, options, model)
         conv.prefill = prefill
         if any_tool:
+            self.check_tools({"tool_choice": choice}, conv.conversation)
             self.require_a_tool_call(conv)
         return conv
 
@@ -149,9 +173,6 @@ class Messages(Protocol):
         if c.thinking_mode:
             raise ApiError("invalid_request", "tool_choice 'any' is not supported with thinking "
                            "enabled: disable thinking, or use tool_choice 'auto'",
-                           param="tool_choice")
-        if not c.tools:
-            raise ApiError("invalid_request", "tool_choice 'any' needs at least one tool",
                            param="tool_choice")
         if conv.prefill:
             raise ApiError("invalid_request", "tool_choice 'any' cannot continue a final "
@@ -200,14 +221,42 @@ class Responses(Protocol):
     name, id_prefix = "responses", "resp_"
     request_cls, response_cls = dr.ResponsesRequest, dr.ResponsesResponse
 
+    # What the recipe converts; anything else it would drop without a word, so it is refused.
+    ITEMS = ("message", "reasoning", "function_call", "function_call_output",
+             "custom_tool_call", "custom_tool_call_output")
+    TOOLS = ("function", "namespace", "custom")
+
     def prepare(self, body: dict) -> dict:
         # no response store: a chained request would silently lose its conversation
         for key, what in (("previous_response_id", "stored responses"),
+                          ("conversation", "stored conversations"),
+                          ("prompt", "stored prompts"),
                           ("background", "background responses")):
             if body.get(key) not in (None, False):
                 raise ApiError("invalid_request", f"'{key}' is not supported: this server "
                                f"keeps no {what}; send the whole conversation as input",
                                param=key)
+        items = body.get("input")
+        for i, item in enumerate(items if isinstance(items, list) else []):
+            if not isinstance(item, dict):
+                continue  # (the recipe names a malformed item)
+            kind = item.get("type", "message" if "role" in item else None)
+            if kind not in self.ITEMS:
+                raise ApiError("invalid_request", f"input item type {kind!r} is not supported "
+                               f"(this server takes {', '.join(self.ITEMS)}; it keeps no "
+                               "stored items)", param=f"input[{i}].type")
+            parts = item.get("content")
+            for j, part in enumerate(parts if kind == "message" and isinstance(parts, list)
+                                     else []):
+                if isinstance(part, dict) and part.get("type") == "input_file":
+                    raise ApiError("invalid_request", "file inputs are not supported by this "
+                                   "server", param=f"input[{i}].content[{j}]")
+        tools = body.get("tools")
+        for i, tool in enumerate(tools if isinstance(tools, list) else []):
+            if isinstance(tool, dict) and tool.get("type") not in self.TOOLS:
+                raise ApiError("invalid_request", f"tool type {tool.get('type')!r} is not "
+                               "supported: this server runs no hosted tools (it takes "
+                               f"{', '.join(self.TOOLS)} tools)", param=f"tools[{i}].type")
         return body
 
     def convert(self, body: dict, options: dr.ConversionOptions, model: str) -> Converted:
@@ -216,6 +265,7 @@ class Responses(Protocol):
         # Read before convert() consumes the request.
         echo, ns_map = req.echo(), req.namespace_tool_map(options)
         creq = req.convert(options)
+        self.check_tools(body, creq.conversation)
         gen = self.request_cls.chunk_generator(creq, rid, model).with_namespace_tool_map(
             ns_map).with_echo(echo)
         return Converted(creq, gen, rid)
@@ -230,7 +280,7 @@ class Responses(Protocol):
                             if c.get("type") == "output_text"]
             elif item["type"] == "function_call":
                 calls.append(ToolCallOut(item["call_id"], item["name"],
-                                         json.loads(item.get("arguments") or "{}")))
+                                         arguments(item.get("arguments"))))
         return TurnOut("".join(reasoning), "".join(content), tuple(calls))
 
 

@@ -13,7 +13,6 @@ replaced by the emitted tokens.
 from __future__ import annotations
 
 import hashlib
-import json
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 
 import deepseek_recipe as dr
 
-from strata.serve.protocols import TurnOut
+from strata.serve.protocols import TurnOut, arguments
 
 
 def digest(ids: Sequence[int]) -> bytes:
@@ -87,10 +86,7 @@ class ToolTurns:
         for c, o in zip(calls, t.turn.tool_calls):
             if c.id != o.id or c.name != o.name:
                 return None
-            try:
-                if json.loads(c.arguments or "{}") != o.arguments:
-                    return None
-            except ValueError:
+            if arguments(c.arguments) != o.arguments:  # (values, whatever the spelling)
                 return None
         # Clients commonly drop the reasoning and may drop the text; anything else they
         # send must be what the model said.
