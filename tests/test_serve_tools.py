@@ -183,10 +183,12 @@ def test_anthropic_tool_use_round_trip(live, tok, real_vocab_dir):
     assert r2.content[1].text == "It is sunny in Paris."
 
 
-def test_anthropic_tool_choice_any_forces_a_call(live):
-    """tool_choice "any" (the recipe would read it as "auto"): the prompt opens the tool-call
-    block, as OpenAI's "required" does, and the parser starts inside it — the scripted model
-    output is only the invoke; thinking is off unless asked for, and refused if asked for."""
+def test_a_forced_tool_call_in_every_protocol(live):
+    """Anthropic's tool_choice "any" (the recipe would read it as "auto"): the prompt opens the
+    tool-call block, as OpenAI's "required" does, and the parser starts inside it — the
+    scripted model output is only the invoke. Forcing a call turns thinking off unless the
+    request asks for it (then: refused) — Anthropic, Chat ("required", a named function) and
+    Responses alike; forcing a call without tools is refused."""
     forced = "<｜Assistant｜></think>\n\n<｜DSML｜ calls>\n"
     live.script([{"match": forced, "text": CALL[CALL.index("<｜DSML｜ invoke"):]},
                  {"match": "", "text": "Not forced.</think>No call." + EOS}])
@@ -210,6 +212,24 @@ def test_anthropic_tool_choice_any_forces_a_call(live):
     r = live.post("/v1/messages", {k: v for k, v in body.items() if k != "tools"})
     assert r.status_code == 400 and "no tools" in r.json()["error"]["message"]
     assert an.messages.create(**kw).stop_reason == "end_turn"  # still serving
+
+    # OpenAI's "required" and a named function, Chat and Responses: thinking off unless asked
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = live.post("/v1/chat/completions", {"model": M, "messages": ASK, "tools": TOOLS,
+                                               "tool_choice": choice, "max_tokens": 200})
+        assert r.status_code == 200, r.text
+        msg = r.json()["choices"][0]["message"]
+        assert msg["tool_calls"][0]["function"]["name"] == "get_weather"
+        assert not msg.get("reasoning_content")
+    r = live.post("/v1/chat/completions", {"model": M, "messages": ASK, "tools": TOOLS,
+                                           "tool_choice": "required", "max_tokens": 200,
+                                           "thinking": {"type": "enabled"}})
+    assert r.status_code == 400, r.text
+    r = live.post("/v1/responses", {"model": M, "input": ASK, "tool_choice": "required",
+                                    "tools": [dict(TOOLS[0]["function"], type="function")],
+                                    "max_output_tokens": 200})
+    assert r.status_code == 200, r.text
+    assert [o["type"] for o in r.json()["output"]] == ["function_call"]
 
 
 def test_a_tool_call_whose_arguments_are_not_json_is_returned_not_a_500(live, oa):

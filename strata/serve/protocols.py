@@ -34,7 +34,12 @@ def arguments(text: str | None) -> Any:
 
 
 def forces_a_tool(choice: Any) -> bool:
-    """Whether a request's tool_choice asks for a tool call (in any protocol's spelling)."""
+    """Whether a request's tool_choice asks for a tool call (in any protocol's spelling).
+
+    The recipe renders a forced call only with thinking off, and refuses it otherwise, while
+    thinking is on unless asked off: so a request that forces a call and says nothing of
+    thinking gets it off (Anthropic's default anyway); one that asks for thinking as well is
+    refused."""
     return choice == "required" or (isinstance(choice, dict)
                                     and choice.get("type") in ("function", "custom", "tool", "any"))
 
@@ -116,6 +121,9 @@ class ChatCompletions(Protocol):
         limit = body.pop("max_completion_tokens", None)
         if body.get("max_tokens") is None and limit is not None:
             body["max_tokens"] = limit
+        if forces_a_tool(body.get("tool_choice")) and not ({"thinking", "reasoning_effort"}
+                                                           & body.keys()):
+            body["thinking"] = {"type": "disabled"}  # (forces_a_tool)
         msgs = body.get("messages")
         if isinstance(msgs, list):
             body["messages"] = [dict(m, role="system")
@@ -151,10 +159,11 @@ class Messages(Protocol):
     def convert(self, body: dict, options: dr.ConversionOptions, model: str) -> Converted:
         body, prefill = self.split_prefill(body)
         choice = body.get("tool_choice")
+        if forces_a_tool(choice) and "thinking" not in body:
+            body = dict(body, thinking={"type": "disabled"})  # (forces_a_tool)
         any_tool = isinstance(choice, dict) and choice.get("type") == "any"
         if any_tool:  # the recipe reads "any" as "auto"; converted as auto, then made required
             body = dict(body, tool_choice=dict(choice, type="auto"))
-            body.setdefault("thinking", {"type": "disabled"})  # (Anthropic's default)
         conv = super().convert(body, options, model)
         conv.prefill = prefill
         if any_tool:
@@ -236,6 +245,8 @@ class Responses(Protocol):
                 raise ApiError("invalid_request", f"'{key}' is not supported: this server "
                                f"keeps no {what}; send the whole conversation as input",
                                param=key)
+        if forces_a_tool(body.get("tool_choice")) and "reasoning" not in body:
+            body = dict(body, reasoning={"effort": "none"})  # (forces_a_tool)
         items = body.get("input")
         for i, item in enumerate(items if isinstance(items, list) else []):
             if not isinstance(item, dict):
