@@ -340,8 +340,8 @@ def _group(name: str) -> str:
 
 
 def cmd_inspect(args) -> int:
-    from strata.checkpoint.pack import (PackFolder, checkpoint_format, is_pack, pack_bytes,
-                                        verify_files)
+    from strata.checkpoint.pack import (PackFolder, check_loadable, checkpoint_format, is_pack,
+                                        pack_bytes, verify_files)
     from strata.checkpoint.safetensors_io import CheckpointFolder
     from strata.config import ModelConfig
     folder = Path(args.dir)
@@ -405,6 +405,12 @@ def cmd_inspect(args) -> int:
         print(f"  disk needed to pack it: {pack_bytes(ckpt) / 1e9:.3f} GB "
               f"(strata pack {folder} DST)")
     ckpt.close()
+    try:
+        check_loadable(folder)
+        print("  engine check: the model builds from these headers (every tensor it reads "
+              "present, with its dtype and shape)")
+    except StrataError as e:
+        print(f"  engine check: FAILED: {e}")
     return 0
 
 

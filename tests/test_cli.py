@@ -68,6 +68,7 @@ def test_inspect(tiny_dir, capsys):
     out = capsys.readouterr().out
     assert "official (fp8 dense, fp4 experts, fp8 Engram)" in out
     assert "routed experts" in out and "engram tables" in out and "dspark" in out
+    assert "engine check: the model builds" in out
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -336,9 +336,11 @@ def test_refusals(packs, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", ["official", "exl3"])
-def test_a_checkpoint_the_engine_cannot_load_is_refused_before_packing(packs, tmp_path, fmt):
+def test_a_checkpoint_the_engine_cannot_load_is_refused_before_packing(packs, tmp_path, fmt,
+                                                                       capsys):
     """Before any file is written the model is built on the meta device from the source's
-    headers (pack.check_loadable): a tensor missing, or one of the wrong shape, is named."""
+    headers (pack.check_loadable): a tensor missing, or one of the wrong shape, is named —
+    and `strata inspect` reports the same check."""
     from safetensors.torch import load_file, save_file
     src = packs[fmt][0]
     index = json.loads((src / INDEX_NAME).read_text())
@@ -359,6 +361,9 @@ def test_a_checkpoint_the_engine_cannot_load_is_refused_before_packing(packs, tm
         with pytest.raises(CheckpointError, match=re.escape(name)):
             pack(bad, tmp_path / f"{case}-pack", progress=False)
         assert not (tmp_path / f"{case}-pack").exists()
+        capsys.readouterr()
+        assert main(["inspect", str(bad)]) == 0
+        assert f"engine check: FAILED: tensor {name}" in capsys.readouterr().out
 
 
 def test_a_changed_source_is_packed_again_and_another_ones_pack_is_kept(packs, tmp_path):
