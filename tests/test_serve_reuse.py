@@ -2,6 +2,7 @@
 engine's prefix cache directly (every way back to a common prefix: truncate, bookmark, fresh)."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -124,6 +125,12 @@ def test_engine_exception_is_reported_and_the_next_request_works(live, model):
                 "model": M, "messages": msgs, "max_tokens": 5, "stream": True}) as s:
             events = sse_events(s)
         assert events[-1][0] == "error" and "token ids" in events[-1][1]
+        with httpx.stream("POST", live.url + "/v1/responses", timeout=60, json={
+                "model": M, "input": msgs, "max_output_tokens": 5, "stream": True}) as s:
+            events = [(name, json.loads(data)) for name, data in sse_events(s)]
+        assert events[-1][0] == "error" and "token ids" in events[-1][1]["message"]
+        # (the error event continues the stream's numbering, as every Responses event does)
+        assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
     finally:
         live.script(None)
     r = chat(live, [{"role": "user", "content": "hello again"}])

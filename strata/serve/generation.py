@@ -67,12 +67,14 @@ class RecipeOutput:
         self.sp = dr.StreamProcessor(conv.generator, conv.parsing, tokenizer)
         self.response: Any = None
         self._final: dict | None = None
+        self._last = ""  # the last event's JSON (a Responses error event continues its numbers)
 
     def _emit(self, chunks: list) -> list[Sse]:
         out = []
         for c in chunks:
             # to_json first: accumulate() consumes the chunk.
-            out.append(Sse(self.protocol.sse_event_name(c), c.to_json()))
+            self._last = c.to_json()
+            out.append(Sse(self.protocol.sse_event_name(c), self._last))
             self.response.accumulate(c)
         return out
 
@@ -112,8 +114,10 @@ class RecipeOutput:
             return Sse(None, json.dumps(body))
         if self.protocol.name == "responses":
             e = body["error"]
+            seq = json.loads(self._last).get("sequence_number", -1) + 1 if self._last else 0
             return Sse("error", json.dumps({"type": "error", "code": e["code"] or e["type"],
-                                            "message": e["message"], "param": e["param"]}))
+                                            "message": e["message"], "param": e["param"],
+                                            "sequence_number": seq}))
         return Sse("error", json.dumps(body))
 
     def done_data(self) -> str | None:
