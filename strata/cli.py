@@ -509,8 +509,6 @@ def cmd_passkey(args) -> int:
     lengths = [parse_length(t) for t in args.lengths.split(",") if t.strip()]
     if not lengths:
         raise StrataError("--lengths: no lengths given")
-    if args.chunk < 1 or args.max_tokens < 1:
-        raise StrataError("--chunk and --max-tokens must be ≥ 1")
     model = _load(args)
     results = run_passkey(model, tokenizer_path(_model_dir(args.model)), lengths,
                           depth=args.depth, chunk=args.chunk, max_tokens=args.max_tokens,
@@ -560,7 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="a user message, rendered with the V4.1 chat format")
     src.add_argument("--tokens", help="raw prompt token ids (comma or space separated)")
     g.add_argument("--thinking", action="store_true", help="render the prompt in thinking mode")
-    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--max-tokens", type=COUNT, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=SEED, default=0)
@@ -602,7 +600,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--devices", default="cuda:0", help="comma-separated, in layer order")
     pl.add_argument("--budget", required=True,
                     help="memory per device (96GB, 80GiB, ...): one for all, or one per device")
-    pl.add_argument("--context", type=int, default=65536, help="context length to size caches")
+    pl.add_argument("--context", type=COUNT, default=65536, help="context length to size caches")
     pl.add_argument("--reserve", default="4GiB",
                     help="per-device room for activations, CUDA graphs and the CUDA context")
     pl.add_argument("--kv-format", default="bf16", choices=["bf16", "fp32", "fp4"],
@@ -649,8 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated prompt lengths in tokens (K = 1024)")
     pk.add_argument("--depth", type=float, default=0.0,
                     help="where the key sits in the filler, 0 = start .. 1 = end")
-    pk.add_argument("--chunk", type=int, default=2048, help="prefill chunk in tokens")
-    pk.add_argument("--max-tokens", type=int, default=16, help="answer length")
+    pk.add_argument("--chunk", type=COUNT, default=2048, help="prefill chunk in tokens")
+    pk.add_argument("--max-tokens", type=COUNT, default=16, help="answer length")
     pk.add_argument("--seed", type=SEED, default=0, help="picks the keys")
     pk.add_argument("--json", help="write the results as JSON here")
     pk.set_defaults(fn=cmd_passkey)
@@ -663,9 +661,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=PORT, default=8000)
     sv.add_argument("--api-key", help="required from clients as 'Authorization: Bearer KEY' or "
                                       "'x-api-key: KEY' (default: $STRATA_API_KEY)")
-    sv.add_argument("--max-queue", type=int, default=16,
+    sv.add_argument("--max-queue", type=NONNEGATIVE, default=16,
                     help="requests that may wait for the engine; more get 429 (default 16)")
-    sv.add_argument("--prefix-cache-mb", type=int, default=2048,
+    sv.add_argument("--prefix-cache-mb", type=NONNEGATIVE, default=2048,
                     help="memory for retained conversation states (default 2048)")
     sv.add_argument("--max-body-mb", type=COUNT, default=16, help="request size limit")
     _add_speculative_args(sv)
@@ -694,9 +692,6 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # a usage error (2), --help (0): argparse has said why
         return e.code if isinstance(e.code, int) else 2
-    if getattr(args, "max_tokens", 1) is not None and getattr(args, "max_tokens", 1) < 1:
-        print("strata: error: --max-tokens must be ≥ 1", file=sys.stderr)
-        return 2
     try:
         if isinstance(getattr(args, "json", None), str):  # (a results file: before the run)
             _check_writable(args.json, "--json")

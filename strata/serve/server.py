@@ -49,11 +49,7 @@ def serve(model: Model, model_dir: Path, args) -> int:
     key = api_key(args.api_key)
     check_bind(args.host, key)
     capacity = args.capacity or min(DEFAULT_CAPACITY, model.cfg.max_position_embeddings)
-    for name in ("max_queue", "prefix_cache_mb", "max_body_mb"):
-        if getattr(args, name) < 0:
-            raise StrataError(f"--{name.replace('_', '-')} must be ≥ 0")
-    if capacity < 2:
-        raise StrataError("--capacity must be ≥ 2 tokens")
+    # (flag ranges: strata.argtypes, checked as the command line is parsed)
     spec, costs = speculative_config(model, args.draft_length, args.graphs) \
         if args.speculative else (None, None)
     engine = Engine(model, capacity, max_queue=args.max_queue,
