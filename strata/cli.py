@@ -188,6 +188,13 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
                         "at start-up)")
 
 
+def _add_prefill_chunk_arg(p: argparse.ArgumentParser, flag: str = "--prefill-chunk") -> None:
+    from strata.runtime.session import PREFILL_CHUNK
+    p.add_argument(flag, type=COUNT, default=PREFILL_CHUNK, dest="prefill_chunk",
+                   help=f"prompt rows a prefill forward takes at once (default {PREFILL_CHUNK}; "
+                        "smaller needs less scratch memory and prefills slower)")
+
+
 def _check_speculative_args(args) -> None:
     if args.draft_length is not None and not args.speculative:
         raise StrataError("--draft-length needs --speculative")
@@ -252,7 +259,8 @@ def cmd_generate(args) -> int:
     # (single device; the multi-device forward has no skip yet).
     spec, costs = speculative_config(model, args.draft_length, args.graphs) \
         if args.speculative else (None, None)
-    session = Session(model, cap, decoder_skip=not getattr(args, "parallel", None),
+    session = Session(model, cap, args.prefill_chunk,
+                      decoder_skip=not getattr(args, "parallel", None),
                       speculative=spec, costs=costs, graphs=args.graphs)
     t0 = time.perf_counter()
     result = session.run(prompt, args.max_tokens, params)
@@ -511,7 +519,7 @@ def cmd_passkey(args) -> int:
         raise StrataError("--lengths: no lengths given")
     model = _load(args)
     results = run_passkey(model, tokenizer_path(_model_dir(args.model)), lengths,
-                          depth=args.depth, chunk=args.chunk, max_tokens=args.max_tokens,
+                          depth=args.depth, chunk=args.prefill_chunk, max_tokens=args.max_tokens,
                           seed=args.seed)
     print(report(results))
     if args.json:
@@ -563,6 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=SEED, default=0)
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_prefill_chunk_arg(g)
     _add_speculative_args(g)
     _add_graphs_arg(g)
     g.set_defaults(fn=cmd_generate)
@@ -647,7 +656,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated prompt lengths in tokens (K = 1024)")
     pk.add_argument("--depth", type=float, default=0.0,
                     help="where the key sits in the filler, 0 = start .. 1 = end")
-    pk.add_argument("--chunk", type=COUNT, default=2048, help="prefill chunk in tokens")
+    _add_prefill_chunk_arg(pk, "--chunk")
     pk.add_argument("--max-tokens", type=COUNT, default=16, help="answer length")
     pk.add_argument("--seed", type=SEED, default=0, help="picks the keys")
     pk.add_argument("--json", help="write the results as JSON here")
@@ -666,6 +675,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--prefix-cache-mb", type=NONNEGATIVE, default=2048,
                     help="memory for retained conversation states (default 2048)")
     sv.add_argument("--max-body-mb", type=COUNT, default=16, help="request size limit")
+    _add_prefill_chunk_arg(sv)
     _add_speculative_args(sv)
     _add_graphs_arg(sv)
     sv.add_argument("--drain-timeout", type=NONNEGATIVE, default=300,

@@ -20,6 +20,40 @@ def test_generate_tokens_json(tiny_dir, capsys):
     assert out["finish_reason"] in ("stop", "length")
 
 
+def test_the_prefill_chunk_reaches_the_session_and_the_engine(tiny_dir, capsys, monkeypatch):
+    """--prefill-chunk: generate's session and the server's engine take it (default
+    PREFILL_CHUNK), and the tokens do not depend on it."""
+    import signal
+
+    import uvicorn
+
+    from strata.runtime.session import PREFILL_CHUNK, Session
+    from strata.serve import app
+    chunks = []
+    init = Session.__init__
+
+    def spy_init(self, *a, **k):
+        init(self, *a, **k)
+        chunks.append(self.prefill_chunk)
+    monkeypatch.setattr(Session, "__init__", spy_init)
+    outs = []
+    for extra in ([], ["--prefill-chunk", "3"]):
+        assert main(["generate", "--model", str(tiny_dir), "--tokens", "5,6,7,8,9,10,11,12",
+                     "--max-tokens", "4", "--json"] + extra) == 0
+        outs.append(json.loads(capsys.readouterr().out)["tokens"])
+    assert chunks == [PREFILL_CHUNK, 3] and outs[0] == outs[1]
+
+    engines = []
+    create = app.create_app
+    monkeypatch.setattr(app, "create_app", lambda engine, *a, **k: (
+        engines.append(engine.prefill_chunk), create(engine, *a, **k))[1])
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)  # (no server: the wiring only)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # (keep pytest's handlers)
+    for extra in ([], ["--prefill-chunk", "7"]):
+        assert main(["serve", "--model", str(tiny_dir), "--port", "0"] + extra) == 0
+    assert engines == [PREFILL_CHUNK, 7]
+
+
 def test_generate_with_engram_on_disk(tiny_dir, capsys, monkeypatch):
     from strata import engram_store
     args = ["generate", "--model", str(tiny_dir), "--tokens", "5,6,7,8", "--max-tokens", "6",
@@ -101,6 +135,8 @@ def test_bad_arguments_are_reported(tiny_dir, capsys, argv, needle):
      "does not exist"),
     (["serve", "--port", "70000"], "--port: must be in 0..65535, got 70000"),
     (["serve", "--max-queue", "-1"], "--max-queue: must be ≥ 0, got -1"),
+    (["serve", "--prefill-chunk", "0"], "--prefill-chunk: must be ≥ 1, got 0"),
+    (["generate", "--tokens", "1", "--prefill-chunk", "-2"], "--prefill-chunk: must be ≥ 1"),
     (["generate", "--tokens", "1", "--max-tokens", "0"], "--max-tokens: must be ≥ 1, got 0"),
     (["passkey", "--lengths", "100", "--chunk", "0"], "--chunk: must be ≥ 1, got 0"),
     (["serve", "--log-level", "bogus"], "--log-level: invalid choice"),

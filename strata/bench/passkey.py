@@ -106,8 +106,9 @@ class PasskeyResult:
 
 
 def run_passkey(model, tokenizer_json: str | Path, lengths: list[int], depth: float = 0.0,
-                chunk: int = 2048, max_tokens: int = 16, seed: int = 0) -> list[PasskeyResult]:
-    from strata.runtime.session import Session
+                chunk: int | None = None, max_tokens: int = 16,
+                seed: int = 0) -> list[PasskeyResult]:
+    from strata.runtime.session import PREFILL_CHUNK, Session
     from strata.tokenizer import load_tokenizer
     builder = PromptBuilder(tokenizer_json)
     tok = load_tokenizer(Path(tokenizer_json).parent)
@@ -120,7 +121,8 @@ def run_passkey(model, tokenizer_json: str | Path, lengths: list[int], depth: fl
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         # The state is not reused after the answer: the exact decoder-skipping prefill applies.
-        session = Session(model, len(prompt) + max_tokens, prefill_chunk=chunk,
+        session = Session(model, len(prompt) + max_tokens,
+                          prefill_chunk=PREFILL_CHUNK if chunk is None else chunk,
                           decoder_skip=True)
         out, t0 = [], time.perf_counter()
         t_first = None

@@ -455,7 +455,8 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=SEED, default=0)
     p.add_argument("--prefill", help="also time chunked prefills of these prompt lengths, "
                                      "e.g. 8K,32K,128K (K = 1024)")
-    p.add_argument("--prefill-chunk", type=COUNT, default=2048)
+    from strata.runtime.session import PREFILL_CHUNK
+    p.add_argument("--prefill-chunk", type=COUNT, default=PREFILL_CHUNK)
     p.add_argument("--prefill-piece", type=COUNT, default=32768,
                    help="feed a prefill's prompt in pieces of this many tokens, with a "
                         "progress line after each")

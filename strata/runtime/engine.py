@@ -28,7 +28,7 @@ import torch
 from strata.model.model import Model
 from strata.runtime.prefix_cache import PrefixCache, Retained
 from strata.runtime.sampling import SamplingParams
-from strata.runtime.session import Session
+from strata.runtime.session import PREFILL_CHUNK, Session
 from strata.runtime.speculative import SpecConfig
 
 log = logging.getLogger("strata.engine")
@@ -100,7 +100,7 @@ class Job:
 class Engine:
     def __init__(self, model: Model, capacity: int, *, max_queue: int = 16,
                  prefix_cache_bytes: int = 1 << 30, max_bookmarks: int = 4,
-                 prefill_chunk: int = 512, speculative: SpecConfig | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK, speculative: SpecConfig | None = None,
                  costs: tuple[list[float], float] | None = None,
                  graphs: bool = False) -> None:
         if capacity < 2:

@@ -34,8 +34,16 @@ class GenerationResult:
     prompt_tokens: int
 
 
+# Rows a prefill forward takes at once. Bigger chunks amortise decoding each routed expert over
+# more of its rows (a 4,096-row chunk gives each of the 384 experts ~64): on one H200 a 32K
+# prompt prefills at ~3,100 tok/s in 512-row chunks, ~11,000 in 2,048 and ~14,500 in 4,096
+# (8,192: the same rate, twice the scratch) — bench/results/performance.md, session 32. A
+# 4,096-row chunk's scratch (~1.9 GiB on a device) fits the memory plan's per-device reserve.
+PREFILL_CHUNK = 4096
+
+
 class Session:
-    def __init__(self, model: Model, capacity: int, prefill_chunk: int = 512,
+    def __init__(self, model: Model, capacity: int, prefill_chunk: int = PREFILL_CHUNK,
                  speculative: SpecConfig | None = None, draft_override: DraftOverride | None = None,
                  costs: tuple[list[float], float] | None = None,
                  state: State | None = None, decoder_skip: bool = False,

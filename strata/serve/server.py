@@ -53,7 +53,8 @@ def serve(model: Model, model_dir: Path, args) -> int:
     spec, costs = speculative_config(model, args.draft_length, args.graphs) \
         if args.speculative else (None, None)
     engine = Engine(model, capacity, max_queue=args.max_queue,
-                    prefix_cache_bytes=args.prefix_cache_mb << 20, speculative=spec,
+                    prefix_cache_bytes=args.prefix_cache_mb << 20,
+                    prefill_chunk=args.prefill_chunk, speculative=spec,
                     costs=costs, graphs=args.graphs)
     rules = load_rules(args.script) if args.script else None
     config = ServeConfig(api_key=key, max_body_bytes=args.max_body_mb << 20)
