@@ -50,13 +50,15 @@ def test_top_picks_are_the_indexers_torch_ops(monkeypatch, split):
     picks, ties across blocks and parts (the lowest indices), rounded rows, −0 against +0
     (equal), +inf, a selection wider than the entries and non-power-of-2 widths, the picks
     given as ids; no rows and no entries. Blocks of 64 here so a pass spans several; each row in one program, or
-    (`split`) in parts of ≥ 128 entries, a program each, their counts added per pass; rows
+    (`split`) in parts of ≥ 128 entries, a program each, their counts added per pass, a part's
+    picks placed after the earlier parts' counts read 4 at a time; rows
     shorter than a block read by a block of their own width."""
     from strata.kernels import ranking
     from strata.model.indexer import topk_lowest_index
     monkeypatch.setattr(ranking, "PICKS_BLOCK", 64)
     monkeypatch.setattr(ranking, "PICKS_PART", 128)
     monkeypatch.setattr(ranking, "PICKS_PROGRAMS", 48 if split else 1)
+    monkeypatch.setattr(ranking, "PICKS_COUNTS", 4)  # (8 parts: the earlier counts in rounds)
     g = torch.Generator().manual_seed(5)
     scores = torch.randn(6, 1000, generator=g)
     scores[0, 40:] = float("-inf")  # 40 finite entries

@@ -518,6 +518,9 @@ def bench_prefill(model, lengths: list[int], chunk: int, skip: str, seed: int,
             warm = prefill_warmup_length(n, chunk, reach) if warmup else 0
             if warm:
                 t0 = time.perf_counter()
+                if cuda:  # (kernels only a long context's shapes take)
+                    from strata.kernels import ranking
+                    ranking.compile_split(dev)
                 Session(model, warm + 8, prefill_chunk=chunk, decoder_skip=on).prefill(
                     prompt[:warm])
                 if progress is not None:

@@ -41,7 +41,9 @@ def _contig(t: torch.Tensor) -> torch.Tensor:
 if triton is not None:
     from strata.kernels.rowwise import split_bf16
 
-    @triton.jit
+    # (T, the queries of a piece, changes with the context: not specialised on, so a long
+    # prompt compiles no new variant — see strata.kernels.ranking's split kernels)
+    @triton.jit(do_not_specialize=["T"])
     def _index_scores_kernel(q_ptr, k_ptr, w_ptr, vis_ptr, e_ptr, o_ptr, w_scale, T, H, N, M,
                              D, sqt, sqh, sqd, skn, skd, swt, swh, set_, sot,
                              BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,

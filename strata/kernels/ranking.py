@@ -31,6 +31,7 @@ PICKS_MIN_BLOCK = 256  # (a row shorter than this: one entry a thread of 8 warps
 PICKS_WARPS = 8
 PICKS_PART = 4096
 PICKS_PROGRAMS = 264
+PICKS_COUNTS = 64  # a part's picks start after the earlier parts' counts, read this many at once
 
 
 def available(t: torch.Tensor) -> bool:
@@ -202,7 +203,10 @@ if triton is not None:
             prefix, want = _narrowed(hist, prefix, want)
         return prefix, want, finite
 
-    @triton.jit
+    # (rows and parts change with the context and the prefill's pieces: not specialised on,
+    # so a long prompt compiles nothing its warm-up did not — 17 compiles, ~8 s, in a 128K
+    # prefill's timed run before; H200, session 32)
+    @triton.jit(do_not_specialize=["rows"])
     def _split_counts_kernel(s_ptr, hist_ptr, n, k, rows, s_row, part, P: tl.constexpr,
                              BLOCK: tl.constexpr, PDL: tl.constexpr):
         # Pass P over one part of a row, its counts added to the row's.
@@ -216,10 +220,10 @@ if triton is not None:
             tl.atomic_add(hist_ptr + (P * rows + row) * 256 + tl.arange(0, 256), hist,
                           mask=hist != 0, sem="relaxed")
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["rows", "parts"])
     def _split_picks_kernel(s_ptr, hist_ptr, part_ptr, o_ptr, i_ptr, n, k, rows, s_row, o_row,
-                            i_row, part, parts, WRITE: tl.constexpr, PARTS: tl.constexpr,
-                            IDS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                            i_row, part, parts, WRITE: tl.constexpr, IDS: tl.constexpr,
+                            COUNTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         # One part of a row: its entries above and equal to the threshold counted (into
         # part_ptr [rows, parts, 2]); with WRITE, its picks written after those of the parts
         # before it, and the last part fills the row's empty slots.
@@ -233,10 +237,13 @@ if triton is not None:
         base = s_ptr + row * s_row
         counts = part_ptr + row * parts * 2
         if WRITE:
-            i = tl.arange(0, PARTS)
-            before = i < c
-            above_before = tl.sum(tl.load(counts + 2 * i, mask=before, other=0))
-            equal_before = tl.sum(tl.load(counts + 2 * i + 1, mask=before, other=0))
+            above_before = tl.zeros((), tl.int32)
+            equal_before = tl.zeros((), tl.int32)
+            for start in range(0, c, COUNTS):  # (the parts before this one)
+                i = start + tl.arange(0, COUNTS)
+                before = i < c
+                above_before += tl.sum(tl.load(counts + 2 * i, mask=before, other=0))
+                equal_before += tl.sum(tl.load(counts + 2 * i + 1, mask=before, other=0))
             out = o_ptr + row * o_row
             ids = i_ptr + row * i_row if IDS else None
             _, _, taken = _part_picks(base, lo, tl.minimum(lo + part, n), threshold, ties,
@@ -292,9 +299,21 @@ def top_picks(scores: torch.Tensor, k: int, ids: torch.Tensor | None = None) -> 
     for write in (False, True):
         _split_picks_kernel[(T, parts)](scores, hist, counts, out, idv, n, k, T,
                                         scores.stride(0), out.stride(0), idv.stride(0), part,
-                                        parts, WRITE=write, PARTS=triton.next_power_of_2(parts),
-                                        IDS=ids is not None, BLOCK=PICKS_BLOCK, **launch)
+                                        parts, WRITE=write, IDS=ids is not None,
+                                        COUNTS=PICKS_COUNTS, BLOCK=PICKS_BLOCK, **launch)
     return out
+
+
+def compile_split(device: torch.device) -> None:
+    """Compile top_picks' split kernels (with and without ids) by one small selection over a
+    row of two parts: a prefill meets them only at long context (a piece of few queries over
+    many entries), so a warm-up at short context would leave their compiles to the first long
+    prompt (~4 s of a 128K prefill's timed run; H200, session 32). The shapes keep the
+    specialisations the model's calls have (entries, row stride and k multiples of 16)."""
+    n = 2 * PICKS_PART
+    scores = torch.zeros((1, n), dtype=torch.float32, device=device)
+    top_picks(scores, 16)
+    top_picks(scores, 16, torch.zeros((1, n), dtype=torch.int64, device=device))
 
 
 def rank_keys(scores: torch.Tensor) -> torch.Tensor:

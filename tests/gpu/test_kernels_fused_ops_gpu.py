@@ -419,6 +419,29 @@ def test_the_indexers_selection_kernels_equal_the_torch_code(cuda, monkeypatch, 
         assert torch.equal(got, want), (s.shape, k)
 
 
+def test_after_compile_split_a_long_contexts_selections_compile_nothing(cuda):
+    """The split selection's kernels are not specialised on the rows or parts of a call: once
+    ranking.compile_split has run, the selections of a long prefill's pieces and a decode
+    query (any rows, any number of parts, with and without ids) compile no new variant — a
+    compile there had cost the first long prompt seconds (Triton's per-device kernel caches
+    counted)."""
+    from strata.kernels import ranking
+    ranking.compile_split(cuda)
+    kernels = (ranking._split_counts_kernel, ranking._split_picks_kernel)
+
+    def compiled():
+        return [len(k.device_caches[torch.cuda.current_device()][0]) for k in kernels]
+    before = compiled()
+    assert all(before)
+    g = torch.Generator(device=cuda).manual_seed(13)
+    for T, n in ((1, 131072), (3, 65792), (100, 16384), (17, 40960)):
+        s = torch.randn(T, n, device=cuda, generator=g)
+        ids = torch.randint(0, 1 << 40, (T, n), device=cuda, generator=g)
+        assert torch.equal(ranking.top_picks(s, 512), torch.topk(s, 512).indices.sort().values)
+        ranking.top_picks(s, 512, ids)
+    assert compiled() == before
+
+
 def test_attentions_products_have_one_set_of_bits_for_any_batch_and_tile_width(cuda):
     """q·kᵀ (bf16 pairs) and p·v (fp32 against bf16) at V4.1's decode shapes: a query alone
     (the narrow tile of small batches) gives its bits in a 40-query batch (the wide tile), and
