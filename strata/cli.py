@@ -175,9 +175,10 @@ def _check_capacity(args, cfg) -> None:
 
 
 def _add_graphs_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--graphs", action="store_true",
+    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay decode steps, DSpark verify windows and drafts from CUDA graphs "
-                        "(CUDA, one device or --parallel tp; the same tokens; a no-op on CPU)")
+                        "(default on; the same tokens; on CUDA a decode step is ~5× faster "
+                        "than eager; a no-op on CPU)")
 
 
 def _add_speculative_args(p: argparse.ArgumentParser) -> None:
@@ -202,7 +203,8 @@ def _check_speculative_args(args) -> None:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint folder (default: the embedded tiny fixture)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda or cuda:N (default auto: cuda when there is one, else cpu)")
     p.add_argument("--numerics", choices=["reference", "vendor"],
                    help="reference: fp32, no quantisation points; vendor: every quantisation "
                         "point of the official path (default: reference on CPU, vendor on CUDA)")
@@ -702,6 +704,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # a usage error (2), --help (0): argparse has said why
         return e.code if isinstance(e.code, int) else 2
+    if getattr(args, "device", None) == "auto":  # (the model commands' default)
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         if isinstance(getattr(args, "json", None), str):  # (a results file: before the run)
             _check_writable(args.json, "--json")

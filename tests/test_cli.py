@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from strata.cli import main
 
@@ -52,6 +53,21 @@ def test_the_prefill_chunk_reaches_the_session_and_the_engine(tiny_dir, capsys, 
     for extra in ([], ["--prefill-chunk", "7"]):
         assert main(["serve", "--model", str(tiny_dir), "--port", "0"] + extra) == 0
     assert engines == [PREFILL_CHUNK, 7]
+
+
+def test_the_defaults_take_the_fast_path(tiny_dir, capsys, monkeypatch):
+    """CUDA graphs are on unless --no-graphs; --device defaults to CUDA where there is one
+    (here there is none: the run is on the CPU; with CUDA claimed, the load asks for it)."""
+    from strata.cli import build_parser
+    for cmd in (["serve"], ["generate", "--tokens", "1"]):
+        assert build_parser().parse_args(cmd).graphs is True
+        assert build_parser().parse_args(cmd + ["--no-graphs"]).graphs is False
+    argv = ["generate", "--model", str(tiny_dir), "--tokens", "5,6", "--max-tokens", "2"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert main(argv) == 2
+    assert "--device cuda: CUDA is not available" in capsys.readouterr().err
 
 
 def test_generate_with_engram_on_disk(tiny_dir, capsys, monkeypatch):

@@ -60,7 +60,8 @@ def serve(model: Model, model_dir: Path, args) -> int:
     config = ServeConfig(api_key=key, max_body_bytes=args.max_body_mb << 20)
     app = create_app(engine, model_dir, config, rules)
     print(f"strata: serving {config.model_name} from {model_dir} on "
-          f"http://{args.host}:{args.port}/v1 (context {capacity} tokens"
+          f"http://{args.host}:{args.port}/v1 (context {capacity} tokens, on {model.device}"
+          f"{', CUDA graphs' if args.graphs and model.device.type == 'cuda' else ''}"
           f"{', DSpark' if args.speculative else ''}{', API key required' if key else ''})",
           file=sys.stderr, flush=True)
     # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal under the handler that was
