@@ -89,6 +89,7 @@ def _load_parallel(args):
     environment-launched group this serves rank 0 until it shuts down, then exits."""
     from strata.config import ModelConfig
     from strata.runtime.parallel import ParallelSpec, launch, parse_devices, parse_split
+    from strata.serve.server import DEFAULT_CAPACITY
     if not args.devices:
         raise StrataError(f"--parallel {args.parallel} needs --devices, one per rank "
                           "(e.g. cuda:0,cuda:1 or cpu,cpu)")
@@ -110,7 +111,8 @@ def _load_parallel(args):
     spec = ParallelSpec(args.parallel, devices, str(model_dir), numerics=args.numerics,
                         act_dtype=args.dtype, vendor_stale_index_k=args.vendor_stale_index_k,
                         split=split, tp_attention=args.tp_attention,
-                        peer_timeout=args.peer_timeout, context=args.capacity or 32768,
+                        peer_timeout=args.peer_timeout,
+                        context=args.capacity or DEFAULT_CAPACITY,
                         buffer_bytes=args.load_buffer_mb << 20,
                         progress=False if args.quiet else None, load_options=options)
     return launch(spec)

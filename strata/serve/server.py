@@ -15,7 +15,9 @@ from pathlib import Path
 from strata.errors import StrataError
 from strata.model.model import Model
 
-DEFAULT_CAPACITY = 32768
+# A coding agent's system prompt and tools alone take 10–15K tokens; V4.1's caches cost ~3,200
+# bytes a token of capacity (bf16; bench/results/memory_plan.md), so 128K is ~0.4 GB a state.
+DEFAULT_CAPACITY = 131072
 
 
 def is_loopback(host: str) -> bool:
