@@ -263,3 +263,49 @@ def test_a_dspark_sessions_plain_steps_run_ahead_on_graphs(cuda, request, fixtur
         assert all(torch.equal(live[k], ref_live[k]) for k in ref_live), mode
         nxt = [x.run(more, 12, mode="dspark").tokens for x in (ref, s)]
         assert nxt[0] == nxt[1]
+
+
+def test_the_servers_engine_on_graphs_gives_a_cold_eager_sessions_tokens(cuda, tiny_dir):
+    """The server's engine as `strata serve` runs it by default (CUDA graphs kept on the
+    retained states): a conversation continued, a fork truncated back into it and a fresh
+    prompt, greedy and sampled — each request's tokens those of a cold eager session."""
+    import threading
+
+    from strata.runtime.engine import Engine, Failed, Finished, GenRequest, Started, Token
+    from strata.runtime.sampling import SamplingParams
+    model = Model.load(tiny_dir, cuda, Numerics.for_device(cuda))
+
+    def run(engine, prompt, params):
+        done, events = threading.Event(), []
+
+        def on_event(ev):
+            events.append(ev)
+            if isinstance(ev, (Finished, Failed)):
+                done.set()
+        engine.submit(GenRequest(list(prompt), 6, params, stop_ids=frozenset()), on_event)
+        assert done.wait(120) and not isinstance(events[-1], Failed), events
+        started = next(e for e in events if isinstance(e, Started))
+        return [e.id for e in events if isinstance(e, Token)], started.cached_tokens
+
+    def cold(prompt, params):
+        return Session(model, 1024).run(list(prompt), 6, params, stop_ids=frozenset()).tokens
+
+    eng = Engine(model, 1024, prefill_chunk=64, graphs=True).start()
+    try:
+        for k, params in enumerate((SamplingParams(), SamplingParams(1.0, 0.9, 3))):
+            def prompt(n, seed):  # (each pass its own prompts: nothing shared across them)
+                return random_tokens(n, seed=10 * k + seed).tolist()
+            base = prompt(200, 1)
+            out, cached = run(eng, base, params)
+            assert cached == 0 and out == cold(base, params)
+            p2 = base + out + prompt(30, 2)
+            out2, cached = run(eng, p2, params)
+            assert cached == len(base) + len(out) - 1 and out2 == cold(p2, params)
+            p3 = p2[:220] + prompt(10, 3)
+            out3, cached = run(eng, p3, params)
+            assert cached == 220 and out3 == cold(p3, params)
+            other = [4 + k] + prompt(50, 6)
+            out4, cached = run(eng, other, params)
+            assert cached == 0 and out4 == cold(other, params)
+    finally:
+        eng.stop()
