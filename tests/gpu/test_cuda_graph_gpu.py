@@ -265,10 +265,13 @@ def test_a_dspark_sessions_plain_steps_run_ahead_on_graphs(cuda, request, fixtur
         assert nxt[0] == nxt[1]
 
 
-def test_the_servers_engine_on_graphs_gives_a_cold_eager_sessions_tokens(cuda, tiny_dir):
+@pytest.mark.parametrize("drafts", [None, 3])
+def test_the_servers_engine_on_graphs_gives_a_cold_eager_sessions_tokens(cuda, tiny_dir,
+                                                                         drafts):
     """The server's engine as `strata serve` runs it by default (CUDA graphs kept on the
-    retained states): a conversation continued, a fork truncated back into it and a fresh
-    prompt, greedy and sampled — each request's tokens those of a cold eager session."""
+    retained states), plain and with DSpark windows of `drafts` drafts (`--speculative`): a
+    conversation continued, a fork truncated back into it and a fresh prompt, greedy and
+    sampled — each request's tokens those of a cold eager plain session."""
     import threading
 
     from strata.runtime.engine import Engine, Failed, Finished, GenRequest, Started, Token
@@ -290,7 +293,9 @@ def test_the_servers_engine_on_graphs_gives_a_cold_eager_sessions_tokens(cuda, t
     def cold(prompt, params):
         return Session(model, 1024).run(list(prompt), 6, params, stop_ids=frozenset()).tokens
 
-    eng = Engine(model, 1024, prefill_chunk=64, graphs=True).start()
+    from strata.runtime.speculative import SpecConfig
+    spec = None if drafts is None else SpecConfig(length=drafts)
+    eng = Engine(model, 1024, prefill_chunk=64, graphs=True, speculative=spec).start()
     try:
         for k, params in enumerate((SamplingParams(), SamplingParams(1.0, 0.9, 3))):
             def prompt(n, seed):  # (each pass its own prompts: nothing shared across them)
