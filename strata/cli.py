@@ -680,6 +680,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="memory for retained conversation states (default 2048)")
     sv.add_argument("--max-body-mb", type=COUNT, default=16, help="request size limit")
     _add_prefill_chunk_arg(sv)
+    sv.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                    help="before serving, run two throwaway requests so kernels compile and "
+                         "graphs are captured then, not in the first client's request "
+                         "(default: on CUDA)")
     _add_speculative_args(sv)
     _add_graphs_arg(sv)
     sv.add_argument("--drain-timeout", type=NONNEGATIVE, default=300,

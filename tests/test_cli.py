@@ -23,7 +23,7 @@ def test_generate_tokens_json(tiny_dir, capsys):
 
 def test_the_prefill_chunk_reaches_the_session_and_the_engine(tiny_dir, capsys, monkeypatch):
     """--prefill-chunk: generate's session and the server's engine take it (default
-    PREFILL_CHUNK), and the tokens do not depend on it."""
+    PREFILL_CHUNK), and the tokens do not depend on it; --warmup warms the engine up."""
     import signal
 
     import uvicorn
@@ -50,9 +50,13 @@ def test_the_prefill_chunk_reaches_the_session_and_the_engine(tiny_dir, capsys, 
         engines.append(engine.prefill_chunk), create(engine, *a, **k))[1])
     monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)  # (no server: the wiring only)
     monkeypatch.setattr(signal, "signal", lambda *a: None)  # (keep pytest's handlers)
-    for extra in ([], ["--prefill-chunk", "7"]):
+    from strata.runtime.engine import Engine
+    warmed = []
+    monkeypatch.setattr(Engine, "warm_up", lambda self: warmed.append(self) or 0.0)
+    for extra in ([], ["--prefill-chunk", "7"], ["--warmup"]):
         assert main(["serve", "--model", str(tiny_dir), "--port", "0"] + extra) == 0
-    assert engines == [PREFILL_CHUNK, 7]
+    assert engines == [PREFILL_CHUNK, 7, PREFILL_CHUNK]
+    assert len(warmed) == 1  # (asked for; by default only on CUDA)
 
 
 def test_the_defaults_take_the_fast_path(tiny_dir, capsys, monkeypatch):

@@ -320,6 +320,24 @@ def test_prefix_cache_truncate_bookmark_and_fork(tiny_reference):
         eng.stop()
 
 
+@pytest.mark.parametrize("drafts", [None, 3])
+def test_a_warm_up_retains_nothing_and_changes_no_answer(tiny_reference, drafts):
+    """Engine.warm_up (strata serve's start on CUDA) runs a throwaway request's work —
+    plain or with DSpark windows — and leaves the prefix cache empty: the first request
+    starts cold and gets a cold session's tokens."""
+    from strata.runtime.speculative import SpecConfig
+    spec = None if drafts is None else SpecConfig(length=drafts)
+    eng = Engine(tiny_reference, 1024, prefill_chunk=64, speculative=spec)
+    assert eng.warm_up() > 0 and len(eng.cache) == 0
+    eng.start()
+    try:
+        base = _prompt(1, 100)
+        out, cached = _run(eng, base)
+        assert cached == 0 and out == _cold(tiny_reference, base)
+    finally:
+        eng.stop()
+
+
 def test_prefix_cache_restores_a_bookmark_past_the_rings_reach(tiny_reference):
     eng = Engine(tiny_reference, 1024, prefill_chunk=64).start()
     try:

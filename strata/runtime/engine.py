@@ -141,6 +141,31 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def warm_up(self) -> float:
+        """The work of two throwaway requests (a whole prefill chunk and a ragged one, then a
+        few greedy and a few sampled tokens, with the engine's graphs and DSpark windows) on a
+        scratch state, dropped after: on CUDA the kernels compile and the graph code runs here,
+        before the first client waits for it (a fresh machine compiles for tens of seconds),
+        and a broken GPU setup fails at start-up. Nothing is retained. Seconds taken."""
+        t0 = time.perf_counter()
+        cfg = self.model.cfg
+        n = min(self.prefill_chunk + 21, self.capacity - 8)
+        if n < 1:
+            return 0.0
+        prompt = torch.arange(n) % (cfg.vocab_size - 3) + 3
+        if self.model.device.type == "cuda":  # (met by a long prompt's selection only)
+            from strata.kernels import ranking
+            ranking.compile_split(self.model.device)
+        for params in (SamplingParams(), SamplingParams(1.0, 0.9, 0)):
+            session = Session(self.model, n + 64, self.prefill_chunk,  # (room for windows)
+                              speculative=self.speculative, costs=self.costs,
+                              decoder_skip=True, graphs=self.graphs)
+            try:
+                session.run(prompt, 4, params, stop_ids=frozenset())
+            finally:
+                session.state.drop_graphs()
+        return time.perf_counter() - t0
+
     # ---- submission ----------------------------------------------------------------------------
     def submit(self, request: GenRequest, on_event: Callable[[Event], None]) -> Job:
         job = Job(request, on_event)
