@@ -268,8 +268,8 @@ def test_a_dspark_sessions_plain_steps_run_ahead_on_graphs(cuda, request, fixtur
 @pytest.mark.parametrize("drafts", [None, 3])
 def test_the_servers_engine_on_graphs_gives_a_cold_eager_sessions_tokens(cuda, tiny_dir,
                                                                          drafts):
-    """The server's engine as `strata serve` runs it by default (CUDA graphs kept on the
-    retained states), plain and with DSpark windows of `drafts` drafts (`--speculative`): a
+    """The server's engine as `strata serve` runs it by default (warmed up, CUDA graphs kept
+    on the retained states), plain and with DSpark windows of `drafts` drafts (`--speculative`): a
     conversation continued, a fork truncated back into it and a fresh prompt, greedy and
     sampled — each request's tokens those of a cold eager plain session."""
     import threading
@@ -295,7 +295,9 @@ def test_the_servers_engine_on_graphs_gives_a_cold_eager_sessions_tokens(cuda, t
 
     from strata.runtime.speculative import SpecConfig
     spec = None if drafts is None else SpecConfig(length=drafts)
-    eng = Engine(model, 1024, prefill_chunk=64, graphs=True, speculative=spec).start()
+    eng = Engine(model, 1024, prefill_chunk=64, graphs=True, speculative=spec)
+    assert eng.warm_up() > 0 and len(eng.cache) == 0  # (as serve starts on CUDA)
+    eng.start()
     try:
         for k, params in enumerate((SamplingParams(), SamplingParams(1.0, 0.9, 3))):
             def prompt(n, seed):  # (each pass its own prompts: nothing shared across them)
