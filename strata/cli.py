@@ -179,8 +179,8 @@ def _check_capacity(args, cfg) -> None:
 def _add_graphs_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay decode steps, DSpark verify windows and drafts from CUDA graphs "
-                        "(default on; the same tokens; on CUDA a decode step is ~5× faster "
-                        "than eager; a no-op on CPU)")
+                        "(default on; the same tokens, several times faster than eager "
+                        "launches on CUDA; a no-op on CPU)")
 
 
 def _add_speculative_args(p: argparse.ArgumentParser) -> None:
@@ -681,9 +681,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-body-mb", type=COUNT, default=16, help="request size limit")
     _add_prefill_chunk_arg(sv)
     sv.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
-                    help="before serving, run two throwaway requests so kernels compile and "
-                         "graphs are captured then, not in the first client's request "
-                         "(default: on CUDA)")
+                    help="before serving, run two throwaway requests so the kernels compile "
+                         "then, not in the first client's request (default: on CUDA)")
     _add_speculative_args(sv)
     _add_graphs_arg(sv)
     sv.add_argument("--drain-timeout", type=NONNEGATIVE, default=300,

@@ -59,8 +59,8 @@ def serve(model: Model, model_dir: Path, args) -> int:
                     prefill_chunk=args.prefill_chunk, speculative=spec,
                     costs=costs, graphs=args.graphs)
     if args.warmup if args.warmup is not None else model.device.type == "cuda":
-        print("strata: warming up (kernels compile, graphs are captured)", file=sys.stderr,
-              flush=True)
+        print("strata: warming up (the kernels compile before the first request)",
+              file=sys.stderr, flush=True)
         print(f"strata: warmed up in {engine.warm_up():.1f} s", file=sys.stderr, flush=True)
     rules = load_rules(args.script) if args.script else None
     config = ServeConfig(api_key=key, max_body_bytes=args.max_body_mb << 20)
