@@ -58,6 +58,12 @@ def test_the_prefill_chunk_reaches_the_session_and_the_engine(tiny_dir, capsys, 
     assert engines == [PREFILL_CHUNK, 7, PREFILL_CHUNK]
     assert len(warmed) == 1  # (asked for; by default only on CUDA)
 
+    def broken(self):
+        raise RuntimeError("CUDA error: no kernel image is available")
+    monkeypatch.setattr(Engine, "warm_up", broken)
+    assert main(["serve", "--model", str(tiny_dir), "--port", "0", "--warmup"]) == 2
+    assert "the warm-up request failed: RuntimeError: CUDA error" in capsys.readouterr().err
+
 
 def test_the_defaults_take_the_fast_path(tiny_dir, capsys, monkeypatch):
     """CUDA graphs are on unless --no-graphs; --device defaults to CUDA where there is one

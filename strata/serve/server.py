@@ -61,7 +61,13 @@ def serve(model: Model, model_dir: Path, args) -> int:
     if args.warmup if args.warmup is not None else model.device.type == "cuda":
         print("strata: warming up (the kernels compile before the first request)",
               file=sys.stderr, flush=True)
-        print(f"strata: warmed up in {engine.warm_up():.1f} s", file=sys.stderr, flush=True)
+        try:
+            secs = engine.warm_up()
+        except Exception as e:  # (a request would fail the same way: say so before serving)
+            hint = " (--no-graphs decodes without CUDA graphs)" if args.graphs else ""
+            raise StrataError(f"the warm-up request failed: {type(e).__name__}: {e}{hint}") \
+                from e
+        print(f"strata: warmed up in {secs:.1f} s", file=sys.stderr, flush=True)
     rules = load_rules(args.script) if args.script else None
     config = ServeConfig(api_key=key, max_body_bytes=args.max_body_mb << 20)
     app = create_app(engine, model_dir, config, rules)
