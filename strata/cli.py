@@ -260,11 +260,10 @@ def cmd_generate(args) -> int:
     params = SamplingParams(args.temperature, args.top_p, args.seed)
     cap = args.capacity or len(prompt) + args.max_tokens
     # One prompt, the state not reused afterwards: the exact decoder-skipping prefill applies
-    # (single device; the multi-device forward has no skip yet).
+    # (on one device and over a group alike: tests/test_parallel.py).
     spec, costs = speculative_config(model, args.draft_length, args.graphs) \
         if args.speculative else (None, None)
-    session = Session(model, cap, args.prefill_chunk,
-                      decoder_skip=not getattr(args, "parallel", None),
+    session = Session(model, cap, args.prefill_chunk, decoder_skip=True,
                       speculative=spec, costs=costs, graphs=args.graphs)
     t0 = time.perf_counter()
     result = session.run(prompt, args.max_tokens, params)
