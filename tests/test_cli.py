@@ -58,7 +58,7 @@ def test_the_prefill_chunk_reaches_the_session_and_the_engine(tiny_dir, capsys, 
     assert engines == [PREFILL_CHUNK, 7, PREFILL_CHUNK]
     assert len(warmed) == 1  # (asked for; by default only on CUDA)
 
-    def broken(self):
+    def broken(self):  # (a stand-in for a GPU that cannot run the kernels: none here)
         raise RuntimeError("CUDA error: no kernel image is available")
     monkeypatch.setattr(Engine, "warm_up", broken)
     assert main(["serve", "--model", str(tiny_dir), "--port", "0", "--warmup"]) == 2
