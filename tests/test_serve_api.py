@@ -226,7 +226,7 @@ def test_context_overflow_reports_the_numbers(live, real_vocab_dir):
     assert str(CAP) in err["message"]
     err = _oa_error(live.post("/v1/completions", {"model": M, "prompt": long, "max_tokens": 10}),
                     400)
-    assert str(CAP) in err["message"]
+    assert str(CAP) in err["message"] and err["param"] == "prompt"
 
 
 def test_unknown_route_and_unsupported_features(live):
@@ -236,7 +236,17 @@ def test_unknown_route_and_unsupported_features(live):
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
     err = _oa_error(live.post("/v1/chat/completions", {"model": M, "messages": [
         {"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]}), 400)
-    assert "image" in err["message"]
+    assert "image" in err["message"] and err["param"] == "messages"
+    # the same refusals from the Responses API name its own fields
+    image = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}
+    err = _oa_error(live.post("/v1/responses", {"model": M, "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "what is this?"}, image]}]}),
+        400)
+    assert "image" in err["message"] and err["param"] == "input"
+    schema = {"type": "json_schema", "name": "x", "schema": {"type": "object"}}
+    err = _oa_error(live.post("/v1/responses", {"model": M, "input": "hi",
+                                                "text": {"format": schema}}), 400)
+    assert "JSON schema" in err["message"] and err["param"] == "text.format"
 
 
 def test_request_shapes_clients_send(live, an, real_vocab_dir):

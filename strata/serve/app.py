@@ -137,11 +137,13 @@ class Server:
                            f"serves {self.config.model_name!r}", param="model")
 
     def context_error(self, prompt: int, completion: int) -> ApiError:
+        """A Completions prompt and max_tokens past the context (chat requests get the
+        recipe's own error, in their API's terms)."""
         cap = self.engine.capacity
         return ApiError("invalid_request", f"This model's maximum context length is {cap} "
                         f"tokens. However, you requested {prompt + completion} tokens "
-                        f"({prompt} in the messages, {completion} in the completion). Please "
-                        "reduce the length of the messages or completion.", param="messages",
+                        f"({prompt} in the prompt, {completion} in the completion). Please "
+                        "reduce the length of the prompt or completion.", param="prompt",
                         code="context_length_exceeded")
 
     # ---- running a generation ------------------------------------------------------------------
@@ -215,16 +217,19 @@ class Server:
         creq = conv.request
         opts = creq.inference_options
         if opts.logprobs:
-            raise ApiError("invalid_request", "logprobs are not supported", param="logprobs")
+            raise ApiError("invalid_request", "logprobs are not supported",
+                           param=protocol.field("logprobs"))
         oc = opts.output_constraint
         if oc is not None and (oc.kind == "regex" or (oc.kind == "json" and oc.schema)):
             # (json_object stays: the V4.1 prompt asks for JSON, as DeepSeek's own API does)
             what = "regex" if oc.kind == "regex" else "JSON schema"
             raise ApiError("invalid_request", f"a {what} response format is not supported: "
-                           "this server does not constrain decoding", param="response_format")
+                           "this server does not constrain decoding",
+                           param=protocol.field("response_format"))
         if any(m.image_sources for m in conv.conversation.messages):
             raise ApiError("invalid_request", "image inputs are not supported by this server "
-                           "(the vision tower is not implemented)", param="messages")
+                           "(the vision tower is not implemented)",
+                           param=protocol.field("messages"))
         try:
             ids = await asyncio.to_thread(self._encode, conv.conversation)
         except (RuntimeError, ValueError) as e:

@@ -77,6 +77,11 @@ class Protocol:
     id_prefix: str
     request_cls: Any
     response_cls: Any
+    # Chat Completions' names of request fields → this API's, for the errors that name them
+    fields: dict[str, str] = {}
+
+    def field(self, chat_name: str) -> str:
+        return self.fields.get(chat_name, chat_name)
 
     def prepare(self, body: dict) -> dict:
         """The body as the recipe should read it: fields clients send that it does not know
@@ -229,6 +234,8 @@ class Messages(Protocol):
 class Responses(Protocol):
     name, id_prefix = "responses", "resp_"
     request_cls, response_cls = dr.ResponsesRequest, dr.ResponsesResponse
+    fields = {"messages": "input", "response_format": "text.format",
+              "logprobs": "top_logprobs"}
 
     # What the recipe converts; anything else it would drop without a word, so it is refused.
     ITEMS = ("message", "reasoning", "function_call", "function_call_output",
