@@ -378,13 +378,14 @@ def test_bench_smoke(tmp_path):
     """The kernel benchmark's harness logic on CPU (tiny shapes, interpreter)."""
     from strata.bench.kernels import main as bench_main
     out = tmp_path / "k.json"
-    assert bench_main(["--smoke", "--json", str(out)]) == 0
+    assert bench_main(["--smoke", "--chain", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["meta"]["smoke"] is True and data["rows"]
     row = data["rows"][0]
     for key in ("shape", "K", "codebook", "rows", "path", "median_us", "gweights_per_s",
                 "trellis_gb_per_s"):
         assert key in row
+    assert row["chain_us"] > 0 and row["chain_copies"] == 2  # (--chain: back to back)
     # the row kernel's cases against torch.bmm (smoke: tiny shapes)
     assert [r["case"] for r in data["rowwise"]] == ["smoke_qk", "smoke_pv", "smoke_pv_planes",
                                                     "index_scores_smoke",
@@ -412,15 +413,19 @@ def test_bench_merges_an_earlier_peer_run(tmp_path):
         '{"version": "1.6.5"}\n'
         '{"check": {"shape": "smoke", "K": 2.5, "codebook": "mul1", "bit_exact": false}}\n'
         '{"row": {"shape": "smoke", "K": 2.5, "rows": 1, "path": "fused", '
-        '"peer_linear_us": 1e9}}\n')
+        '"peer_linear_us": 1e9, "peer_chain_us": 1e-9}}\n')
     out = tmp_path / "k.json"
-    assert bench_main(["--smoke", "--peer-results", str(peer), "--json", str(out)]) == 0
+    assert bench_main(["--smoke", "--chain", "--peer-results", str(peer),
+                       "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["meta"]["peer"].startswith("exllamav3 1.6.5") and str(peer) in data["meta"]["peer"]
     row = data["rows"][0]
     assert row["speedup_linear"] == 1e9 / row["linear_us"]
+    assert row["speedup_chain"] == 1e-9 / row["chain_us"]
     assert data["checks"]["peer_reconstruct_bit_exact"] is False
-    assert data["targets"] and data["targets"][0]["met_linear"] is True
+    target = data["targets"][0]
+    assert target["met_linear"] is True and target["met_chain"] is False
+    assert "Targets met with both chained: 0/1." in (tmp_path / "k.md").read_text()
     # the same merge into a run measured earlier (ours while the peer's extension built)
     plain, merged = tmp_path / "plain.json", tmp_path / "merged.json"
     assert bench_main(["--smoke", "--json", str(plain)]) == 0

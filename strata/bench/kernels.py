@@ -16,6 +16,12 @@ On a CUDA device, for random trellises (and suh/svh) at each shape × K × rows:
   that path. Ours is always also checked against strata.quant.exl3.decode_trellis on a slice.
 Targets (issue): ours ≥ exllamav3's rate at 1 row, ≥ 1.5× at 6 rows (reported per shape/K).
 
+`--chain`: each linear also timed as the graphed decode step runs it — back to back in one
+CUDA graph over copies of the weight (as many as make ≥ CHAIN_BYTES, at most CHAIN_MAX, so every
+call reads its weight from memory, not L2), µs per call (`chain_us`, the peer's
+`peer_chain_us`). A lone replay's time includes the graph's launch on the device (a few µs
+that both sides pay); the chain pays only what one linear costs after another.
+
 `--rowwise`: also the batch-invariant row kernel (strata.kernels.rowwise) at the shapes the
 model gives it — a prefill piece's attention q·k (bf16, tensor cores) and p·v (fp32 × bf16),
 the indexer's q·k over 32K entries, mHC's long row products, and a decode step's q·k — in
@@ -61,6 +67,7 @@ SMOKE_SHAPES = {"smoke": (128, 128)}
 KS = (2.0, 2.5, 3.0, 4.0)
 ROWS = (1, 2, 6, 512, 2048)
 TARGETS = {1: 1.0, 6: 1.5}  # rows → required speed-up over exllamav3 (peer time / ours)
+CHAIN_BYTES, CHAIN_MAX = 256 << 20, 16  # a chain's weights: well past the H200's 50 MB of L2
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -96,6 +103,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
     p.add_argument("--eager", action="store_true",
                    help="time eager launches instead of CUDA-graph replays")
+    p.add_argument("--chain", action="store_true",
+                   help="also time each linear back to back over copies of its weight in one "
+                        "CUDA graph (µs per call, as in a graphed decode step), ours and peer")
     p.add_argument("--target-programs", type=int, default=None,
                    help="override strata.kernels.exl3.TARGET_PROGRAMS (split-K schedule) to "
                         "tune it; the engine must keep one fixed value (it sets the order)")
@@ -184,6 +194,23 @@ def replay_us(calls, reps: int = 20) -> float:
     b.record()
     torch.cuda.synchronize()
     return a.elapsed_time(b) * 1000 / reps / len(calls)
+
+
+def chain_copies(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
+                 most: int = CHAIN_MAX) -> list:
+    """Copies of one weight for a chain (`--chain`): enough that the chain's trellises
+    fill CHAIN_BYTES (at most `most`). A trellis decodes in the same time whatever its
+    bits, so copies time like distinct weights."""
+    n = max(1, min(most, -(-CHAIN_BYTES // (trellis.numel() * trellis.element_size()))))
+    return [(trellis.clone(), suh.clone(), svh.clone()) for _ in range(n)]
+
+
+def chain_us(timer: "Timer", calls) -> float:
+    """µs per call of `calls` run back to back: one CUDA graph's replays on CUDA
+    (`replay_us`), the timer over all of them elsewhere (the harness's CPU check)."""
+    if timer.device.type == "cuda":
+        return replay_us(calls, reps=50)
+    return timer(lambda: [c() for c in calls]) / len(calls)
 
 
 def copy_bandwidth(device: torch.device, timer: Timer, nbytes: int) -> float:
@@ -339,6 +366,8 @@ def run(args) -> dict:
         checks["details"].append({"shape": name, "K": K, "codebook": cb,
                                   "against": f"strata decode_trellis (first {16 * kt_} rows)",
                                   "bit_exact": exact})
+        copies = (chain_copies(trellis, suh, svh, 2 if smoke else CHAIN_MAX) if args.chain
+                  else [])
         for M in rows_list:
             x, xr = _inputs(X, M, k, suh, dev)
             for path in paths or (("fused" if M <= X.FUSED_MAX_ROWS else "gemm"),):
@@ -346,8 +375,14 @@ def run(args) -> dict:
                 r = _row(name, k, n, K, cb, M, path, us, copy_gbs)
                 r["linear_us"] = timer(lambda: X.exl3_linear(x, trellis, suh, svh, cb,
                                                              path=path))
+                if copies:
+                    r["chain_us"] = chain_us(timer, [
+                        (lambda t=t, a=a, b=b: X.exl3_linear(x, t, a, b, cb, path=path))
+                        for t, a, b in copies])
+                    r["chain_copies"] = len(copies)
                 rows.append(r)
                 print(_md_line(r), flush=True)
+        del copies
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     if args.peer_results:
@@ -372,6 +407,8 @@ def _peer_argv(args) -> list[str]:
             argv += [f"--{opt}", getattr(args, opt)]
     if args.eager:
         argv.append("--eager")
+    if args.chain:
+        argv.append("--chain")
     if args.fused_max_rows is not None:
         argv += ["--fused-max-rows", str(args.fused_max_rows)]
     if args.no_pdl:
@@ -423,6 +460,8 @@ def _apply_peer(res: dict, rows: list[dict], checks: dict, failure: str | None) 
                 r[key] = v
         if "peer_linear_us" in p:
             r["speedup_linear"] = p["peer_linear_us"] / r["linear_us"]
+        if "peer_chain_us" in p and "chain_us" in r:
+            r["speedup_chain"] = p["peer_chain_us"] / r["chain_us"]
     checks["peer_reconstruct_bit_exact"] = all(d["bit_exact"] for d in res["checks"])
     checks["peer_details"] = res["checks"]
     status = f"exllamav3 {res['version']} (in a child process)"
@@ -482,6 +521,7 @@ def run_peer_child(args) -> None:
                         "bit_exact": torch.equal(ours_w.view(torch.int16),
                                                  peer_w.view(torch.int16))})
             del ours_w, peer_w
+            copies = chain_copies(trellis, suh, svh) if args.chain else []
             for M in _csv(args.rows, int, ROWS):
                 x, _ = _inputs(X, M, k, suh, dev)
                 for path in paths or (("fused" if M <= X.FUSED_MAX_ROWS else "gemm"),):
@@ -490,6 +530,9 @@ def run_peer_child(args) -> None:
                     try:
                         fn = peer.linear(trellis, suh, svh, cb, x.half())
                         r["peer_linear_us"] = timer(fn)
+                        if copies:
+                            r["peer_chain_us"] = chain_us(timer, [
+                                peer.linear(t, a, b, cb, x.half()) for t, a, b in copies])
                         y_peer = fn()
                         ours = X.exl3_linear(x, trellis, suh, svh, cb, path=path).float()
                         r["linear_max_rel_diff_vs_peer"] = float(
@@ -497,6 +540,7 @@ def run_peer_child(args) -> None:
                     except Exception as e:  # report, go on with the next case
                         r["peer_error"] = f"{type(e).__name__}: {e}"[:300]
                     emit(row=r)
+            del copies
             torch.cuda.empty_cache()
 
 
@@ -652,15 +696,20 @@ def _targets(rows: list[dict]) -> list[dict]:
     for r in rows:
         if r["rows"] in TARGETS and "speedup_linear" in r:
             need = TARGETS[r["rows"]]
-            out.append({"shape": r["shape"], "K": r["K"], "rows": r["rows"], "need": need,
-                        "speedup_linear": r["speedup_linear"],
-                        "met_linear": r["speedup_linear"] >= need})
+            t = {"shape": r["shape"], "K": r["K"], "rows": r["rows"], "need": need,
+                 "speedup_linear": r["speedup_linear"],
+                 "met_linear": r["speedup_linear"] >= need}
+            if "speedup_chain" in r:
+                t.update(speedup_chain=r["speedup_chain"],
+                         met_chain=r["speedup_chain"] >= need)
+            out.append(t)
     return out
 
 
 HEADER = ("| shape | k×n | K | cb | rows | path | mm µs | linear µs | Gw/s | trellis GB/s | "
-          "% copy BW | peer linear µs | speed-up linear | max rel diff vs peer |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "% copy BW | peer linear µs | speed-up linear | chained µs | peer chained µs | "
+          "speed-up chained | max rel diff vs peer |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _f(v, fmt):
@@ -673,6 +722,8 @@ def _md_line(r: dict) -> str:
             f"{r['gweights_per_s']:.0f} | {r['trellis_gb_per_s']:.0f} | "
             f"{_f(r['hbm_fraction'] and 100 * r['hbm_fraction'], '.1f')} | "
             f"{_f(r.get('peer_linear_us'), '.1f')} | {_f(r.get('speedup_linear'), '.2f')} | "
+            f"{_f(r.get('chain_us'), '.1f')} | {_f(r.get('peer_chain_us'), '.1f')} | "
+            f"{_f(r.get('speedup_chain'), '.2f')} | "
             f"{_f(r.get('linear_max_rel_diff_vs_peer'), '.1e')} |")
 
 
@@ -699,6 +750,10 @@ def markdown(res: dict) -> str:
         met = sum(t["met_linear"] for t in res["targets"])
         lines.append(f"Targets met (the whole linear, ours against exllamav3's): "
                      f"{met}/{len(res['targets'])}.")
+        chained = [t for t in res["targets"] if "met_chain" in t]
+        if chained:
+            lines.append(f"Targets met with both chained: "
+                         f"{sum(t['met_chain'] for t in chained)}/{len(chained)}.")
     if res.get("rowwise"):
         lines += _table(
             ["row kernel case", "B×M×N×K", "x·w", "ours µs", "TFLOP/s", "cuBLAS µs", "TFLOP/s",
