@@ -233,6 +233,12 @@ def test_unknown_route_and_unsupported_features(live):
     _oa_error(httpx.get(live.url + "/v1/nothing"), 404)
     _oa_error(live.post("/v1/chat/completions", {"model": M, "messages": CHAT, "logprobs": True}),
               400)
+    # a token bias would ban or force tokens: refused, not dropped; an empty one is no bias
+    for path, body in (("/v1/chat/completions", {"model": M, "messages": CHAT}),
+                       ("/v1/completions", {"model": M, "prompt": "hi"})):
+        err = _oa_error(live.post(path, dict(body, logit_bias={"50256": -100})), 400)
+        assert "logit_bias" in err["message"] and err["param"] == "logit_bias"
+        assert live.post(path, dict(body, logit_bias={}, max_tokens=1)).status_code == 200
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
     err = _oa_error(live.post("/v1/chat/completions", {"model": M, "messages": [
         {"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]}), 400)

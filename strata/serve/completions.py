@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 
 from strata.serve.errors import ApiError
 from strata.serve.generation import Sse
+from strata.serve.protocols import refuse_logit_bias
 
 MAX_STOPS = 4
 
@@ -81,6 +82,7 @@ def parse(body: dict, tokenizer: Tokenizer, vocab_size: int) -> CompletionReques
     for key in ("n", "best_of"):
         if body.get(key, 1) not in (1, None):
             raise ApiError("invalid_request", f"'{key}' other than 1 is not supported", param=key)
+    refuse_logit_bias(body)
     if body.get("logprobs") not in (None, 0) or body.get("echo"):
         raise ApiError("invalid_request", "'logprobs' and 'echo' are not supported")
     opts = body.get("stream_options") or {}

@@ -33,6 +33,15 @@ def arguments(text: str | None) -> Any:
         return text
 
 
+def refuse_logit_bias(body: dict) -> None:
+    """A logit_bias with entries is refused by name: the sampler does not bias tokens, and a
+    bias that bans or forces tokens, dropped without a word, would change what the client gets
+    (penalties are only ignored, as DeepSeek's own API ignores them; an empty bias is none)."""
+    if body.get("logit_bias"):
+        raise ApiError("invalid_request", "'logit_bias' is not supported: this server does "
+                       "not bias the sampler", param="logit_bias")
+
+
 def forces_a_tool(choice: Any) -> bool:
     """Whether a request's tool_choice asks for a tool call (in any protocol's spelling).
 
@@ -122,6 +131,7 @@ class ChatCompletions(Protocol):
     def prepare(self, body: dict) -> dict:
         # max_completion_tokens: the current name of max_tokens (which wins if both are sent);
         # the developer role: the system role of OpenAI's newer models
+        refuse_logit_bias(body)
         body = dict(body)
         limit = body.pop("max_completion_tokens", None)
         if body.get("max_tokens") is None and limit is not None:
