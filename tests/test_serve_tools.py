@@ -260,3 +260,75 @@ def test_a_tool_call_whose_arguments_are_not_json_is_returned_not_a_500(live, oa
     live.script(RULES)
     assert oa.chat.completions.create(model=M, messages=ASK, tools=TOOLS,
                                       max_tokens=200).choices[0].finish_reason == "tool_calls"
+
+
+def test_one_tool_call_a_turn_when_the_client_asks_for_it(live, oa, real_vocab_dir):
+    """parallel_tool_calls false (Chat, Responses) and Anthropic's disable_parallel_tool_use:
+    the model writes two calls, the client gets the first — streamed or not, the turn ending
+    as a tool call — and the generation stops where the second begins. The cut turn is not
+    remembered as the model's tokens: its follow-up renders as the recipe renders it."""
+    second = CALL.replace("Paris", "Rome").split("</think>", 1)[1]
+    second = second[second.index("<｜DSML｜ invoke"):]
+    two = CALL[:CALL.index("</｜DSML｜ calls>")] + second
+    live.script([{"match": "<tool_result>", "text": ANSWER}, {"match": "", "text": two}])
+    body = {"model": M, "messages": ASK, "tools": TOOLS, "max_tokens": 300}
+    both = live.post("/v1/chat/completions", body).json()
+    assert [c["function"]["arguments"] for c in both["choices"][0]["message"]["tool_calls"]] \
+        == ['{"city": "Paris", "days": 3}', '{"city": "Rome", "days": 3}']
+    one = live.post("/v1/chat/completions", dict(body, parallel_tool_calls=False)).json()
+    ch = one["choices"][0]
+    assert ch["finish_reason"] == "tool_calls" and len(ch["message"]["tool_calls"]) == 1
+    assert ch["message"]["tool_calls"][0]["function"]["arguments"] == \
+        '{"city": "Paris", "days": 3}'
+    assert one["usage"]["completion_tokens"] < both["usage"]["completion_tokens"]
+    chunks = list(oa.chat.completions.create(model=M, messages=ASK, tools=TOOLS, max_tokens=300,
+                                             parallel_tool_calls=False, stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas and {d.index for d in deltas} == {0}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    follow = {"model": M, "tools": TOOLS, "messages": ASK + [ch["message"], {
+        "role": "tool", "tool_call_id": ch["message"]["tool_calls"][0]["id"],
+        "content": "sunny"}]}
+    r = live.post("/v1/chat/completions", dict(follow, max_tokens=50)).json()
+    assert r["usage"]["prompt_tokens"] == len(recipe_prompt_ids(real_vocab_dir, follow))
+
+    an = anthropic.Anthropic(base_url=live.url, api_key="unused", max_retries=0)
+    kw = dict(model=M, max_tokens=300, messages=ASK, tools=[{
+        "name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}])
+    assert len([b for b in an.messages.create(**kw).content if b.type == "tool_use"]) == 2
+    single = dict(kw, tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    msg = an.messages.create(**single)
+    assert msg.stop_reason == "tool_use"
+    assert [b.input for b in msg.content if b.type == "tool_use"] == [{"city": "Paris", "days": 3}]
+    with an.messages.stream(**single) as stream:
+        final = stream.get_final_message()
+    assert [b.input for b in final.content if b.type == "tool_use"] == \
+        [{"city": "Paris", "days": 3}]
+
+    rb = {"model": M, "input": ASK, "max_output_tokens": 300,
+          "tools": [dict(TOOLS[0]["function"], type="function")]}
+    calls = [o for o in live.post("/v1/responses", dict(rb, parallel_tool_calls=False)).json()[
+        "output"] if o["type"] == "function_call"]
+    assert [c["arguments"] for c in calls] == ['{"city": "Paris", "days": 3}']
+    r = live.post("/v1/responses", dict(rb, parallel_tool_calls=False, stream=True))
+    assert r.status_code == 200 and "response.completed" in r.text and "Rome" not in r.text
+
+
+def test_one_call_holds_only_what_follows_the_first_invoke():
+    """OneCall on tokens of one character each: before the first invoke closes every token
+    passes; after it the tokens wait until their text shows the calls block closing (all of
+    them passed on, in order) or a second invoke opening (dropped, the answer cut); what is
+    still held when the generation ends is released."""
+    from strata.serve.generation import OneCall
+
+    def run(text: str) -> tuple[str, OneCall]:
+        oc = OneCall(lambda ids: "".join(map(chr, ids)))
+        return "".join(chr(i) for c in text for i in oc.admit(ord(c))), oc
+
+    first = '<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">x</｜DSML｜ invoke>'
+    out, oc = run(first + "\n</｜DSML｜ calls> after")
+    assert out == first + "\n</｜DSML｜ calls> after" and not oc.cut
+    out, oc = run(first + '\n<｜DSML｜invoke name="g">y</｜DSML｜ invoke>')  # (V4's spelling)
+    assert out == first and oc.cut and oc.release() == []
+    out, oc = run(first + "\n<｜DS")
+    assert out == first and not oc.cut and "".join(map(chr, oc.release())) == "\n<｜DS"

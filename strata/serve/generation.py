@@ -3,7 +3,8 @@
 `Generation` submits the job to the engine, moves the worker thread's events onto the
 request's event loop, records metrics, emits keep-alive ticks while nothing else happens
 (queue wait, long prefills) and cancels the job when the client goes away or the output
-format says the answer is over (a stop sequence). What the events look like on the wire is
+format says the answer is over (a stop sequence; a second tool call where the client takes
+one). What the events look like on the wire is
 the business of an `Output`:
 - `RecipeOutput` feeds token ids to deepseek-recipe's StreamProcessor (Chat Completions,
   Messages, Responses: content / reasoning / DSML tool-call deltas, usage) and accumulates
@@ -15,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol as Interface
 
@@ -50,7 +51,7 @@ class Output(Interface):
     def ready(self, prompt_tokens: int, cached_tokens: int) -> list[Sse]: ...
     def token(self, token_id: int) -> list[Sse]: ...
     @property
-    def done(self) -> bool: ...  # the format ended the answer (a stop sequence)
+    def done(self) -> bool: ...  # the format ended the answer (a stop sequence, OneCall)
     def finish(self, reason: str) -> list[Sse]: ...
     def result(self) -> dict: ...
     def error(self, err: ApiError) -> Sse: ...
@@ -58,13 +59,64 @@ class Output(Interface):
     def close(self) -> None: ...
 
 
+# DSML's invoke tags (V4.1's spelling and V4's, which the recipe also parses)
+INVOKE_CLOSES = ("</｜DSML｜ invoke>", "</｜DSML｜invoke>")
+INVOKE_OPENS = ("<｜DSML｜ invoke", "<｜DSML｜invoke")
+
+
+class OneCall:
+    """At most one tool call a turn (Converted.one_call), on the model's tokens before the
+    parser sees them: once the first invoke closes, the tokens after it are held until their
+    text shows what follows — the close of the calls block (passed on, the turn ends as
+    written) or a second invoke (dropped, and the answer is over: `cut`; finishing the parser
+    then closes a block of one call, as if the model had written that)."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode
+        self.tail: list[int] = []        # the last tokens passed on (where the close shows)
+        self.held: list[int] | None = None  # None: not holding
+        self.settled = False             # the first call's successor is known to be no call
+        self.cut = False
+
+    def admit(self, token_id: int) -> list[int]:
+        """The tokens to pass on to the parser now, in order."""
+        if self.cut:
+            return []
+        if self.settled:
+            return [token_id]
+        if self.held is None:
+            self.tail = (self.tail + [token_id])[-24:]
+            if self.decode(self.tail).rstrip().endswith(INVOKE_CLOSES):
+                self.held = []
+            return [token_id]
+        self.held.append(token_id)
+        text = self.decode(self.held).lstrip()
+        if text.startswith(INVOKE_OPENS):
+            self.cut, self.held = True, None
+            return []
+        if any(tag.startswith(text) for tag in INVOKE_OPENS):
+            return []  # (whitespace, or the start of a tag: not known yet)
+        out, self.held, self.settled = self.held, None, True
+        return out
+
+    def release(self) -> list[int]:
+        """What is still held when the generation ends (a block cut short by length)."""
+        out, self.held = self.held or [], None
+        return out
+
+
 class RecipeOutput:
-    """deepseek-recipe's stream processing and response accumulation for one request."""
+    """deepseek-recipe's stream processing and response accumulation for one request.
+    `decode` (token ids → text) is needed only for a request of one tool call at most."""
 
     def __init__(self, protocol: Protocol, conv: Converted, tokenizer: dr.Tokenizer,
-                 model: str, eos_id: int) -> None:
+                 model: str, eos_id: int,
+                 decode: Callable[[list[int]], str] | None = None) -> None:
         self.protocol, self.conv, self.model, self.eos_id = protocol, conv, model, eos_id
         self.sp = dr.StreamProcessor(conv.generator, conv.parsing, tokenizer)
+        if conv.one_call and decode is None:
+            raise ValueError("a request of one tool call at most needs decode")
+        self.one_call = OneCall(decode) if conv.one_call else None
         self.response: Any = None
         self._final: dict | None = None
         self._last = ""  # the last event's JSON (a Responses error event continues its numbers)
@@ -88,18 +140,22 @@ class RecipeOutput:
         # The end-of-sentence token ends the turn; the recipe would pass it on as text.
         if self.sp.finished or token_id == self.eos_id:
             return []
-        return self._emit(self.sp.push(dr.InferenceChunk.tokens([token_id])))
+        ids = [token_id] if self.one_call is None else self.one_call.admit(token_id)
+        return self._emit(self.sp.push(dr.InferenceChunk.tokens(ids))) if ids else []
 
     @property
     def done(self) -> bool:
-        return self.sp.finished
+        return self.sp.finished or (self.one_call is not None and self.one_call.cut)
 
     def finish(self, reason: str) -> list[Sse]:
         out = []
+        held = [] if self.one_call is None or self.sp.finished else self.one_call.release()
+        if held:
+            out = self._emit(self.sp.push(dr.InferenceChunk.tokens(held)))
         if not self.sp.finished:
             why = dr.InferenceFinishReason.Length if reason == "length" \
                 else dr.InferenceFinishReason.Stop
-            out = self._emit(self.sp.push(dr.InferenceChunk.finish(why)))
+            out += self._emit(self.sp.push(dr.InferenceChunk.finish(why)))
         out += self._emit(self.sp.finish())
         self._final = json.loads(self.response.to_json())
         return out
@@ -187,7 +243,7 @@ class Generation:
                     self.emitted.append(ev.id)
                     for s in out.token(ev.id):
                         yield s
-                    if out.done:  # a stop sequence: the answer is over, free the worker
+                    if out.done:  # (a stop sequence, a cut call): free the worker
                         self.cancel()
                 elif isinstance(ev, Started):
                     self.started = ev
@@ -197,7 +253,8 @@ class Generation:
                 elif isinstance(ev, Finished):
                     self.finished = ev
                     self.metrics.finished(ev)
-                    # (a stop string ends the answer by cancelling the rest: that is done)
+                    # (a stop string or a cut call ends the answer by cancelling the rest:
+                    # that is done)
                     gone = ev.reason == "cancelled" and not out.done
                     self.metrics.requests.labels(self.endpoint,
                                                  "cancelled" if gone else "ok").inc()

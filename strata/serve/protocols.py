@@ -72,6 +72,7 @@ class Converted:
     # unless the protocol had to adjust them (Messages: tool_choice "any")
     conversation: dr.Conversation | None = None
     parsing: dr.ParsingOptions | None = None
+    one_call: bool = False  # the client takes at most one tool call a turn
 
     def __post_init__(self) -> None:
         if self.conversation is None:
@@ -101,7 +102,15 @@ class Protocol:
         rid = self.id_prefix + secrets.token_hex(12)
         creq = self.request_cls(self.prepare(body)).convert(options)
         self.check_tools(body, creq.conversation)
-        return Converted(creq, self.request_cls.chunk_generator(creq, rid, model), rid)
+        return Converted(creq, self.request_cls.chunk_generator(creq, rid, model), rid,
+                         one_call=self.one_call(body))
+
+    @staticmethod
+    def one_call(body: dict) -> bool:
+        """Whether the request allows at most one tool call (OpenAI's parallel_tool_calls
+        false; the recipe renders the same prompt either way, so the server enforces it on the
+        output: serve.generation.OneCall)."""
+        return body.get("parallel_tool_calls") is False
 
     @staticmethod
     def check_tools(body: dict, conversation: dr.Conversation) -> None:
@@ -170,6 +179,11 @@ class Messages(Protocol):
                                      if isinstance(t, dict) and t.get("type") == "custom"
                                      else t for t in tools])
         return body
+
+    @staticmethod
+    def one_call(body: dict) -> bool:
+        choice = body.get("tool_choice")  # (Anthropic's spelling)
+        return isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True
 
     def convert(self, body: dict, options: dr.ConversionOptions, model: str) -> Converted:
         body, prefill = self.split_prefill(body)
@@ -296,7 +310,7 @@ class Responses(Protocol):
         self.check_tools(body, creq.conversation)
         gen = self.request_cls.chunk_generator(creq, rid, model).with_namespace_tool_map(
             ns_map).with_echo(echo)
-        return Converted(creq, gen, rid)
+        return Converted(creq, gen, rid, one_call=self.one_call(body))
 
     def turn(self, response: dict) -> TurnOut:
         reasoning, content, calls = [], [], []
