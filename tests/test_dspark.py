@@ -378,3 +378,38 @@ def test_a_window_failing_after_its_forward_leaves_the_state_as_it_was(tiny_mode
     assert all(torch.equal(after[k], before[k]) for k in before)
     monkeypatch.setattr(Session, "commit_context", real)
     assert s.run(want[:1], 15, GREEDY, stop_ids=frozenset()).tokens == want[1:]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_logprobs_are_the_models_in_every_mode(tiny_model, params):
+    """A generation's logprobs (Logprobs): one entry a token — its log-probability under the
+    model's own distribution and the top alternatives, likeliest first — the same from plain
+    steps and from DSpark windows (oracle drafts, some rejected), and the first token's equal
+    to the log-softmax of the prompt's last logits."""
+    from strata.runtime.sampling import Logprobs
+    prompt, n = random_tokens(40, seed=11), 16
+    want = plain_tokens(tiny_model, prompt, n, params)
+    runs = []
+    for spec in (None, SpecConfig(length=3)):
+        lp = Logprobs(top=4)
+        override = None if spec is None else oracle([0] + want, len(prompt) - 1, corrupt_at=1)
+        s = Session(tiny_model, 512, speculative=spec, draft_override=override)
+        toks = list(s.generate(prompt, n, params, stop_ids=frozenset(), logprobs=lp))
+        assert toks == want and len(lp.items) == n
+        runs.append(lp.items)
+        if spec is not None:
+            assert s.stats.windows > 0 and s.stats.accepted > 0
+    for (c0, top0), (c1, top1) in zip(*runs):
+        assert c0 == pytest.approx(c1, abs=1e-5)
+        assert [i for i, _ in top0] == [i for i, _ in top1]
+        assert [v for _, v in top0] == pytest.approx([v for _, v in top1], abs=1e-5)
+    for tok, (chosen, top) in zip(want, runs[0]):
+        vals = [v for _, v in top]
+        assert len(top) == 4 and vals == sorted(vals, reverse=True) and chosen <= vals[0] + 1e-6
+        if params.greedy:
+            assert top[0][0] == tok and chosen == vals[0]
+    last = tiny_model.forward(prompt, tiny_model.new_state(512), logits="last")[0]
+    first = torch.log_softmax(last.float().view(-1), -1)
+    assert runs[0][0][0] == pytest.approx(float(first[want[0]]), abs=1e-6)
+    with pytest.raises(StrataError, match="top logprobs 21"):
+        Logprobs(top=21)

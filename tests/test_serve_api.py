@@ -231,8 +231,13 @@ def test_context_overflow_reports_the_numbers(live, real_vocab_dir):
 
 def test_unknown_route_and_unsupported_features(live):
     _oa_error(httpx.get(live.url + "/v1/nothing"), 404)
-    _oa_error(live.post("/v1/chat/completions", {"model": M, "messages": CHAT, "logprobs": True}),
-              400)
+    err = _oa_error(live.post("/v1/chat/completions", {"model": M, "messages": CHAT,
+                                                       "logprobs": True, "top_logprobs": 21}),
+                    400)
+    assert "top_logprobs" in err["message"]
+    err = _oa_error(live.post("/v1/completions", {"model": M, "prompt": "hi", "logprobs": 2}),
+                    400)
+    assert "logprobs" in err["message"]
     # a token bias would ban or force tokens: refused, not dropped; an empty one is no bias
     for path, body in (("/v1/chat/completions", {"model": M, "messages": CHAT}),
                        ("/v1/completions", {"model": M, "prompt": "hi"})):
@@ -432,3 +437,31 @@ def test_non_loopback_bind_needs_a_key():
     check_bind("0.0.0.0", "k")
     with pytest.raises(StrataError, match="API key"):
         check_bind("0.0.0.0", None)
+
+
+def test_logprobs_of_the_tokens_returned(live, oa):
+    """Chat's logprobs / top_logprobs and Responses' top_logprobs: an entry a token returned,
+    its alternatives likeliest first, the model's own distribution (a greedy answer's token
+    is its top alternative); streamed, the same figures as unstreamed."""
+    body = dict(model=M, messages=CHAT, max_tokens=6, temperature=0, reasoning_effort="none",
+                logprobs=True, top_logprobs=3)
+    r = oa.chat.completions.create(**body)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    for e in content:
+        vals = [t.logprob for t in e.top_logprobs]
+        assert len(vals) == 3 and vals == sorted(vals, reverse=True) and vals[0] <= 0
+        assert e.top_logprobs[0].token == e.token and e.logprob == vals[0]
+    chunks = list(oa.chat.completions.create(**body, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = {k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}
+    assert oa.chat.completions.create(**plain).choices[0].logprobs is None
+    rb = {"model": M, "input": CHAT, "max_output_tokens": 6, "temperature": 0,
+          "reasoning": {"effort": "none"}, "top_logprobs": 2}
+    out = live.post("/v1/responses", rb).json()["output"]
+    text = [c for o in out if o["type"] == "message" for c in o["content"]][0]
+    assert [e["token"] for e in text["logprobs"]] == [e.token for e in content]
+    assert all(len(e["top_logprobs"]) == 2 for e in text["logprobs"])

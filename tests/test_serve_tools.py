@@ -323,7 +323,7 @@ def test_one_call_holds_only_what_follows_the_first_invoke():
 
     def run(text: str) -> tuple[str, OneCall]:
         oc = OneCall(lambda ids: "".join(map(chr, ids)))
-        return "".join(chr(i) for c in text for i in oc.admit(ord(c))), oc
+        return "".join(chr(i) for c in text for i, _ in oc.admit((ord(c), None))), oc
 
     first = '<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">x</｜DSML｜ invoke>'
     out, oc = run(first + "\n</｜DSML｜ calls> after")
@@ -331,4 +331,5 @@ def test_one_call_holds_only_what_follows_the_first_invoke():
     out, oc = run(first + '\n<｜DSML｜invoke name="g">y</｜DSML｜ invoke>')  # (V4's spelling)
     assert out == first and oc.cut and oc.release() == []
     out, oc = run(first + "\n<｜DS")
-    assert out == first and not oc.cut and "".join(map(chr, oc.release())) == "\n<｜DS"
+    assert out == first and not oc.cut
+    assert "".join(chr(i) for i, _ in oc.release()) == "\n<｜DS"

@@ -27,7 +27,7 @@ import torch
 
 from strata.model.model import Model
 from strata.runtime.prefix_cache import PrefixCache, Retained
-from strata.runtime.sampling import SamplingParams
+from strata.runtime.sampling import Logprobs, SamplingParams
 from strata.runtime.session import PREFILL_CHUNK, Session
 from strata.runtime.speculative import SpecConfig
 
@@ -49,6 +49,8 @@ class GenRequest:
     params: SamplingParams = SamplingParams()
     stop_ids: frozenset[int] | None = None        # None: the model's EOS
     scripted: Sequence[int] | None = None         # test hook, see Session.generate
+    logprobs: int | None = None                   # each token's logprob and this many top
+    # alternatives (sampling.Logprobs), or None: not reported
 
 
 # ---- events (delivered to the job's callback on the worker thread) ---------------------------
@@ -61,6 +63,7 @@ class Started:
 @dataclass(frozen=True)
 class Token:
     id: int
+    logprob: tuple[float, list[tuple[int, float]]] | None = None  # (GenRequest.logprobs)
 
 
 @dataclass(frozen=True)
@@ -264,16 +267,17 @@ class Engine:
         first: list[float] = []  # when the first token was picked (prefill done)
         mode = "plain" if req.scripted is not None else None
         n, last = 0, None
+        lps = None if req.logprobs is None else Logprobs(req.logprobs)
         # An exception propagates to _loop without retaining the state: the failing forward
         # undid its own writes, but the conversation's next request starts cold rather than
         # from a state we cannot vouch for.
         for tok in session.generate(rest[-1:], req.max_tokens, req.params, stop_ids,
                                     should_stop=lambda: job.cancelled, mode=mode,
-                                    scripted=req.scripted):
+                                    scripted=req.scripted, logprobs=lps):
             if not first:
                 first.append(time.perf_counter())
+            job.on_event(Token(tok, None if lps is None else lps.items[n]))
             n, last = n + 1, tok
-            job.on_event(Token(tok))
         t1 = time.perf_counter()
         self.cache.put(entry)
         if last is not None and last in stop_ids:

@@ -8,7 +8,7 @@ reproducible from its seed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -100,3 +100,30 @@ def _sample(logits: torch.Tensor, positions: torch.Tensor, params: SamplingParam
     u = uniform_noise(seed, positions.to(logits.device), logits.shape[-1])
     gumbel = -torch.log(-torch.log(u))
     return (z + gumbel).argmax(dim=-1)
+
+
+TOP_LOGPROBS_MAX = 20  # alternatives a token may report (OpenAI's limit)
+
+
+@dataclass
+class Logprobs:
+    """What a generation reports of its tokens' probabilities, filled as it yields them:
+    items[i] = (the i-th token's logprob, its `top` likeliest alternatives as (id, logprob),
+    most likely first). Under the model's own distribution — the log-softmax of the raw
+    logits, before temperature and top-p shape the sampling — so a token's figures are the
+    same whatever the request samples with."""
+    top: int = 0
+    items: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.top <= TOP_LOGPROBS_MAX:
+            raise StrataError(f"top logprobs {self.top} must be in 0..{TOP_LOGPROBS_MAX}")
+
+    def add(self, logits: torch.Tensor, tokens: list[int]) -> None:
+        """Append the figures of tokens[r], picked from logits row r ([R, V] or [V])."""
+        lp = torch.log_softmax(logits.view(len(tokens), -1).float(), dim=-1)
+        ids = torch.tensor(tokens, device=lp.device).view(-1, 1)
+        chosen = lp.gather(1, ids).view(-1).tolist()
+        top_v, top_i = (lp.topk(self.top, dim=-1) if self.top else (lp[:, :0], ids[:, :0]))
+        for c, vs, ix in zip(chosen, top_v.tolist(), top_i.tolist()):
+            self.items.append((c, list(zip(ix, vs))))

@@ -17,7 +17,7 @@ from strata.current_device import download, upload
 from strata.errors import StrataError
 from strata.model.model import Model
 from strata.runtime.graphs import GraphedForward
-from strata.runtime.sampling import SamplingParams, sample
+from strata.runtime.sampling import Logprobs, SamplingParams, sample
 from strata.runtime.speculative import DraftOverride, DSparkDecoder, SpecConfig, SpecStats
 from strata.runtime.state import State
 
@@ -117,14 +117,16 @@ class Session:
                  stop_ids: frozenset[int] | None = None,
                  should_stop: Callable[[], bool] | None = None,
                  mode: str | None = None,
-                 scripted: Sequence[int] | None = None) -> Iterator[int]:
+                 scripted: Sequence[int] | None = None,
+                 logprobs: Logprobs | None = None) -> Iterator[int]:
         """Yield up to max_tokens sampled tokens after the prompt (stops after a stop id).
 
         mode 'plain' runs one forward per token; 'dspark' (the default when the session is
         speculative) verifies drafted blocks — the tokens are the same either way.
         `scripted` is a test hook (plain mode only): the i-th token is scripted[i] instead of
         the sampled one while the script lasts; the model still runs every forward, on the
-        scripted tokens.
+        scripted tokens. `logprobs`: each token's figures appended before it is yielded (the
+        plain steps then do not run ahead of the host: each reads its own logits).
         """
         mode = mode or ("dspark" if self.speculative is not None else "plain")
         if mode not in ("plain", "dspark"):
@@ -138,12 +140,12 @@ class Session:
         stop_ids = frozenset({cfg.eos_token_id}) if stop_ids is None else stop_ids
         self.state.check_room(prompt.numel() + max(max_tokens - 1, 0))
         logits = self.prefill(prompt)
-        tok = self._pick(logits, params, scripted, 0)
+        tok = self._pick(logits, params, scripted, 0, logprobs)
         if mode == "dspark":
             decoder = DSparkDecoder(self, self.speculative, self.draft_override,
                                     *(self.costs or (None, 0.0)))
             self.stats = decoder.stats
-        ahead = self._runs_ahead(scripted)
+        ahead = self._runs_ahead(scripted) and logprobs is None
         emitted = 0
         while True:
             # The next forward consumes tok: its Engram rows start reading from disk while
@@ -171,9 +173,9 @@ class Session:
                 logits, ctx = self.forward(step, "last")
                 if self.speculative is not None:  # keep the draft windows complete
                     self.commit_context(ctx, 1, start)
-                tok = self._pick(logits, params, scripted, emitted)
+                tok = self._pick(logits, params, scripted, emitted, logprobs)
                 continue
-            more = decoder.step(tok, params, max_tokens - emitted)
+            more = decoder.step(tok, params, max_tokens - emitted, logprobs)
             for t in more[:-1]:
                 yield t
                 emitted += 1
@@ -271,11 +273,17 @@ class Session:
                               self.model.numerics)
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams,
-              scripted: Sequence[int] | None, i: int) -> int:
-        """The i-th token, at the state's position: sampled, or the test script's."""
+              scripted: Sequence[int] | None, i: int, logprobs: Logprobs | None) -> int:
+        """The i-th token, at the state's position: sampled, or the test script's; its
+        figures added to `logprobs`."""
         if scripted is not None and i < len(scripted):
-            return int(scripted[i])
-        return int(sample(logits.view(1, -1), torch.tensor([self.state.position]), params)[0])
+            tok = int(scripted[i])
+        else:
+            tok = int(sample(logits.view(1, -1), torch.tensor([self.state.position]),
+                             params)[0])
+        if logprobs is not None:
+            logprobs.add(logits, [tok])
+        return tok
 
     def run(self, prompt: torch.Tensor | list[int], max_tokens: int,
             params: SamplingParams = SamplingParams(),

@@ -34,7 +34,7 @@ import torch
 from strata.current_device import download, made_current
 from strata.errors import StrataError
 from strata.model.dspark import Draft
-from strata.runtime.sampling import SamplingParams, sample
+from strata.runtime.sampling import Logprobs, SamplingParams, sample
 
 # (window position P, draft length L) -> the L drafts to verify instead of the head's (tests
 # and the oracle benchmarks force accepts and rejects; the head still drafts, unread).
@@ -155,10 +155,12 @@ class DSparkDecoder:
         accepted = sum(a for _, a in self._recent)
         return drafted > 0 and accepted / drafted < self.config.low_acceptance
 
-    def step(self, anchor: int, params: SamplingParams, budget: int) -> list[int]:
+    def step(self, anchor: int, params: SamplingParams, budget: int,
+             logprobs: Logprobs | None = None) -> list[int]:
         """Advance from `anchor` (at state.position); return the tokens that follow it, the
-        last of which is the next anchor. At most `budget` tokens are returned."""
-        out = self._step(anchor, params, budget)
+        last of which is the next anchor. At most `budget` tokens are returned; their
+        figures added to `logprobs` (from the rows that picked them)."""
+        out = self._step(anchor, params, budget, logprobs)
         self._draft_ahead(out[-1], params, budget - len(out))
         return out
 
@@ -223,7 +225,8 @@ class DSparkDecoder:
             anchor, position = picks.gather(0, accepted), accepted + (P + 1)
         return self._launch_draft(anchor, params, position)
 
-    def _step(self, anchor: int, params: SamplingParams, budget: int) -> list[int]:
+    def _step(self, anchor: int, params: SamplingParams, budget: int,
+              logprobs: Logprobs | None) -> list[int]:
         s, model, state = self.session, self.model, self.session.state
         P = state.position
         L, drafted, drafts = 0, False, []
@@ -243,7 +246,10 @@ class DSparkDecoder:
                 self._note_window(1, 0)
             logits, ctx = s.forward(torch.tensor([anchor]), "all")
             s.commit_context(ctx, 1, P)
-            return [int(sample(logits, torch.tensor([P + 1]), params)[0])]
+            tok = int(sample(logits, torch.tensor([P + 1]), params)[0])
+            if logprobs is not None:
+                logprobs.add(logits, [tok])
+            return [tok]
 
         t0 = time.perf_counter()
         host_tokens = None
@@ -278,12 +284,14 @@ class DSparkDecoder:
             s.commit_context(ctx, L + 1, P)
             behind = self._draft_behind(ctx.device_tokens, picks_dev, P, params, budget)
             picks = read_picks().tolist()
+            n = 0
+            while n < L and drafts[n] == picks[n]:
+                n += 1
+            if logprobs is not None:  # (before the next replay reuses the logits' buffer)
+                logprobs.add(logits[:n + 1], drafts[:n] + [picks[n]])
         except BaseException:
             state.rollback()
             raise
-        n = 0
-        while n < L and drafts[n] == picks[n]:
-            n += 1
         state.rollback(to=P + n + 1)
         if behind is not None:
             self._ahead = (picks[n], P + n + 1, params, behind)

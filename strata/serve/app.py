@@ -216,9 +216,6 @@ class Server:
             raise ApiError("invalid_request", str(e)) from None
         creq = conv.request
         opts = creq.inference_options
-        if opts.logprobs:
-            raise ApiError("invalid_request", "logprobs are not supported",
-                           param=protocol.field("logprobs"))
         oc = opts.output_constraint
         if oc is not None and (oc.kind == "regex" or (oc.kind == "json" and oc.schema)):
             # (json_object stays: the V4.1 prompt asks for JSON, as DeepSeek's own API does)
@@ -275,7 +272,10 @@ class Server:
         output = RecipeOutput(protocol, conv, self.rtok, model, self.eos_id,
                               lambda ids: self.htok.decode(ids, skip_special_tokens=False))
         gen = Generation(self.engine, self.metrics, output,
-                         GenRequest(ids, max_tokens, params, scripted=scripted),
+                         GenRequest(ids, max_tokens, params, scripted=scripted,
+                                    # (top_logprobs: the recipe checks 0..20)
+                                    logprobs=(opts.top_logprobs or 0) if opts.logprobs
+                                    else None),
                          protocol.name, arrived, self.config.keepalive_s)
 
         def remember(g: Generation) -> None:

@@ -126,7 +126,7 @@ class TextOutput:
                       "prompt_tokens_details": {"cached_tokens": cached_tokens}}
         return []
 
-    def token(self, token_id: int) -> list[Sse]:
+    def token(self, token_id: int, logprob=None) -> list[Sse]:  # (logprobs: refused in parse)
         if self.finish_reason is not None:
             return []
         self.usage["completion_tokens"] += 1

@@ -49,7 +49,7 @@ class Output(Interface):
     """The wire format of one generation (see the module docstring)."""
 
     def ready(self, prompt_tokens: int, cached_tokens: int) -> list[Sse]: ...
-    def token(self, token_id: int) -> list[Sse]: ...
+    def token(self, token_id: int, logprob: Any = None) -> list[Sse]: ...  # (Token's)
     @property
     def done(self) -> bool: ...  # the format ended the answer (a stop sequence, OneCall)
     def finish(self, reason: str) -> list[Sse]: ...
@@ -74,23 +74,23 @@ class OneCall:
     def __init__(self, decode: Callable[[list[int]], str]) -> None:
         self.decode = decode
         self.tail: list[int] = []        # the last tokens passed on (where the close shows)
-        self.held: list[int] | None = None  # None: not holding
+        self.held: list[tuple[int, Any]] | None = None  # None: not holding
         self.settled = False             # the first call's successor is known to be no call
         self.cut = False
 
-    def admit(self, token_id: int) -> list[int]:
-        """The tokens to pass on to the parser now, in order."""
+    def admit(self, token: tuple[int, Any]) -> list[tuple[int, Any]]:
+        """The tokens (id, what comes with it) to pass on to the parser now, in order."""
         if self.cut:
             return []
         if self.settled:
-            return [token_id]
+            return [token]
         if self.held is None:
-            self.tail = (self.tail + [token_id])[-24:]
+            self.tail = (self.tail + [token[0]])[-24:]
             if self.decode(self.tail).rstrip().endswith(INVOKE_CLOSES):
                 self.held = []
-            return [token_id]
-        self.held.append(token_id)
-        text = self.decode(self.held).lstrip()
+            return [token]
+        self.held.append(token)
+        text = self.decode([t for t, _ in self.held]).lstrip()
         if text.startswith(INVOKE_OPENS):
             self.cut, self.held = True, None
             return []
@@ -99,7 +99,7 @@ class OneCall:
         out, self.held, self.settled = self.held, None, True
         return out
 
-    def release(self) -> list[int]:
+    def release(self) -> list[tuple[int, Any]]:
         """What is still held when the generation ends (a block cut short by length)."""
         out, self.held = self.held or [], None
         return out
@@ -136,12 +136,23 @@ class RecipeOutput:
         usage = dr.PromptUsage(prompt_tokens=prompt_tokens, prompt_cache_hit_tokens=cached_tokens)
         return self._emit(self.sp.push(dr.InferenceChunk.ready(prompt_usage=usage)))
 
-    def token(self, token_id: int) -> list[Sse]:
+    def token(self, token_id: int, logprob: Any = None) -> list[Sse]:
         # The end-of-sentence token ends the turn; the recipe would pass it on as text.
         if self.sp.finished or token_id == self.eos_id:
             return []
-        ids = [token_id] if self.one_call is None else self.one_call.admit(token_id)
-        return self._emit(self.sp.push(dr.InferenceChunk.tokens(ids))) if ids else []
+        pairs = [(token_id, logprob)] if self.one_call is None else \
+            self.one_call.admit((token_id, logprob))
+        return self._push(pairs)
+
+    def _push(self, pairs: list[tuple[int, Any]]) -> list[Sse]:
+        """The parser's events for tokens (id, its Token.logprob or None)."""
+        if not pairs:
+            return []
+        ids = [t for t, _ in pairs]
+        lps = [lp for _, lp in pairs]
+        chunk = (dr.InferenceChunk.tokens(ids) if lps[0] is None
+                 else dr.InferenceChunk.tokens(ids, logprobs=lps))
+        return self._emit(self.sp.push(chunk))
 
     @property
     def done(self) -> bool:
@@ -149,9 +160,8 @@ class RecipeOutput:
 
     def finish(self, reason: str) -> list[Sse]:
         out = []
-        held = [] if self.one_call is None or self.sp.finished else self.one_call.release()
-        if held:
-            out = self._emit(self.sp.push(dr.InferenceChunk.tokens(held)))
+        if self.one_call is not None and not self.sp.finished:
+            out = self._push(self.one_call.release())
         if not self.sp.finished:
             why = dr.InferenceFinishReason.Length if reason == "length" \
                 else dr.InferenceFinishReason.Stop
@@ -241,7 +251,7 @@ class Generation:
                     if not self.emitted:
                         self.metrics.ttft.observe(time.perf_counter() - self.arrived)
                     self.emitted.append(ev.id)
-                    for s in out.token(ev.id):
+                    for s in out.token(ev.id, ev.logprob):
                         yield s
                     if out.done:  # (a stop sequence, a cut call): free the worker
                         self.cancel()

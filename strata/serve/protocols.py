@@ -258,8 +258,7 @@ class Messages(Protocol):
 class Responses(Protocol):
     name, id_prefix = "responses", "resp_"
     request_cls, response_cls = dr.ResponsesRequest, dr.ResponsesResponse
-    fields = {"messages": "input", "response_format": "text.format",
-              "logprobs": "top_logprobs"}
+    fields = {"messages": "input", "response_format": "text.format"}
 
     # What the recipe converts; anything else it would drop without a word, so it is refused.
     ITEMS = ("message", "reasoning", "function_call", "function_call_output",

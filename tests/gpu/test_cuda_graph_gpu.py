@@ -316,3 +316,26 @@ def test_the_servers_engine_on_graphs_gives_a_cold_eager_sessions_tokens(cuda, t
             assert cached == 0 and out4 == cold(other, params)
     finally:
         eng.stop()
+
+
+@pytest.mark.parametrize("fixture", ["tiny_dir", "exl3_dir"])
+def test_graphed_logprobs_are_the_eager_sessions(cuda, request, fixture):
+    """A request for logprobs on graphs (plain steps not run ahead; DSpark windows with some
+    drafts rejected): the tokens and every token's figures those of an eager session."""
+    from strata.runtime.sampling import Logprobs, SamplingParams
+    from strata.runtime.speculative import SpecConfig
+    model = Model.load(request.getfixturevalue(fixture), cuda, Numerics.for_device(cuda))
+    prompt = random_tokens(40, seed=12)
+    want = Session(model, 200).run(prompt, 24, mode="plain").tokens
+    override = continuation_drafts(want, len(prompt), model.cfg.vocab_size, wrong_at=1)
+    for spec in (None, SpecConfig(length=3)):
+        runs = []
+        for graphs in (False, True):
+            lp = Logprobs(top=5)
+            s = Session(model, 200, speculative=spec, graphs=graphs,
+                        draft_override=None if spec is None else override)
+            toks = list(s.generate(prompt, 24, SamplingParams(), stop_ids=frozenset(),
+                                   logprobs=lp))
+            assert toks == want and len(lp.items) == 24
+            runs.append(lp.items)
+        assert runs[0] == runs[1], spec
