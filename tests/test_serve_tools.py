@@ -307,11 +307,13 @@ def test_one_tool_call_a_turn_when_the_client_asks_for_it(live, oa, real_vocab_d
 
     rb = {"model": M, "input": ASK, "max_output_tokens": 300,
           "tools": [dict(TOOLS[0]["function"], type="function")]}
-    calls = [o for o in live.post("/v1/responses", dict(rb, parallel_tool_calls=False)).json()[
-        "output"] if o["type"] == "function_call"]
+    resp = live.post("/v1/responses", dict(rb, parallel_tool_calls=False)).json()
+    calls = [o for o in resp["output"] if o["type"] == "function_call"]
     assert [c["arguments"] for c in calls] == ['{"city": "Paris", "days": 3}']
+    assert resp["parallel_tool_calls"] is False  # (the request's, echoed)
     r = live.post("/v1/responses", dict(rb, parallel_tool_calls=False, stream=True))
     assert r.status_code == 200 and "response.completed" in r.text and "Rome" not in r.text
+    assert '"parallel_tool_calls":false' in r.text and '"parallel_tool_calls":true' not in r.text
 
 
 def test_one_call_holds_only_what_follows_the_first_invoke():

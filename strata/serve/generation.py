@@ -126,6 +126,9 @@ class RecipeOutput:
         for c in chunks:
             # to_json first: accumulate() consumes the chunk.
             self._last = c.to_json()
+            if self.one_call is not None:  # (the recipe echoes a Responses request's as true)
+                self._last = self._last.replace('"parallel_tool_calls":true',
+                                                '"parallel_tool_calls":false')
             out.append(Sse(self.protocol.sse_event_name(c), self._last))
             self.response.accumulate(c)
         return out
@@ -168,6 +171,8 @@ class RecipeOutput:
             out += self._emit(self.sp.push(dr.InferenceChunk.finish(why)))
         out += self._emit(self.sp.finish())
         self._final = json.loads(self.response.to_json())
+        if self.one_call is not None and "parallel_tool_calls" in self._final:
+            self._final["parallel_tool_calls"] = False
         return out
 
     def result(self) -> dict:
