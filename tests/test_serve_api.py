@@ -161,6 +161,38 @@ def test_completions_raw_prompt(live, model):
     assert datas[-1] == "[DONE]"
     streamed = "".join(json.loads(d)["choices"][0]["text"] for d in datas[:-1])
     assert streamed == r["choices"][0]["text"]
+    assert r["choices"][0]["logprobs"] is None
+
+
+def test_completions_logprobs(live):
+    """/v1/completions' logprobs (the legacy shape): a token's text, logprob, top
+    alternatives and offset in the answer, for every token of the answer — a greedy token is
+    its own top alternative; streamed, each chunk carries the tokens whose text it completes,
+    together the same figures; cut at a stop string, the tokens through the cut."""
+    body = {"model": M, "prompt": "def fib(n):", "max_tokens": 8, "temperature": 0,
+            "logprobs": 3}
+    r = live.post("/v1/completions", body).json()
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) \
+        == len(lp["text_offset"]) == r["usage"]["completion_tokens"] == 8
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    for tok, val, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        best = max(top, key=top.get)
+        assert len(top) <= 3 and val <= 0 and top[best] == val and best == tok
+    with httpx.stream("POST", live.url + "/v1/completions", json=dict(body, stream=True),
+                      timeout=60) as s:
+        datas = [json.loads(ln[6:]) for ln in s.iter_lines()
+                 if ln.startswith("data: ") and ln != "data: [DONE]"]
+    parts = [d["choices"][0]["logprobs"] for d in datas if d["choices"][0]["logprobs"]]
+    assert [v for p in parts for v in p["token_logprobs"]] == lp["token_logprobs"]
+    assert [t for p in parts for t in p["tokens"]] == lp["tokens"]
+    text = r["choices"][0]["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    cut = live.post("/v1/completions", dict(body, stop=[stop])).json()["choices"][0]
+    assert cut["finish_reason"] == "stop" and len(cut["text"]) < len(text)
+    n = len(cut["logprobs"]["tokens"])
+    assert cut["logprobs"]["tokens"] == lp["tokens"][:n] and 0 < n < 8
+    assert cut["logprobs"]["text_offset"][-1] <= len(cut["text"])
 
 
 # ---- errors: each in the API's own shape, and the server keeps serving ---------------------------
@@ -235,9 +267,10 @@ def test_unknown_route_and_unsupported_features(live):
                                                        "logprobs": True, "top_logprobs": 21}),
                     400)
     assert "top_logprobs" in err["message"]
-    err = _oa_error(live.post("/v1/completions", {"model": M, "prompt": "hi", "logprobs": 2}),
-                    400)
-    assert "logprobs" in err["message"]
+    for bad in ({"echo": True}, {"logprobs": 21}, {"logprobs": True}):
+        err = _oa_error(live.post("/v1/completions", dict({"model": M, "prompt": "hi"}, **bad)),
+                        400)
+        assert err["param"] == next(iter(bad)), err
     # a token bias would ban or force tokens: refused, not dropped; an empty one is no bias
     for path, body in (("/v1/chat/completions", {"model": M, "messages": CHAT}),
                        ("/v1/completions", {"model": M, "prompt": "hi"})):

@@ -303,7 +303,8 @@ class Server:
         output: Output = completions.TextOutput(req, self.htok, self.config.model_name,
                                                 self.eos_id)
         gen = Generation(self.engine, self.metrics, output,
-                         GenRequest(req.prompt, req.max_tokens, params), "completions",
+                         GenRequest(req.prompt, req.max_tokens, params,
+                                    logprobs=req.logprobs), "completions",
                          arrived, self.config.keepalive_s)
         return await self.respond(request, gen, req.stream)
 

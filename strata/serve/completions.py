@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
+from strata.runtime.sampling import TOP_LOGPROBS_MAX
 from strata.serve.errors import ApiError
 from strata.serve.generation import Sse
 from strata.serve.protocols import refuse_logit_bias
@@ -30,6 +31,7 @@ class CompletionRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    logprobs: int | None = None  # each token's logprob and this many alternatives, or None
 
 
 def _number(body: dict, key: str, default, kind, lo=None, hi=None):
@@ -83,8 +85,11 @@ def parse(body: dict, tokenizer: Tokenizer, vocab_size: int) -> CompletionReques
         if body.get(key, 1) not in (1, None):
             raise ApiError("invalid_request", f"'{key}' other than 1 is not supported", param=key)
     refuse_logit_bias(body)
-    if body.get("logprobs") not in (None, 0) or body.get("echo"):
-        raise ApiError("invalid_request", "'logprobs' and 'echo' are not supported")
+    if body.get("echo"):
+        raise ApiError("invalid_request", "'echo' is not supported (the prompt is not "
+                       "returned, nor its logprobs)", param="echo")
+    logprobs = None if body.get("logprobs") is None else \
+        _number(body, "logprobs", None, int, 0, TOP_LOGPROBS_MAX)
     opts = body.get("stream_options") or {}
     seed = body.get("seed")
     if seed is not None:
@@ -95,11 +100,14 @@ def parse(body: dict, tokenizer: Tokenizer, vocab_size: int) -> CompletionReques
         temperature=_number(body, "temperature", 1.0, float, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, float, 1e-6, 1.0),
         seed=seed, stop=tuple(stop), stream=_flag(body, "stream"),
-        include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")))
+        include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")),
+        logprobs=logprobs)
 
 
 class TextOutput:
-    """Incremental detokenisation with stop strings, as Completions chunks."""
+    """Incremental detokenisation with stop strings, as Completions chunks; with logprobs,
+    each token's figures (the legacy shape: tokens, token_logprobs, top_logprobs, text_offset
+    from the completion's start) in the chunk that sends the end of its text."""
 
     def __init__(self, req: CompletionRequest, tokenizer: Tokenizer, model: str,
                  eos_id: int) -> None:
@@ -111,10 +119,39 @@ class TextOutput:
         self.text = ""            # the whole answer so far (cut at a stop string)
         self.finish_reason: str | None = None
         self.usage: dict = {}
+        self.figures: list = []   # each token's Token.logprob (with logprobs)
+        self.ends: list[int] = []  # the answer's decoded length after each token
+        self.reported = 0         # tokens whose figures have been sent (streamed)
 
-    def _chunk(self, text: str, finish: str | None = None, usage: dict | None = None) -> Sse:
+    def _through(self, first: int, upto: int) -> int:
+        """The end of the run of tokens from `first` whose text ends by `upto`."""
+        n = first
+        while n < len(self.ids) and self.ends[n] <= upto:
+            n += 1
+        return n
+
+    def _logprobs(self, part: range) -> dict | None:
+        """The legacy logprobs of tokens `part` (None without logprobs)."""
+        if self.req.logprobs is None:
+            return None
+        text = self.tok.decode
+        return {"tokens": [text([self.ids[i]], skip_special_tokens=False) for i in part],
+                "token_logprobs": [self.figures[i][0] for i in part],
+                "top_logprobs": [{text([t], skip_special_tokens=False): lp
+                                  for t, lp in self.figures[i][1]} for i in part],
+                "text_offset": [self.ends[i - 1] if i else 0 for i in part]}
+
+    def _answer_tokens(self) -> int:
+        """How many tokens a finished answer reports: the stop string's cut falls inside or
+        after a token, which is reported whole."""
+        n = next((i for i in range(len(self.ids)) if self.ends[i] >= len(self.text)), None)
+        return len(self.ids) if n is None else self._through(n, self.ends[n])
+
+    def _chunk(self, text: str, finish: str | None = None, usage: dict | None = None,
+               logprobs: dict | None = None) -> Sse:
         body = {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": [{"index": 0, "text": text, "logprobs": None,
+                "model": self.model, "choices": [{"index": 0, "text": text,
+                                                  "logprobs": logprobs,
                                                   "finish_reason": finish}]}
         if usage is not None:
             body["usage"] = usage
@@ -126,7 +163,7 @@ class TextOutput:
                       "prompt_tokens_details": {"cached_tokens": cached_tokens}}
         return []
 
-    def token(self, token_id: int, logprob=None) -> list[Sse]:  # (logprobs: refused in parse)
+    def token(self, token_id: int, logprob=None) -> list[Sse]:
         if self.finish_reason is not None:
             return []
         self.usage["completion_tokens"] += 1
@@ -134,7 +171,9 @@ class TextOutput:
         if token_id == self.eos_id:
             return []
         self.ids.append(token_id)
+        self.figures.append(logprob)
         text = self.tok.decode(self.ids, skip_special_tokens=False)
+        self.ends.append(len(text))
         hits = [text.find(s) for s in self.req.stop if s in text]
         if hits:
             text, self.finish_reason = text[:min(hits)], "stop"
@@ -150,7 +189,11 @@ class TextOutput:
                         safe = min(safe, len(text) - k)
                         break
         delta, self.sent = text[len(self.sent):safe], text[:safe]
-        return [self._chunk(delta)] if delta and self.req.stream else []
+        if not (delta and self.req.stream):
+            return []
+        n = self._through(self.reported, len(self.sent))
+        part, self.reported = range(self.reported, n), n
+        return [self._chunk(delta, logprobs=self._logprobs(part))]
 
     @property
     def done(self) -> bool:
@@ -160,7 +203,10 @@ class TextOutput:
         self.finish_reason = self.finish_reason or ("length" if reason == "length" else "stop")
         if not self.req.stream:
             return []
-        out = [self._chunk(self.text[len(self.sent):], self.finish_reason)]
+        n = self._answer_tokens()
+        out = [self._chunk(self.text[len(self.sent):], self.finish_reason,
+                           logprobs=self._logprobs(range(self.reported, n)))]
+        self.reported = n
         self.sent = self.text
         if self.req.include_usage:
             body = {"id": self.id, "object": "text_completion", "created": self.created,
@@ -171,7 +217,8 @@ class TextOutput:
     def result(self) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model,
-                "choices": [{"index": 0, "text": self.text, "logprobs": None,
+                "choices": [{"index": 0, "text": self.text,
+                             "logprobs": self._logprobs(range(self._answer_tokens())),
                              "finish_reason": self.finish_reason}],
                 "usage": self.usage}
 
