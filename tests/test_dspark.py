@@ -411,5 +411,8 @@ def test_logprobs_are_the_models_in_every_mode(tiny_model, params):
     last = tiny_model.forward(prompt, tiny_model.new_state(512), logits="last")[0]
     first = torch.log_softmax(last.float().view(-1), -1)
     assert runs[0][0][0] == pytest.approx(float(first[want[0]]), abs=1e-6)
+    bare = Logprobs()  # (no alternatives asked for)
+    bare.add(last, [want[0]])
+    assert bare.items == [(pytest.approx(float(first[want[0]]), abs=1e-6), [])]
     with pytest.raises(StrataError, match="top logprobs 21"):
         Logprobs(top=21)

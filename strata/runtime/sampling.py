@@ -124,6 +124,9 @@ class Logprobs:
         lp = torch.log_softmax(logits.view(len(tokens), -1).float(), dim=-1)
         ids = torch.tensor(tokens, device=lp.device).view(-1, 1)
         chosen = lp.gather(1, ids).view(-1).tolist()
-        top_v, top_i = (lp.topk(self.top, dim=-1) if self.top else (lp[:, :0], ids[:, :0]))
-        for c, vs, ix in zip(chosen, top_v.tolist(), top_i.tolist()):
+        if not self.top:
+            self.items.extend((c, []) for c in chosen)
+            return
+        top = lp.topk(self.top, dim=-1)
+        for c, vs, ix in zip(chosen, top.values.tolist(), top.indices.tolist()):
             self.items.append((c, list(zip(ix, vs))))

@@ -86,7 +86,9 @@ class OneCall:
             return [token]
         if self.held is None:
             self.tail = (self.tail + [token[0]])[-24:]
-            if self.decode(self.tail).rstrip().endswith(INVOKE_CLOSES):
+            # (the tail is decoded only where a tag can have closed: at a token with a ">")
+            if ">" in self.decode(self.tail[-1:]) and \
+                    self.decode(self.tail).rstrip().endswith(INVOKE_CLOSES):
                 self.held = []
             return [token]
         self.held.append(token)
