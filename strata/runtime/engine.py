@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from strata.model.model import Model
+from strata.runtime.constraint import Constraint
 from strata.runtime.prefix_cache import PrefixCache, Retained
 from strata.runtime.sampling import Logprobs, SamplingParams
 from strata.runtime.session import PREFILL_CHUNK, Session
@@ -51,6 +52,8 @@ class GenRequest:
     scripted: Sequence[int] | None = None         # test hook, see Session.generate
     logprobs: int | None = None                   # each token's logprob and this many top
     # alternatives (sampling.Logprobs), or None: not reported
+    constraint: Constraint | None = None          # the grammar the answer is held to (its
+    # own state, advanced as the job runs: a request object runs once); plain steps only
 
 
 # ---- events (delivered to the job's callback on the worker thread) ---------------------------
@@ -265,7 +268,7 @@ class Engine:
         stop_ids = req.stop_ids if req.stop_ids is not None \
             else frozenset({self.model.cfg.eos_token_id})
         first: list[float] = []  # when the first token was picked (prefill done)
-        mode = "plain" if req.scripted is not None else None
+        mode = "plain" if req.scripted is not None or req.constraint is not None else None
         n, last = 0, None
         lps = None if req.logprobs is None else Logprobs(req.logprobs)
         # An exception propagates to _loop without retaining the state: the failing forward
@@ -273,7 +276,8 @@ class Engine:
         # from a state we cannot vouch for.
         for tok in session.generate(rest[-1:], req.max_tokens, req.params, stop_ids,
                                     should_stop=lambda: job.cancelled, mode=mode,
-                                    scripted=req.scripted, logprobs=lps):
+                                    scripted=req.scripted, logprobs=lps,
+                                    constraint=req.constraint):
             if not first:
                 first.append(time.perf_counter())
             job.on_event(Token(tok, None if lps is None else lps.items[n]))

@@ -16,6 +16,7 @@ import torch
 from strata.current_device import download, upload
 from strata.errors import StrataError
 from strata.model.model import Model
+from strata.runtime.constraint import Constraint
 from strata.runtime.graphs import GraphedForward
 from strata.runtime.sampling import Logprobs, SamplingParams, sample
 from strata.runtime.speculative import DraftOverride, DSparkDecoder, SpecConfig, SpecStats
@@ -118,7 +119,8 @@ class Session:
                  should_stop: Callable[[], bool] | None = None,
                  mode: str | None = None,
                  scripted: Sequence[int] | None = None,
-                 logprobs: Logprobs | None = None) -> Iterator[int]:
+                 logprobs: Logprobs | None = None,
+                 constraint: Constraint | None = None) -> Iterator[int]:
         """Yield up to max_tokens sampled tokens after the prompt (stops after a stop id).
 
         mode 'plain' runs one forward per token; 'dspark' (the default when the session is
@@ -127,6 +129,9 @@ class Session:
         the sampled one while the script lasts; the model still runs every forward, on the
         scripted tokens. `logprobs`: each token's figures appended before it is yielded (the
         plain steps then do not run ahead of the host: each reads its own logits).
+        `constraint`: each pick among the tokens it allows (constraint.Constraint), advanced
+        with each token picked — one plain step at a time, the mask computed while the step
+        runs (so no run-ahead, and mode 'plain' whatever the session).
         """
         mode = mode or ("dspark" if self.speculative is not None else "plain")
         if mode not in ("plain", "dspark"):
@@ -135,17 +140,19 @@ class Session:
             raise StrataError("mode 'dspark' needs a session created with speculative=SpecConfig()")
         if scripted is not None and mode != "plain":
             raise StrataError("scripted tokens need mode 'plain'")
+        if constraint is not None and mode != "plain":
+            raise StrataError("a constrained generation needs mode 'plain'")
         prompt = torch.as_tensor(prompt, dtype=torch.long).view(-1)
         cfg = self.model.cfg
         stop_ids = frozenset({cfg.eos_token_id}) if stop_ids is None else stop_ids
         self.state.check_room(prompt.numel() + max(max_tokens - 1, 0))
         logits = self.prefill(prompt)
-        tok = self._pick(logits, params, scripted, 0, logprobs)
+        tok = self._pick(logits, params, scripted, 0, logprobs, constraint)
         if mode == "dspark":
             decoder = DSparkDecoder(self, self.speculative, self.draft_override,
                                     *(self.costs or (None, 0.0)))
             self.stats = decoder.stats
-        ahead = self._runs_ahead(scripted) and logprobs is None
+        ahead = self._runs_ahead(scripted) and logprobs is None and constraint is None
         emitted = 0
         while True:
             # The next forward consumes tok: its Engram rows start reading from disk while
@@ -173,7 +180,7 @@ class Session:
                 logits, ctx = self.forward(step, "last")
                 if self.speculative is not None:  # keep the draft windows complete
                     self.commit_context(ctx, 1, start)
-                tok = self._pick(logits, params, scripted, emitted, logprobs)
+                tok = self._pick(logits, params, scripted, emitted, logprobs, constraint)
                 continue
             more = decoder.step(tok, params, max_tokens - emitted, logprobs)
             for t in more[:-1]:
@@ -273,14 +280,18 @@ class Session:
                               self.model.numerics)
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams,
-              scripted: Sequence[int] | None, i: int, logprobs: Logprobs | None) -> int:
-        """The i-th token, at the state's position: sampled, or the test script's; its
-        figures added to `logprobs`."""
+              scripted: Sequence[int] | None, i: int, logprobs: Logprobs | None,
+              constraint: Constraint | None = None) -> int:
+        """The i-th token, at the state's position: sampled (among the tokens `constraint`
+        allows), or the test script's; its figures added to `logprobs`."""
         if scripted is not None and i < len(scripted):
             tok = int(scripted[i])
         else:
-            tok = int(sample(logits.view(1, -1), torch.tensor([self.state.position]),
+            allowed = logits if constraint is None else constraint.mask(logits)
+            tok = int(sample(allowed.view(1, -1), torch.tensor([self.state.position]),
                              params)[0])
+        if constraint is not None:
+            constraint.advance(tok)
         if logprobs is not None:
             logprobs.add(logits, [tok])
         return tok

@@ -35,13 +35,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from strata.errors import StrataError
+from strata.runtime.constraint import (Constraint, GrammarError, Grammars, grammar,
+                                      json_answer, regex_answer)
 from strata.runtime.engine import Engine, GenRequest
 from strata.runtime.sampling import SamplingParams
 from strata.serve import completions
 from strata.serve.errors import ApiError, from_conversion_error
 from strata.serve.generation import KEEPALIVE, Generation, Output, RecipeOutput
 from strata.serve.metrics import Metrics
-from strata.serve.protocols import PROTOCOLS, Protocol
+from strata.serve.protocols import PROTOCOLS, Converted, Protocol
 from strata.serve.replay import ToolTurns
 from strata.serve.scripts import Scripts
 from strata.tokenizer import load_tokenizer, tokenizer_path
@@ -49,6 +51,11 @@ from strata.tokenizer import load_tokenizer, tokenizer_path
 log = logging.getLogger("strata.serve")
 
 MODEL_NAME = "DeepSeek-V4.1-Flash"
+# A tool-call block where the answer would be (its opening — after a line break or two, V4's
+# spelling or V4.1's — and whatever follows): what a response format leaves the model free to
+# write instead of the answer. (The lead is bounded: a grammar that allowed any whitespace there
+# would let a model write nothing else.)
+TOOL_CALLS = r"[\n ]{0,4}<｜DSML｜ ?calls>(?s:.*)"
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,8 @@ class Server:
         cfg = engine.model.cfg
         self.eos_id, self.vocab_size = cfg.eos_token_id, cfg.vocab_size
         self.tool_turns = ToolTurns(self.eos_id)
+        self.grammars = Grammars(self.htok.to_str(), self.vocab_size, [self.eos_id])
+        self.think_end = self.htok.token_to_id("</think>")
         self.scripts = Scripts(scripts, self.rtok) if isinstance(scripts, list) else scripts
         self.metrics = Metrics(lambda: engine.queue_depth, engine.speculative is not None,
                                engine.model.engram_stores)
@@ -216,13 +225,6 @@ class Server:
             raise ApiError("invalid_request", str(e)) from None
         creq = conv.request
         opts = creq.inference_options
-        oc = opts.output_constraint
-        if oc is not None and (oc.kind == "regex" or (oc.kind == "json" and oc.schema)):
-            # (json_object stays: the V4.1 prompt asks for JSON, as DeepSeek's own API does)
-            what = "regex" if oc.kind == "regex" else "JSON schema"
-            raise ApiError("invalid_request", f"a {what} response format is not supported: "
-                           "this server does not constrain decoding",
-                           param=protocol.field("response_format"))
         if any(m.image_sources for m in conv.conversation.messages):
             raise ApiError("invalid_request", "image inputs are not supported by this server "
                            "(the vision tower is not implemented)",
@@ -235,6 +237,33 @@ class Server:
         if conv.prefill:
             ids += self.htok.encode(conv.prefill, add_special_tokens=False).ids
         return conv, ids
+
+    def constraint(self, conv: Converted) -> Constraint | None:
+        """The grammar the answer is held to: the response format (JSON under the schema, any
+        JSON object, the regex) — or, when the model may call tools instead, that or a tool-call
+        block. It holds the answer only: in thinking mode it starts after `</think>`; a
+        continued answer (a prefix message, Anthropic's prefill) must fit it as given."""
+        oc = conv.request.inference_options.output_constraint
+        c = conv.conversation
+        if oc is None or oc.kind == "tool_call_required":
+            return None
+        fmt = str(c.response_format)
+        if fmt == "json_schema":
+            answer = json_answer(c.response_schema)
+        elif fmt == "json_object":
+            answer = json_answer(None)
+        elif fmt == "regex":
+            answer = regex_answer(c.response_regex)
+        else:
+            return None  # (tools and a text answer: the model writes its calls unconstrained)
+        g = grammar(answer, TOOL_CALLS if oc.kind == "tool_call" else None)
+        stage = conv.parsing.thinking_initial_stage
+        if stage is not None and stage != dr.ThinkingInitialStage.ContentContinuation:
+            return self.grammars.constraint(g, after={self.think_end})
+        prefix = conv.prefill or (c.messages[-1].content if c.messages and c.messages[-1].prefix
+                                  else "")  # (a prefix message: the prompt ends with it)
+        ids = self.htok.encode(prefix, add_special_tokens=False).ids if prefix else []
+        return self.grammars.constraint(g, prefix=ids)
 
     async def count_tokens(self, request: Request) -> dict:
         """Anthropic's count_tokens: the prompt tokens the same Messages body would take
@@ -265,6 +294,11 @@ class Server:
                 seed=opts.seed if opts.seed is not None else secrets.randbits(63))
         except StrataError as e:
             raise ApiError("invalid_request", str(e)) from None
+        try:
+            constraint = await asyncio.to_thread(self.constraint, conv)
+        except GrammarError as e:
+            raise ApiError("invalid_request", f"response format: {e}",
+                           param=protocol.field("response_format")) from None
         scripted = None
         if self.scripts is not None:
             scripted = self.scripts.pick(
@@ -275,7 +309,7 @@ class Server:
                          GenRequest(ids, max_tokens, params, scripted=scripted,
                                     # (top_logprobs: the recipe checks 0..20)
                                     logprobs=(opts.top_logprobs or 0) if opts.logprobs
-                                    else None),
+                                    else None, constraint=constraint),
                          protocol.name, arrived, self.config.keepalive_s)
 
         def remember(g: Generation) -> None:

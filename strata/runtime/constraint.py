@@ -1,0 +1,163 @@
+"""Constrained decoding: an answer held to a grammar — a JSON schema, a regular expression, or a
+Lark grammar built from them — by masking, before each pick, every token that cannot continue it.
+
+llguidance compiles the grammar against the tokenizer and, at each step, gives the tokens that
+keep the text a prefix of some sentence of the grammar, as a bitmask over the vocabulary (the
+EOS token allowed once the text is complete, and alone once nothing can follow). The sampler
+then picks among those only, so the answer parses whatever the weights say; the reported
+logprobs stay those of the model's own distribution (sampling.Logprobs).
+
+A constraint can start after a token (`after`, e.g. `</think>`): the reasoning before it is free
+text, the answer after it is held to the grammar. Its mask is computed on the host when the
+pick asks for it — after the step's forward is launched, so it overlaps the GPU's work — and a
+constrained generation picks each token on the host before the next step runs (no run-ahead,
+no DSpark windows: Session.generate).
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from strata.errors import StrataError
+
+# Whitespace the JSON grammar allows at each place JSON allows it: any, as JSON does, but at most
+# this many characters in one place, so a model cannot loop on newlines forever; and before the
+# value (a model may open its answer with a newline).
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{1,64}"
+JSON_LEAD = r"[\x20\x0A\x0D\x09]{0,8}"
+
+
+class GrammarError(StrataError):
+    """A grammar (JSON schema, regex) that does not compile, or a text it cannot continue."""
+
+
+# An answer: a Lark expression over the sub-grammar it names `answer`.
+Answer = tuple[str, dict]
+
+
+def json_answer(schema: dict | None) -> Answer:
+    """JSON valid under `schema` (None: any JSON object)."""
+    try:
+        g = _llg().LLMatcher.grammar_from_json_schema(
+            {"type": "object"} if schema is None else schema,
+            overrides={"whitespace_pattern": JSON_WHITESPACE})
+    except ValueError as e:
+        raise GrammarError(f"invalid JSON schema: {e}") from None
+    return f"/{JSON_LEAD}/ @answer", _named(g)
+
+
+def regex_answer(regex: str) -> Answer:
+    """Text matching `regex`, whole."""
+    return "@answer", _named(_llg().LLMatcher.grammar_from_regex(regex))
+
+
+def grammar(answer: Answer, other: str | None = None) -> str:
+    """The grammar of `answer` — or, given `other` (a regex), of text matching that instead: a
+    request offering tools and a response format gets the formatted answer or a tool-call
+    block, written as the model writes it."""
+    expr, sub = answer
+    lark = f"start: {expr}\n" if other is None else \
+        f"start: {expr} | OTHER\nOTHER: /{other}/\n"
+    return json.dumps({"grammars": [{"lark_grammar": lark}, sub]})
+
+
+def _named(grammar_json: str) -> dict:
+    return dict(json.loads(grammar_json)["grammars"][0], name="answer")
+
+
+def _llg():
+    import llguidance  # (on first use: the engine and its benchmarks run without it)
+    return llguidance
+
+
+class Grammars:
+    """Compiles grammars against one tokenizer and hands out a fresh Constraint per request.
+
+    `tokenizer_json`: the tokenizer.json text the model's ids come from; `vocab_size`: the
+    logits' width (ids past the tokenizer's are never allowed); `eos_ids`: what ends an answer.
+    Building the tokenizer's index takes ~0.5 s (done on first use); compiled grammars are kept
+    (the last `keep`), so a client sending the same schema each turn compiles it once.
+    """
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Iterable[int],
+                 keep: int = 64) -> None:
+        self._json, self.vocab_size, self.eos_ids = tokenizer_json, vocab_size, list(eos_ids)
+        self.keep = keep
+        self._tokenizer = None
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _vocabulary(self):
+        if self._tokenizer is None:
+            self._tokenizer = _llg().LLTokenizer(self._json, n_vocab=self.vocab_size,
+                                                 eos_token=self.eos_ids)
+        return self._tokenizer
+
+    def compile(self, grammar: str):
+        """A pristine matcher of `grammar` (a copy of the kept one); GrammarError naming what
+        does not compile."""
+        with self._lock:
+            matcher = self._compiled.get(grammar)
+            if matcher is not None:
+                self._compiled.move_to_end(grammar)
+                return matcher.deep_copy()
+            matcher = _llg().LLMatcher(self._vocabulary(), grammar, log_level=0)
+            if matcher.is_error():  # (e.g. JSON-schema keywords it does not implement)
+                raise GrammarError(f"cannot be enforced: {matcher.get_error()}")
+            self._compiled[grammar] = matcher
+            if len(self._compiled) > self.keep:
+                self._compiled.popitem(last=False)
+            return matcher.deep_copy()
+
+    def constraint(self, grammar: str, after: Iterable[int] | None = None,
+                   prefix: Iterable[int] = ()) -> Constraint:
+        """A request's constraint: active from the start, or after the first of the `after`
+        tokens; `prefix`: tokens of the answer the prompt already holds (a continued final
+        message), consumed first — GrammarError if the grammar cannot start with them."""
+        c = Constraint(self.compile(grammar), self.vocab_size, after)
+        prefix = list(prefix)
+        if prefix:
+            if not c.active:
+                raise GrammarError("a constraint that starts after a token cannot take a prefix")
+            if not c.matcher.consume_tokens(prefix):
+                raise GrammarError("the answer's given start does not fit the response format: "
+                                   + c.matcher.get_error())
+        return c
+
+
+class Constraint:
+    """One generation's grammar state: `mask` before a pick, `advance` with the token picked."""
+
+    def __init__(self, matcher, vocab_size: int, after: Iterable[int] | None = None) -> None:
+        self.matcher, self.vocab_size = matcher, vocab_size
+        self.after = frozenset(after) if after is not None else frozenset()
+        self.active = after is None
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` [..., V] with every token the grammar does not allow next at -inf (a new
+        tensor; the raw logits stay for logprobs)."""
+        if not self.active:
+            return logits
+        words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)
+        if not bool(words.any()):
+            raise GrammarError("the response format allows no next token: "
+                               + (self.matcher.get_error() or "the grammar is exhausted"))
+        words = words.to(logits.device)  # (16 KB for V4's vocabulary; unpacked there)
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = ((words[:, None] >> shifts) & 1).view(-1)[:logits.shape[-1]].bool()
+        return logits.masked_fill(~allowed, float("-inf"))
+
+    def advance(self, token: int) -> None:
+        """The token picked: consumed by the grammar (or, before the constraint starts,
+        checked for the token it starts after)."""
+        if not self.active:
+            self.active = token in self.after
+            return
+        if not self.matcher.consume_token(token):
+            raise GrammarError(f"token {token} does not continue the response format: "
+                               + self.matcher.get_error())

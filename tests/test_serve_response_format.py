@@ -1,0 +1,132 @@
+"""Response formats over real HTTP: JSON schema, JSON object and regex answers decoded under the
+grammar (strata.runtime.constraint) by the real-vocabulary fixture model, whose random weights
+write no JSON unaided — Chat (streamed or not, thinking on or off, a continued prefix),
+Responses, and tools beside a format; bad schemas and regexes refused by name."""
+from __future__ import annotations
+
+import json
+import re
+
+import openai
+import pytest
+
+from strata.model.model import Model
+from tests.serve_helpers import EOS, M, LiveServer
+from tests.test_constraint import SCHEMA, fits
+
+ASK = [{"role": "user", "content": "Weather in Paris? Answer in JSON."}]
+FORMAT = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
+NO_THINKING = {"thinking": {"type": "disabled"}}
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object",
+                                          "properties": {"city": {"type": "string"}}}}}]
+CALL = ('\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n'
+        '<｜DSML｜ parameter name="city" string="true">Paris</｜DSML｜ parameter>\n'
+        '</｜DSML｜ invoke>\n</｜DSML｜ calls>' + EOS)
+
+
+@pytest.fixture(scope="module")
+def live(real_vocab_dir):
+    with LiveServer(Model.load(real_vocab_dir), real_vocab_dir, capacity=4096) as srv:
+        yield srv
+
+
+@pytest.fixture(autouse=True)
+def no_script(live):
+    live.script(None)
+
+
+def chat(live, **kw) -> dict:
+    r = live.post("/v1/chat/completions", dict({"model": M, "messages": ASK,
+                                                "max_tokens": 300}, **kw))
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def test_chat_json_schema_plain_and_streamed(live):
+    ch = chat(live, response_format=FORMAT, temperature=0, **NO_THINKING)
+    assert ch["finish_reason"] == "stop" and fits(ch["message"]["content"]), ch
+    oa = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+    chunks = list(oa.chat.completions.create(model=M, messages=ASK, max_tokens=300, seed=3,
+                                             response_format=FORMAT, stream=True,
+                                             extra_body=NO_THINKING))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert fits(text), text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    # any object: the random weights may run a key to max_tokens, but the text is an object's
+    obj = chat(live, response_format={"type": "json_object"}, max_tokens=40, **NO_THINKING)
+    text = obj["message"]["content"]
+    assert text.lstrip().startswith("{") and (obj["finish_reason"] == "length"
+                                              or isinstance(json.loads(text), dict)), obj
+    rx = chat(live, response_format={"type": "regex", "regex": r"(yes|no), [0-9]{1,3}"},
+              **NO_THINKING)
+    assert re.fullmatch(r"(yes|no), [0-9]{1,3}", rx["message"]["content"]), rx
+
+
+def test_thinking_is_free_and_the_answer_after_it_is_held(live):
+    """Thinking on: the reasoning is free text (here scripted, up to `</think>`), then the
+    model's own sampled answer fits the schema."""
+    live.script([{"match": "", "text": "Sunny, I guess.</think>"}])
+    ch = chat(live, response_format=FORMAT, temperature=0)
+    assert ch["message"]["reasoning_content"] == "Sunny, I guess."
+    assert fits(ch["message"]["content"]), ch
+
+
+def test_a_continued_answer_must_start_the_format(live):
+    """A prefix message (DeepSeek's continuation) is part of the answer: the grammar takes it
+    first, and the continuation completes it; a prefix the format cannot start is refused."""
+    start = '{"city": "Ro'
+    msgs = ASK + [{"role": "assistant", "content": start, "prefix": True}]
+    ch = chat(live, messages=msgs, response_format=FORMAT, **NO_THINKING)
+    assert fits(start + ch["message"]["content"]), ch
+    r = live.post("/v1/chat/completions", {"model": M, "max_tokens": 20, **NO_THINKING,
+                                           "response_format": FORMAT, "messages": ASK + [
+                                               {"role": "assistant", "content": "Sure",
+                                                "prefix": True}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+
+
+def test_responses_text_format(live):
+    r = live.post("/v1/responses", {"model": M, "input": ASK, "max_output_tokens": 300,
+                                    "reasoning": {"effort": "none"}, "text": {"format": {
+                                        "type": "json_schema", "name": "w", "schema": SCHEMA}}})
+    assert r.status_code == 200, r.text
+    out = [p["text"] for o in r.json()["output"] if o["type"] == "message"
+           for p in o["content"] if p["type"] == "output_text"]
+    assert len(out) == 1 and fits(out[0]), r.json()
+
+
+def test_tools_beside_a_format_the_model_may_call_instead(live):
+    """With tools offered the answer is the format or a tool-call block: a scripted call
+    passes the grammar and comes back as a tool call; the model's own answer fits."""
+    live.script([{"match": "", "text": CALL}])
+    ch = chat(live, response_format=FORMAT, tools=TOOLS, **NO_THINKING)
+    assert ch["finish_reason"] == "tool_calls", ch
+    assert json.loads(ch["message"]["tool_calls"][0]["function"]["arguments"]) == \
+        {"city": "Paris"}
+    live.script(None)  # (the random weights may open a call block and run to max_tokens)
+    ch = chat(live, response_format=FORMAT, tools=TOOLS, temperature=0, **NO_THINKING)
+    assert (ch["finish_reason"] == "length" or ch["message"].get("tool_calls")
+            or fits(ch["message"]["content"])), ch
+
+
+def test_bad_formats_are_refused_by_name(live):
+    """A schema the recipe finds invalid (a dangling $ref), one only the grammar compiler
+    cannot enforce (a keyword it does not implement), a bad regex format: 400s naming them."""
+    dangling = {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}
+    broken = {"type": "array", "uniqueItems": True}
+    for fmt, what, param in (
+            ({"type": "json_schema", "json_schema": {"name": "x", "schema": dangling}},
+             "nowhere", None),
+            ({"type": "json_schema", "json_schema": {"name": "x", "schema": broken}},
+             "uniqueItems", "response_format"),
+            ({"type": "regex", "regex": "[a-"}, "unclosed character class", "response_format")):
+        r = live.post("/v1/chat/completions", {"model": M, "messages": ASK, "max_tokens": 2,
+                                               "response_format": fmt})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert what in err["message"] and err["param"] == param, err
+    r = live.post("/v1/responses", {"model": M, "input": "json?", "text": {"format": {
+        "type": "json_schema", "name": "x", "schema": broken}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text
+    assert chat(live, max_tokens=2)["finish_reason"] == "length"  # (still serving)
