@@ -339,3 +339,32 @@ def test_graphed_logprobs_are_the_eager_sessions(cuda, request, fixture):
             assert toks == want and len(lp.items) == 24
             runs.append(lp.items)
         assert runs[0] == runs[1], spec
+
+
+def test_graphed_constrained_generation_is_the_eager_sessions(cuda, real_vocab_dir):
+    """A response format on graphs (a DSpark session's plain steps; the mask applied to the
+    replayed step's logits on the device): the eager session's tokens, an answer that parses
+    and fits the schema."""
+    import json
+
+    from strata.runtime.constraint import Grammars, grammar, json_answer
+    from strata.runtime.sampling import SamplingParams
+    from strata.runtime.speculative import SpecConfig
+    from strata.tokenizer import load_tokenizer
+    model = Model.load(real_vocab_dir, cuda, Numerics.for_device(cuda))
+    tok = load_tokenizer(real_vocab_dir)
+    schema = {"type": "object", "required": ["ok", "n"], "additionalProperties": False,
+              "properties": {"ok": {"type": "boolean"},
+                             "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+    grammars = Grammars(tok.to_str(), model.cfg.vocab_size, [model.cfg.eos_token_id])
+    prompt = tok.encode("Answer in JSON:", add_special_tokens=False).ids
+    runs = []
+    for graphs in (False, True):
+        s = Session(model, 400, speculative=SpecConfig(length=3), graphs=graphs)
+        runs.append(list(s.generate(prompt, 200, SamplingParams(temperature=1.0, seed=9),
+                                    mode="plain",
+                                    constraint=grammars.constraint(grammar(json_answer(schema))))))
+    assert runs[0] == runs[1]
+    assert runs[0][-1] == model.cfg.eos_token_id
+    answer = json.loads(tok.decode(runs[0][:-1]))
+    assert set(answer) == {"ok", "n"} and type(answer["ok"]) is bool
