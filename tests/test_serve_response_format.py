@@ -1,7 +1,8 @@
 """Response formats over real HTTP: JSON schema, JSON object and regex answers decoded under the
 grammar (strata.runtime.constraint) by the real-vocabulary fixture model, whose random weights
 write no JSON unaided — Chat (streamed or not, thinking on or off, a continued prefix),
-Responses, and tools beside a format; bad schemas and regexes refused by name."""
+Responses, Messages' output_config.format, and tools beside a format; bad schemas and regexes
+refused by name."""
 from __future__ import annotations
 
 import json
@@ -97,6 +98,20 @@ def test_responses_text_format(live):
     out = [p["text"] for o in r.json()["output"] if o["type"] == "message"
            for p in o["content"] if p["type"] == "output_text"]
     assert len(out) == 1 and isinstance(json.loads(out[0])["ok"], bool), r.json()
+
+
+def test_anthropic_output_format(live):
+    """Messages' structured output (output_config.format, or the beta's output_format): the
+    text block fits the schema; a format that is no JSON schema is refused by name."""
+    base = {"model": M, "max_tokens": 100, "messages": ASK, "thinking": {"type": "disabled"}}
+    small = {"type": "json_schema", "schema": YES_NO}
+    for body in (dict(base, output_config={"format": small}), dict(base, output_format=small)):
+        r = live.post("/v1/messages", body)
+        assert r.status_code == 200, r.text
+        text = "".join(b["text"] for b in r.json()["content"] if b["type"] == "text")
+        assert isinstance(json.loads(text)["ok"], bool), r.json()
+    r = live.post("/v1/messages", dict(base, output_config={"format": {"type": "xml"}}))
+    assert r.status_code == 400 and "output_config.format" in r.json()["error"]["message"]
 
 
 def test_tools_beside_a_format_the_model_may_call_instead(live):

@@ -243,9 +243,12 @@ class Server:
         JSON object, the regex) — or, when the model may call tools instead, that or a tool-call
         block. It holds the answer only: in thinking mode it starts after `</think>`; a
         continued answer (a prefix message, Anthropic's prefill) must fit it as given."""
+        # (the recipe's output constraint says whether tools may be called: Messages' format
+        # is set on the conversation after it, so the format is read from the conversation)
         oc = conv.request.inference_options.output_constraint
         c = conv.conversation
-        if oc is None or oc.kind == "tool_call_required":
+        if conv.parsing.starts_in_tool_calls or (oc is not None
+                                                 and oc.kind == "tool_call_required"):
             return None
         fmt = str(c.response_format)
         if fmt == "json_schema":
@@ -256,7 +259,7 @@ class Server:
             answer = regex_answer(c.response_regex)
         else:
             return None  # (tools and a text answer: the model writes its calls unconstrained)
-        g = grammar(answer, TOOL_CALLS if oc.kind == "tool_call" else None)
+        g = grammar(answer, TOOL_CALLS if oc is not None and oc.kind == "tool_call" else None)
         stage = conv.parsing.thinking_initial_stage
         if stage is not None and stage != dr.ThinkingInitialStage.ContentContinuation:
             return self.grammars.constraint(g, after={self.think_end})

@@ -53,6 +53,18 @@ def forces_a_tool(choice: Any) -> bool:
                                     and choice.get("type") in ("function", "custom", "tool", "any"))
 
 
+def rebuilt(c: dr.Conversation, **changes: Any) -> dr.Conversation:
+    """The conversation with some of its settings changed (a Conversation is immutable; its
+    constructor takes a schema or regex format as the schema or regex alone)."""
+    fmt = str(c.response_format)
+    kw = dict(thinking_mode=c.thinking_mode, tools=c.tools, tool_choice=c.tool_choice,
+              reasoning_effort=c.reasoning_effort,
+              response_format=fmt if fmt in ("text", "json_object") else "text",
+              response_schema=c.response_schema, response_regex=c.response_regex)
+    kw.update(changes)
+    return dr.Conversation(c.messages, **kw)
+
+
 @dataclass(frozen=True)
 class TurnOut:
     reasoning: str
@@ -166,6 +178,7 @@ class ChatCompletions(Protocol):
 class Messages(Protocol):
     name, id_prefix, error_style = "messages", "msg_", "anthropic"
     request_cls, response_cls = dr.MessagesRequest, dr.MessagesResponse
+    fields = {"response_format": "output_config.format"}
 
     def prepare(self, body: dict) -> dict:
         # Anthropic requires max_tokens; without it one request would hold the engine until
@@ -179,6 +192,23 @@ class Messages(Protocol):
                                      if isinstance(t, dict) and t.get("type") == "custom"
                                      else t for t in tools])
         return body
+
+    @staticmethod
+    def output_schema(body: dict) -> dict | None:
+        """Anthropic's structured output, `output_config.format` (or the beta's
+        `output_format`): {"type": "json_schema", "schema": {...}} — the schema, rendered into
+        the prompt as Chat's json_schema format is and enforced the same way."""
+        config = body.get("output_config")
+        fmt = config.get("format") if isinstance(config, dict) else None
+        if fmt is None:
+            fmt = body.get("output_format")
+        if fmt is None:
+            return None
+        if not (isinstance(fmt, dict) and fmt.get("type") == "json_schema"
+                and isinstance(fmt.get("schema"), dict)):
+            raise ApiError("invalid_request", "output_config.format: expected {\"type\": "
+                           "\"json_schema\", \"schema\": {...}}", param="output_config.format")
+        return fmt["schema"]
 
     @staticmethod
     def one_call(body: dict) -> bool:
@@ -195,6 +225,10 @@ class Messages(Protocol):
             body = dict(body, tool_choice=dict(choice, type="auto"))
         conv = super().convert(body, options, model)
         conv.prefill = prefill
+        schema = self.output_schema(body)
+        if schema is not None:  # (the recipe reads no Anthropic output format)
+            conv.conversation = rebuilt(conv.conversation, response_format="text",
+                                        response_schema=schema)
         if any_tool:
             self.check_tools({"tool_choice": choice}, conv.conversation)
             self.require_a_tool_call(conv)
@@ -216,10 +250,7 @@ class Messages(Protocol):
             raise ApiError("invalid_request", "tool_choice 'any' cannot continue a final "
                            "assistant message (the answer must be a tool call)",
                            param="tool_choice")
-        conv.conversation = dr.Conversation(
-            c.messages, thinking_mode=False, tools=c.tools, tool_choice="required",
-            reasoning_effort=c.reasoning_effort, response_format=c.response_format,
-            response_schema=c.response_schema, response_regex=c.response_regex)
+        conv.conversation = rebuilt(c, thinking_mode=False, tool_choice="required")
         conv.parsing.starts_in_tool_calls = True
 
     @staticmethod
