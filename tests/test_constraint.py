@@ -74,7 +74,7 @@ def test_the_mask_allows_exactly_the_continuations(grammars, tok, model):
 
 def test_a_constraint_after_a_token_leaves_the_reasoning_free(grammars, tok):
     end = tok.token_to_id("</think>")
-    c = grammars.constraint(grammar(regex_answer("[a-z]{3}-[0-9]{2}")), after={end})
+    c = grammars.constraint(grammar(regex_answer("[a-z]{3}-[0-9]{2}")), after=[{end}])
     logits = torch.randn(1, 129280)
     for t in ids(tok, "Let me think 123 {}"):
         assert torch.equal(c.mask(logits), logits)

@@ -130,6 +130,42 @@ def test_tools_beside_a_format_the_model_may_call_instead(live):
             or isinstance(json.loads(ch["message"]["content"])["ok"], bool)), ch
 
 
+STRICT = {"type": "object", "additionalProperties": False, "required": ["city", "days", "ok"],
+          "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                         "days": {"type": "integer", "minimum": 1, "maximum": 9},
+                         "ok": {"type": "boolean"}}}
+
+
+def strict_fits(args: dict) -> bool:
+    return (set(args) == {"city", "days", "ok"} and args["city"] in ("Paris", "Rome")
+            and type(args["days"]) is int and 1 <= args["days"] <= 9
+            and type(args["ok"]) is bool)
+
+
+def test_strict_tools_calls_fit_their_schemas(live):
+    """`strict: true`: the random weights' own call fits the tool's schema — forced (Chat
+    tool_choice required, Anthropic "any"), or after the model opens a calls block (here
+    scripted) in an answer whose text is free."""
+    tool = {"type": "function", "function": {"name": "get_weather", "strict": True,
+                                             "parameters": STRICT}}
+    ch = chat(live, tools=[tool], tool_choice="required", max_tokens=150, **NO_THINKING)
+    call = ch["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "get_weather" and strict_fits(json.loads(call["arguments"])), ch
+    live.script([{"match": "", "text": "Let me look.\n\n<｜DSML｜ calls>"}])
+    ch = chat(live, tools=[tool], max_tokens=150, **NO_THINKING)
+    assert ch["message"]["content"] == "Let me look." and ch["finish_reason"] == "tool_calls"
+    assert strict_fits(json.loads(ch["message"]["tool_calls"][0]["function"]["arguments"]))
+    live.script(None)
+    r = live.post("/v1/messages", {"model": M, "max_tokens": 150, "messages": ASK,
+                                   "thinking": {"type": "disabled"},
+                                   "tool_choice": {"type": "any"}, "tools": [{
+                                       "name": "get_weather", "strict": True,
+                                       "input_schema": STRICT}]})
+    assert r.status_code == 200, r.text
+    uses = [b for b in r.json()["content"] if b["type"] == "tool_use"]
+    assert uses and strict_fits(uses[0]["input"]), r.json()
+
+
 def test_bad_formats_are_refused_by_name(live):
     """A schema the recipe finds invalid (a dangling $ref), one only the grammar compiler
     cannot enforce (a keyword it does not implement), a bad regex format: 400s naming them."""

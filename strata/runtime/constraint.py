@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +38,8 @@ class GrammarError(StrataError):
 
 # An answer: a Lark expression over the sub-grammar it names `answer`.
 Answer = tuple[str, dict]
+# What the model may write instead of the answer: a Lark expression and the rules it uses.
+Alternative = tuple[str, str]
 
 
 def json_answer(schema: dict | None) -> Answer:
@@ -56,14 +58,15 @@ def regex_answer(regex: str) -> Answer:
     return "@answer", _named(_llg().LLMatcher.grammar_from_regex(regex))
 
 
-def grammar(answer: Answer, other: str | None = None) -> str:
-    """The grammar of `answer` — or, given `other` (a regex), of text matching that instead: a
-    request offering tools and a response format gets the formatted answer or a tool-call
-    block, written as the model writes it."""
-    expr, sub = answer
-    lark = f"start: {expr}\n" if other is None else \
-        f"start: {expr} | OTHER\nOTHER: /{other}/\n"
-    return json.dumps({"grammars": [{"lark_grammar": lark}, sub]})
+def grammar(answer: Answer | None, other: Alternative | None = None) -> str:
+    """The grammar of `answer`, or of `other` instead, or of either: a request offering tools
+    and a response format gets the formatted answer or a tool-call block."""
+    if answer is None and other is None:
+        raise ValueError("a grammar needs an answer or an alternative")
+    start = " | ".join(x[0] for x in (answer, other) if x is not None)
+    lark = f"start: {start}\n" + (other[1] if other is not None else "")
+    return json.dumps({"grammars": [{"lark_grammar": lark}]
+                       + ([answer[1]] if answer is not None else [])})
 
 
 def _named(grammar_json: str) -> dict:
@@ -114,12 +117,13 @@ class Grammars:
                 self._compiled.popitem(last=False)
             return matcher.deep_copy()
 
-    def constraint(self, grammar: str, after: Iterable[int] | None = None,
+    def constraint(self, grammar: str, after: Sequence[Iterable[int]] = (),
                    prefix: Iterable[int] = ()) -> Constraint:
-        """A request's constraint: active from the start, or after the first of the `after`
-        tokens; `prefix`: tokens of the answer the prompt already holds (a continued final
-        message), consumed first — GrammarError if the grammar cannot start with them."""
-        c = Constraint(self.compile(grammar), self.vocab_size, after)
+        """A request's constraint: active from the start, or once one token of each set in
+        `after` has been picked, in order (e.g. `</think>`, then the token that opens a
+        tool-call block); `prefix`: tokens of the answer the prompt already holds (a continued
+        final message), consumed first — GrammarError if the grammar cannot start with them."""
+        c = Constraint(self.compile(grammar), after)
         prefix = list(prefix)
         if prefix:
             if not c.active:
@@ -133,10 +137,13 @@ class Grammars:
 class Constraint:
     """One generation's grammar state: `mask` before a pick, `advance` with the token picked."""
 
-    def __init__(self, matcher, vocab_size: int, after: Iterable[int] | None = None) -> None:
-        self.matcher, self.vocab_size = matcher, vocab_size
-        self.after = frozenset(after) if after is not None else frozenset()
-        self.active = after is None
+    def __init__(self, matcher, after: Sequence[Iterable[int]] = ()) -> None:
+        self.matcher = matcher
+        self.waiting = [frozenset(ids) for ids in after]  # triggers still to see, in order
+
+    @property
+    def active(self) -> bool:
+        return not self.waiting
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` [..., V] with every token the grammar does not allow next at -inf (a new
@@ -154,9 +161,10 @@ class Constraint:
 
     def advance(self, token: int) -> None:
         """The token picked: consumed by the grammar (or, before the constraint starts,
-        checked for the token it starts after)."""
-        if not self.active:
-            self.active = token in self.after
+        checked for the next token it waits for)."""
+        if self.waiting:
+            if token in self.waiting[0]:
+                self.waiting.pop(0)
             return
         if not self.matcher.consume_token(token):
             raise GrammarError(f"token {token} does not continue the response format: "

@@ -46,6 +46,7 @@ from strata.serve.metrics import Metrics
 from strata.serve.protocols import PROTOCOLS, Converted, Protocol
 from strata.serve.replay import ToolTurns
 from strata.serve.scripts import Scripts
+from strata.serve.tool_grammar import calls_grammar
 from strata.tokenizer import load_tokenizer, tokenizer_path
 
 log = logging.getLogger("strata.serve")
@@ -53,9 +54,9 @@ log = logging.getLogger("strata.serve")
 MODEL_NAME = "DeepSeek-V4.1-Flash"
 # A tool-call block where the answer would be (its opening — after a line break or two, V4's
 # spelling or V4.1's — and whatever follows): what a response format leaves the model free to
-# write instead of the answer. (The lead is bounded: a grammar that allowed any whitespace there
-# would let a model write nothing else.)
-TOOL_CALLS = r"[\n ]{0,4}<｜DSML｜ ?calls>(?s:.*)"
+# write instead of the answer when no tool is strict. (The lead is bounded: a grammar that
+# allowed any whitespace there would let a model write nothing else.)
+TOOL_CALLS = ("TOOL_CALLS", "TOOL_CALLS: /[\\n ]{0,4}<｜DSML｜ ?calls>(?s:.*)/\n")
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ class Server:
         self.tool_turns = ToolTurns(self.eos_id)
         self.grammars = Grammars(self.htok.to_str(), self.vocab_size, [self.eos_id])
         self.think_end = self.htok.token_to_id("</think>")
+        self.dsml = self.htok.token_to_id("｜DSML｜")  # (opens each tag of a tool-call block)
         self.scripts = Scripts(scripts, self.rtok) if isinstance(scripts, list) else scripts
         self.metrics = Metrics(lambda: engine.queue_depth, engine.speculative is not None,
                                engine.model.engram_stores)
@@ -239,17 +241,25 @@ class Server:
         return conv, ids
 
     def constraint(self, conv: Converted) -> Constraint | None:
-        """The grammar the answer is held to: the response format (JSON under the schema, any
-        JSON object, the regex) — or, when the model may call tools instead, that or a tool-call
-        block. It holds the answer only: in thinking mode it starts after `</think>`; a
-        continued answer (a prefix message, Anthropic's prefill) must fit it as given."""
-        # (the recipe's output constraint says whether tools may be called: Messages' format
+        """The grammar the answer is held to, if any: the response format (JSON under the
+        schema, any JSON object, the regex) — or, when tools may be called instead, that or a
+        tool-call block (one whose strict tools' arguments fit their schemas, when the request
+        has strict tools: serve/tool_grammar.py). Without a format, strict tools alone hold the
+        calls block and leave the text before it free. The reasoning is always free (thinking
+        mode: the grammar starts after `</think>`); a continued answer (a prefix message,
+        Anthropic's prefill) must fit the format as given."""
+        # (the recipe's output constraint gives the tools that may be called; Messages' format
         # is set on the conversation after it, so the format is read from the conversation)
         oc = conv.request.inference_options.output_constraint
         c = conv.conversation
+        tools = json.loads(oc.schema) if oc is not None and oc.kind.startswith("tool_call") \
+            else []
+        strict = conv.strict_tools & {t["function"]["name"] for t in tools}
         if conv.parsing.starts_in_tool_calls or (oc is not None
                                                  and oc.kind == "tool_call_required"):
-            return None
+            # (the prompt opened the calls block: the answer is calls alone)
+            return self.grammars.constraint(grammar(None, calls_grammar(tools, strict, ""))) \
+                if strict else None
         fmt = str(c.response_format)
         if fmt == "json_schema":
             answer = json_answer(c.response_schema)
@@ -258,11 +268,23 @@ class Server:
         elif fmt == "regex":
             answer = regex_answer(c.response_regex)
         else:
-            return None  # (tools and a text answer: the model writes its calls unconstrained)
-        g = grammar(answer, TOOL_CALLS if oc is not None and oc.kind == "tool_call" else None)
+            answer = None
         stage = conv.parsing.thinking_initial_stage
-        if stage is not None and stage != dr.ThinkingInitialStage.ContentContinuation:
-            return self.grammars.constraint(g, after={self.think_end})
+        thinks = [] if stage in (None, dr.ThinkingInitialStage.ContentContinuation) \
+            else [{self.think_end}]
+        if answer is None:
+            if not strict:
+                return None  # (a text answer, calls as the model writes them)
+            # free text, then a calls block from its `｜DSML｜` token on
+            g = grammar(None, calls_grammar(tools, strict, " calls>\n"))
+            return self.grammars.constraint(g, after=thinks + [{self.dsml}])
+        other = None
+        if tools:
+            other = calls_grammar(tools, strict, "\n\n<｜DSML｜ calls>\n") if strict \
+                else TOOL_CALLS
+        g = grammar(answer, other)
+        if thinks:
+            return self.grammars.constraint(g, after=thinks)
         prefix = conv.prefill or (c.messages[-1].content if c.messages and c.messages[-1].prefix
                                   else "")  # (a prefix message: the prompt ends with it)
         ids = self.htok.encode(prefix, add_special_tokens=False).ids if prefix else []

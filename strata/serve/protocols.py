@@ -85,6 +85,7 @@ class Converted:
     conversation: dr.Conversation | None = None
     parsing: dr.ParsingOptions | None = None
     one_call: bool = False  # the client takes at most one tool call a turn
+    strict_tools: frozenset[str] = frozenset()  # tools whose calls must fit their schemas
 
     def __post_init__(self) -> None:
         if self.conversation is None:
@@ -115,7 +116,7 @@ class Protocol:
         creq = self.request_cls(self.prepare(body)).convert(options)
         self.check_tools(body, creq.conversation)
         return Converted(creq, self.request_cls.chunk_generator(creq, rid, model), rid,
-                         one_call=self.one_call(body))
+                         one_call=self.one_call(body), strict_tools=self.strict_tools(body))
 
     @staticmethod
     def one_call(body: dict) -> bool:
@@ -123,6 +124,20 @@ class Protocol:
         false; the recipe renders the same prompt either way, so the server enforces it on the
         output: serve.generation.OneCall)."""
         return body.get("parallel_tool_calls") is False
+
+    @staticmethod
+    def strict_tools(body: dict) -> frozenset[str]:
+        """The names of the request's tools marked `strict: true` (Chat: on the function;
+        Responses, Messages: on the tool)."""
+        tools = body.get("tools")
+        names = set()
+        for t in tools if isinstance(tools, list) else []:
+            fn = t.get("function") if isinstance(t, dict) and isinstance(t.get("function"),
+                                                                          dict) else t
+            if isinstance(fn, dict) and fn.get("strict") is True and isinstance(fn.get("name"),
+                                                                                str):
+                names.add(fn["name"])
+        return frozenset(names)
 
     @staticmethod
     def check_tools(body: dict, conversation: dr.Conversation) -> None:
