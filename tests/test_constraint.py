@@ -131,9 +131,33 @@ def test_a_random_model_answers_in_the_schema(model, tok, grammars, temperature)
         json.loads(tok.decode(free))
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_dspark_windows_pick_what_plain_constrained_steps_pick(model, tok, grammars,
+                                                              temperature):
+    """DSpark windows under a constraint — drafts that are the constrained answer itself with
+    one in each window made wrong (often one the grammar refuses), and the model's own
+    drafts — give the plain constrained session's tokens: each row is masked as the grammar
+    stands after the drafts before it, and the grammar advances by what was accepted."""
+    from tests.util import continuation_drafts
+    prompt = ids(tok, "Weather?")
+    params = SamplingParams(temperature=temperature, seed=11)
+
+    def run(spec=None, override=None) -> list[int]:
+        s = Session(model, 1024, speculative=spec, draft_override=override)
+        out = list(s.generate(prompt, 120, params, mode="dspark" if spec else "plain",
+                              constraint=grammars.constraint(grammar(json_answer(SCHEMA)))))
+        assert spec is None or override is None or s.stats.accepted > 0
+        return out
+    want = run()
+    assert fits(tok.decode(want[:-1]))
+    override = continuation_drafts(want, len(prompt), model.cfg.vocab_size, wrong_at=2)
+    assert run(SpecConfig(length=4, low_windows=10 ** 6), override) == want
+    assert run(SpecConfig(length=3)) == want
+
+
 def test_a_regex_answer_and_a_dspark_engine(model, tok, grammars):
-    """A DSpark engine runs a constrained request as plain steps: the answer matches the regex
-    whole; the next unconstrained request on the same engine decodes as before."""
+    """A DSpark engine decodes a constrained request through its windows: the answer matches
+    the regex whole; the next unconstrained request on the same engine decodes as before."""
     eng = Engine(model, 1024, prefill_chunk=64, speculative=SpecConfig(length=3))
     eng.start()
     events: list = []

@@ -135,7 +135,8 @@ class Grammars:
 
 
 class Constraint:
-    """One generation's grammar state: `mask` before a pick, `advance` with the token picked."""
+    """One generation's grammar state: `mask` before a pick (or `mask_window` before a DSpark
+    window's picks), `advance` with each token picked."""
 
     def __init__(self, matcher, after: Sequence[Iterable[int]] = ()) -> None:
         self.matcher = matcher
@@ -145,19 +146,44 @@ class Constraint:
     def active(self) -> bool:
         return not self.waiting
 
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` [..., V] with every token the grammar does not allow next at -inf (a new
-        tensor; the raw logits stay for logprobs)."""
-        if not self.active:
-            return logits
+    def _words(self) -> torch.Tensor | None:
+        """The next token's bitmask (int32 words, on the host), None while waiting."""
+        if self.waiting:
+            return None
         words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)
         if not bool(words.any()):
             raise GrammarError("the response format allows no next token: "
                                + (self.matcher.get_error() or "the grammar is exhausted"))
-        words = words.to(logits.device)  # (16 KB for V4's vocabulary; unpacked there)
-        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-        allowed = ((words[:, None] >> shifts) & 1).view(-1)[:logits.shape[-1]].bool()
-        return logits.masked_fill(~allowed, float("-inf"))
+        return words
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` [V] or [1, V] with every token the grammar does not allow next at -inf (a
+        new tensor; the raw logits stay for logprobs)."""
+        words = self._words()
+        return logits if words is None else _masked(logits.view(1, -1), [words]).view_as(logits)
+
+    def mask_window(self, logits: torch.Tensor, drafts: Sequence[int]) -> torch.Tensor:
+        """A verify window's logits [L+1, V] masked row by row: row i as the grammar stands
+        after drafts[:i] — up to the first draft it refuses, past which no row's pick can be
+        accepted (rows after it are left as they are). The state is left as it was."""
+        waiting, consumed, rows = list(self.waiting), 0, []
+        try:
+            for i in range(len(drafts) + 1):
+                rows.append(self._words())
+                if i == len(drafts):
+                    break
+                d = int(drafts[i])
+                if self.waiting:
+                    if d in self.waiting[0]:
+                        self.waiting.pop(0)
+                    continue
+                if self.matcher.validate_tokens([d]) != 1 or not self.matcher.consume_token(d):
+                    break
+                consumed += 1
+        finally:
+            self.matcher.rollback(consumed)
+            self.waiting = waiting
+        return _masked(logits, rows)
 
     def advance(self, token: int) -> None:
         """The token picked: consumed by the grammar (or, before the constraint starts,
@@ -169,3 +195,19 @@ class Constraint:
         if not self.matcher.consume_token(token):
             raise GrammarError(f"token {token} does not continue the response format: "
                                + self.matcher.get_error())
+
+
+def _masked(logits: torch.Tensor, rows: list[torch.Tensor | None]) -> torch.Tensor:
+    """logits [R, V] with row i's disallowed tokens at -inf where rows[i] holds a bitmask
+    (None: the row as it is; rows past the list too). The bits travel to the device packed
+    (16 KB a row at V4's vocabulary) and are unpacked there."""
+    if all(w is None for w in rows):
+        return logits
+    dev, V = logits.device, logits.shape[-1]
+    full = torch.full_like(next(w for w in rows if w is not None), -1)  # (all allowed)
+    words = torch.stack([full if w is None else w for w in rows]).to(dev)
+    shifts = torch.arange(32, dtype=torch.int32, device=dev)
+    allowed = ((words[:, :, None] >> shifts) & 1).view(len(rows), -1)[:, :V].bool()
+    out = logits.clone()
+    out[:len(rows)].masked_fill_(~allowed, float("-inf"))
+    return out

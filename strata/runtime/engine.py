@@ -53,7 +53,7 @@ class GenRequest:
     logprobs: int | None = None                   # each token's logprob and this many top
     # alternatives (sampling.Logprobs), or None: not reported
     constraint: Constraint | None = None          # the grammar the answer is held to (its
-    # own state, advanced as the job runs: a request object runs once); plain steps only
+    # own state, advanced as the job runs: a request object runs once)
 
 
 # ---- events (delivered to the job's callback on the worker thread) ---------------------------
@@ -268,7 +268,7 @@ class Engine:
         stop_ids = req.stop_ids if req.stop_ids is not None \
             else frozenset({self.model.cfg.eos_token_id})
         first: list[float] = []  # when the first token was picked (prefill done)
-        mode = "plain" if req.scripted is not None or req.constraint is not None else None
+        mode = "plain" if req.scripted is not None else None
         n, last = 0, None
         lps = None if req.logprobs is None else Logprobs(req.logprobs)
         # An exception propagates to _loop without retaining the state: the failing forward

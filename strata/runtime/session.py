@@ -130,8 +130,8 @@ class Session:
         scripted tokens. `logprobs`: each token's figures appended before it is yielded (the
         plain steps then do not run ahead of the host: each reads its own logits).
         `constraint`: each pick among the tokens it allows (constraint.Constraint), advanced
-        with each token picked — one plain step at a time, the mask computed while the step
-        runs (so no run-ahead, and mode 'plain' whatever the session).
+        with each token picked — the mask computed on the host while the step or window runs
+        (so plain steps do not run ahead); the same tokens in either mode.
         """
         mode = mode or ("dspark" if self.speculative is not None else "plain")
         if mode not in ("plain", "dspark"):
@@ -140,8 +140,6 @@ class Session:
             raise StrataError("mode 'dspark' needs a session created with speculative=SpecConfig()")
         if scripted is not None and mode != "plain":
             raise StrataError("scripted tokens need mode 'plain'")
-        if constraint is not None and mode != "plain":
-            raise StrataError("a constrained generation needs mode 'plain'")
         prompt = torch.as_tensor(prompt, dtype=torch.long).view(-1)
         cfg = self.model.cfg
         stop_ids = frozenset({cfg.eos_token_id}) if stop_ids is None else stop_ids
@@ -182,7 +180,7 @@ class Session:
                     self.commit_context(ctx, 1, start)
                 tok = self._pick(logits, params, scripted, emitted, logprobs, constraint)
                 continue
-            more = decoder.step(tok, params, max_tokens - emitted, logprobs)
+            more = decoder.step(tok, params, max_tokens - emitted, logprobs, constraint)
             for t in more[:-1]:
                 yield t
                 emitted += 1

@@ -34,6 +34,7 @@ import torch
 from strata.current_device import download, made_current
 from strata.errors import StrataError
 from strata.model.dspark import Draft
+from strata.runtime.constraint import Constraint
 from strata.runtime.sampling import Logprobs, SamplingParams, sample
 
 # (window position P, draft length L) -> the L drafts to verify instead of the head's (tests
@@ -156,11 +157,17 @@ class DSparkDecoder:
         return drafted > 0 and accepted / drafted < self.config.low_acceptance
 
     def step(self, anchor: int, params: SamplingParams, budget: int,
-             logprobs: Logprobs | None = None) -> list[int]:
+             logprobs: Logprobs | None = None,
+             constraint: Constraint | None = None) -> list[int]:
         """Advance from `anchor` (at state.position); return the tokens that follow it, the
         last of which is the next anchor. At most `budget` tokens are returned; their
-        figures added to `logprobs` (from the rows that picked them)."""
-        out = self._step(anchor, params, budget, logprobs)
+        figures added to `logprobs` (from the rows that picked them); each picked among the
+        tokens `constraint` allows (a window's rows masked as the grammar stands after the
+        drafts before them) and advanced through it."""
+        out = self._step(anchor, params, budget, logprobs, constraint)
+        if constraint is not None:
+            for t in out:
+                constraint.advance(t)
         self._draft_ahead(out[-1], params, budget - len(out))
         return out
 
@@ -226,7 +233,7 @@ class DSparkDecoder:
         return self._launch_draft(anchor, params, position)
 
     def _step(self, anchor: int, params: SamplingParams, budget: int,
-              logprobs: Logprobs | None) -> list[int]:
+              logprobs: Logprobs | None, constraint: Constraint | None) -> list[int]:
         s, model, state = self.session, self.model, self.session.state
         P = state.position
         L, drafted, drafts = 0, False, []
@@ -246,7 +253,8 @@ class DSparkDecoder:
                 self._note_window(1, 0)
             logits, ctx = s.forward(torch.tensor([anchor]), "all")
             s.commit_context(ctx, 1, P)
-            tok = int(sample(logits, torch.tensor([P + 1]), params)[0])
+            allowed = logits if constraint is None else constraint.mask(logits)
+            tok = int(sample(allowed, torch.tensor([P + 1]), params)[0])
             if logprobs is not None:
                 logprobs.add(logits, [tok])
             return [tok]
@@ -274,7 +282,9 @@ class DSparkDecoder:
         state.begin()
         try:  # (a failure anywhere before the rollback below leaves the state at P)
             logits, ctx = s.forward(window, "all", host_tokens)
-            picks_dev = sample(logits, torch.arange(P + 1, P + L + 2, device=logits.device),
+            # (the drafts are on the host by now: host_tokens ran inside the launch)
+            allowed = logits if constraint is None else constraint.mask_window(logits, drafts)
+            picks_dev = sample(allowed, torch.arange(P + 1, P + L + 2, device=logits.device),
                                params)
             read_picks = download(picks_dev)
             # Every row's draft windows, launched before the host reads the picks (the GPU

@@ -342,8 +342,8 @@ def test_graphed_logprobs_are_the_eager_sessions(cuda, request, fixture):
 
 
 def test_graphed_constrained_generation_is_the_eager_sessions(cuda, real_vocab_dir):
-    """A response format on graphs (a DSpark session's plain steps; the mask applied to the
-    replayed step's logits on the device): the eager session's tokens, an answer that parses
+    """A response format on graphs (plain steps and DSpark windows; the masks applied to the
+    replayed logits on the device): the eager plain session's tokens, an answer that parses
     and fits the schema."""
     import json
 
@@ -360,11 +360,12 @@ def test_graphed_constrained_generation_is_the_eager_sessions(cuda, real_vocab_d
     prompt = tok.encode("Answer in JSON:", add_special_tokens=False).ids
     runs = []
     for graphs in (False, True):
-        s = Session(model, 400, speculative=SpecConfig(length=3), graphs=graphs)
-        runs.append(list(s.generate(prompt, 200, SamplingParams(temperature=1.0, seed=9),
-                                    mode="plain",
-                                    constraint=grammars.constraint(grammar(json_answer(schema))))))
-    assert runs[0] == runs[1]
+        for mode in ("plain", "dspark"):
+            s = Session(model, 400, speculative=SpecConfig(length=3), graphs=graphs)
+            runs.append(list(s.generate(
+                prompt, 200, SamplingParams(temperature=1.0, seed=9), mode=mode,
+                constraint=grammars.constraint(grammar(json_answer(schema))))))
+    assert all(r == runs[0] for r in runs[1:])
     assert runs[0][-1] == model.cfg.eos_token_id
     answer = json.loads(tok.decode(runs[0][:-1]))
     assert set(answer) == {"ok", "n"} and type(answer["ok"]) is bool
