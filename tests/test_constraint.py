@@ -72,6 +72,33 @@ def test_the_mask_allows_exactly_the_continuations(grammars, tok, model):
         c2.advance(ids(tok, "hello")[0])
 
 
+def test_a_window_is_masked_row_by_row_and_the_state_kept(grammars, tok, model):
+    """mask_window: row i as the grammar stands after drafts[:i]; from the first draft the
+    grammar refuses on, rows are left as they are, and so is the row past an EOS draft (no
+    answer follows it); the grammar's own state does not move."""
+    V, eos = model.cfg.vocab_size, model.cfg.eos_token_id
+    text = ids(tok, '{"city": "Rome", "days": 3, "sunny": true, "note": "ok"}')
+    c = grammars.constraint(grammar(json_answer(SCHEMA)))
+    for t in text[:-2]:
+        c.advance(t)
+    ref = grammars.constraint(grammar(json_answer(SCHEMA)))
+    for t in text[:-2]:
+        ref.advance(t)
+    drafts = text[-2:] + [eos]
+    logits = torch.randn(len(drafts) + 2, V)
+    out = c.mask_window(logits, drafts + [ids(tok, "x")[0]])
+    for i in range(len(drafts)):  # (each row as plain steps would mask it)
+        assert torch.equal(out[i], ref.mask(logits[i]))
+        ref.advance(drafts[i])
+    assert torch.equal(out[len(drafts):], logits[len(drafts):])  # past the EOS
+    refused = int(torch.isinf(out[1]).nonzero()[0])  # (a draft the grammar refuses there)
+    bad = c.mask_window(logits[:3], [text[-2], refused])
+    assert torch.equal(bad[1], out[1]) and torch.equal(bad[2], logits[2])
+    for t in drafts:  # (the window left the state where it was)
+        c.advance(t)
+    c.advance(ids(tok, "anything")[0])  # (after the EOS: ignored)
+
+
 def test_a_constraint_after_a_token_leaves_the_reasoning_free(grammars, tok):
     end = tok.token_to_id("</think>")
     c = grammars.constraint(grammar(regex_answer("[a-z]{3}-[0-9]{2}")), after=[{end}])

@@ -7,11 +7,12 @@ EOS token allowed once the text is complete, and alone once nothing can follow).
 then picks among those only, so the answer parses whatever the weights say; the reported
 logprobs stay those of the model's own distribution (sampling.Logprobs).
 
-A constraint can start after a token (`after`, e.g. `</think>`): the reasoning before it is free
-text, the answer after it is held to the grammar. Its mask is computed on the host when the
-pick asks for it — after the step's forward is launched, so it overlaps the GPU's work — and a
-constrained generation picks each token on the host before the next step runs (no run-ahead,
-no DSpark windows: Session.generate).
+A constraint can start after trigger tokens (`after`, e.g. `</think>`): the reasoning before
+is free text, the answer after is held to the grammar. Its mask is computed on the host when
+the pick asks for it — after the step's forward is launched, so it overlaps the GPU's work — and
+a constrained generation picks each token on the host before the next step runs (no run-ahead).
+A DSpark verify window masks each row as the grammar stands after the drafts before it
+(`mask_window`), so the window accepts exactly the tokens plain constrained steps would pick.
 """
 from __future__ import annotations
 
@@ -123,7 +124,7 @@ class Grammars:
         `after` has been picked, in order (e.g. `</think>`, then the token that opens a
         tool-call block); `prefix`: tokens of the answer the prompt already holds (a continued
         final message), consumed first — GrammarError if the grammar cannot start with them."""
-        c = Constraint(self.compile(grammar), after)
+        c = Constraint(self.compile(grammar), self.eos_ids, after)
         prefix = list(prefix)
         if prefix:
             if not c.active:
@@ -138,9 +139,11 @@ class Constraint:
     """One generation's grammar state: `mask` before a pick (or `mask_window` before a DSpark
     window's picks), `advance` with each token picked."""
 
-    def __init__(self, matcher, after: Sequence[Iterable[int]] = ()) -> None:
-        self.matcher = matcher
+    def __init__(self, matcher, eos_ids: Iterable[int],
+                 after: Sequence[Iterable[int]] = ()) -> None:
+        self.matcher, self.eos_ids = matcher, frozenset(eos_ids)
         self.waiting = [frozenset(ids) for ids in after]  # triggers still to see, in order
+        self.ended = False  # an EOS consumed: what follows (a window's rows) is no answer's
 
     @property
     def active(self) -> bool:
@@ -148,7 +151,7 @@ class Constraint:
 
     def _words(self) -> torch.Tensor | None:
         """The next token's bitmask (int32 words, on the host), None while waiting."""
-        if self.waiting:
+        if self.waiting or self.ended:
             return None
         words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)
         if not bool(words.any()):
@@ -166,28 +169,31 @@ class Constraint:
         """A verify window's logits [L+1, V] masked row by row: row i as the grammar stands
         after drafts[:i] — up to the first draft it refuses, past which no row's pick can be
         accepted (rows after it are left as they are). The state is left as it was."""
-        waiting, consumed, rows = list(self.waiting), 0, []
+        waiting, ended, consumed, rows = list(self.waiting), self.ended, 0, []
         try:
             for i in range(len(drafts) + 1):
                 rows.append(self._words())
                 if i == len(drafts):
                     break
                 d = int(drafts[i])
-                if self.waiting:
-                    if d in self.waiting[0]:
-                        self.waiting.pop(0)
+                if self.waiting or self.ended:
+                    self.advance(d)
                     continue
                 if self.matcher.validate_tokens([d]) != 1 or not self.matcher.consume_token(d):
                     break
                 consumed += 1
+                self.ended = d in self.eos_ids
         finally:
             self.matcher.rollback(consumed)
-            self.waiting = waiting
+            self.waiting, self.ended = waiting, ended
         return _masked(logits, rows)
 
     def advance(self, token: int) -> None:
         """The token picked: consumed by the grammar (or, before the constraint starts,
-        checked for the next token it waits for)."""
+        checked for the next token it waits for; after an EOS, ignored: a window's rows
+        past the end of the answer)."""
+        if self.ended:
+            return
         if self.waiting:
             if token in self.waiting[0]:
                 self.waiting.pop(0)
@@ -195,6 +201,7 @@ class Constraint:
         if not self.matcher.consume_token(token):
             raise GrammarError(f"token {token} does not continue the response format: "
                                + self.matcher.get_error())
+        self.ended = token in self.eos_ids
 
 
 def _masked(logits: torch.Tensor, rows: list[torch.Tensor | None]) -> torch.Tensor:
