@@ -158,16 +158,15 @@ def test_a_random_model_answers_in_the_schema(model, tok, grammars, temperature)
         json.loads(tok.decode(free))
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_dspark_windows_pick_what_plain_constrained_steps_pick(model, tok, grammars,
-                                                              temperature):
+def test_dspark_windows_pick_what_plain_constrained_steps_pick(model, tok, grammars):
     """DSpark windows under a constraint — drafts that are the constrained answer itself with
     one in each window made wrong (often one the grammar refuses), and the model's own
     drafts — give the plain constrained session's tokens: each row is masked as the grammar
-    stands after the drafts before it, and the grammar advances by what was accepted."""
+    stands after the drafts before it, and the grammar advances by what was accepted. (Sampled:
+    greedy picks are the same masks through argmax.)"""
     from tests.util import continuation_drafts
     prompt = ids(tok, "Weather?")
-    params = SamplingParams(temperature=temperature, seed=11)
+    params = SamplingParams(temperature=1.0, seed=11)
 
     def run(spec=None, override=None) -> list[int]:
         s = Session(model, 1024, speculative=spec, draft_override=override)
