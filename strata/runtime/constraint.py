@@ -84,7 +84,7 @@ class Grammars:
 
     `tokenizer_json`: the tokenizer.json text the model's ids come from; `vocab_size`: the
     logits' width (ids past the tokenizer's are never allowed); `eos_ids`: what ends an answer.
-    Building the tokenizer's index takes ~0.5 s (done on first use); compiled grammars are kept
+    Building the tokenizer's index takes ~0.5 s (`vocabulary`); compiled grammars are kept
     (the last `keep`), so a client sending the same schema each turn compiles it once.
     """
 
@@ -96,21 +96,24 @@ class Grammars:
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
 
-    def _vocabulary(self):
-        if self._tokenizer is None:
-            self._tokenizer = _llg().LLTokenizer(self._json, n_vocab=self.vocab_size,
-                                                 eos_token=self.eos_ids)
-        return self._tokenizer
+    def vocabulary(self):
+        """llguidance's index of the tokenizer (built once; a server builds it at start)."""
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = _llg().LLTokenizer(self._json, n_vocab=self.vocab_size,
+                                                     eos_token=self.eos_ids)
+            return self._tokenizer
 
     def compile(self, grammar: str):
         """A pristine matcher of `grammar` (a copy of the kept one); GrammarError naming what
         does not compile."""
+        vocabulary = self.vocabulary()
         with self._lock:
             matcher = self._compiled.get(grammar)
             if matcher is not None:
                 self._compiled.move_to_end(grammar)
                 return matcher.deep_copy()
-            matcher = _llg().LLMatcher(self._vocabulary(), grammar, log_level=0)
+            matcher = _llg().LLMatcher(vocabulary, grammar, log_level=0)
             if matcher.is_error():  # (e.g. JSON-schema keywords it does not implement)
                 raise GrammarError(f"cannot be enforced: {matcher.get_error()}")
             self._compiled[grammar] = matcher
