@@ -41,8 +41,9 @@ def no_script(live):
 
 
 def chat(live, **kw) -> dict:
+    """A Chat answer, seeded: the random weights' picks under a grammar end when they end."""
     r = live.post("/v1/chat/completions", dict({"model": M, "messages": ASK,
-                                                "max_tokens": 300}, **kw))
+                                                "max_tokens": 300, "seed": 0}, **kw))
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]
 
@@ -93,6 +94,7 @@ def test_a_continued_answer_must_start_the_format(live):
 
 def test_responses_text_format(live):
     r = live.post("/v1/responses", {"model": M, "input": ASK, "max_output_tokens": 100,
+                                    "temperature": 0,
                                     "reasoning": {"effort": "none"}, "text": {"format": {
                                         "type": "json_schema", "name": "w", "schema": YES_NO}}})
     assert r.status_code == 200, r.text
@@ -104,7 +106,8 @@ def test_responses_text_format(live):
 def test_anthropic_output_format(live):
     """Messages' structured output (output_config.format, or the beta's output_format): the
     text block fits the schema; a format that is no JSON schema is refused by name."""
-    base = {"model": M, "max_tokens": 100, "messages": ASK, "thinking": {"type": "disabled"}}
+    base = {"model": M, "max_tokens": 100, "messages": ASK, "thinking": {"type": "disabled"},
+            "temperature": 0}
     small = {"type": "json_schema", "schema": YES_NO}
     for body in (dict(base, output_config={"format": small}), dict(base, output_format=small)):
         r = live.post("/v1/messages", body)
@@ -145,21 +148,30 @@ def strict_fits(args: dict) -> bool:
 
 def test_strict_tools_calls_fit_their_schemas(live):
     """`strict: true`: the random weights' own call fits the tool's schema — forced (Chat
-    tool_choice required, Anthropic "any"), or after the model opens a calls block (here
-    scripted) in an answer whose text is free."""
+    tool_choice required or a named tool, which the call then names; Anthropic "any"), or
+    after the model opens a calls block (here scripted) in an answer whose text is free. (One
+    call a turn: the grammar allows any number, which random weights may not stop writing.)"""
     tool = {"type": "function", "function": {"name": "get_weather", "strict": True,
                                              "parameters": STRICT}}
-    ch = chat(live, tools=[tool], tool_choice="required", max_tokens=150, **NO_THINKING)
-    call = ch["message"]["tool_calls"][0]["function"]
-    assert call["name"] == "get_weather" and strict_fits(json.loads(call["arguments"])), ch
+    rain = {"type": "function", "function": dict(tool["function"], name="get_rain")}
+    named = {"type": "function", "function": {"name": "get_rain"}}
+    for tools, choice, name in (([tool], "required", "get_weather"),
+                                ([tool, rain], named, "get_rain")):
+        ch = chat(live, tools=tools, tool_choice=choice, max_tokens=150, seed=1,
+                  parallel_tool_calls=False, **NO_THINKING)
+        call = ch["message"]["tool_calls"][0]["function"]
+        assert call["name"] == name and strict_fits(json.loads(call["arguments"])), ch
     live.script([{"match": "", "text": "Let me look.\n\n<｜DSML｜ calls>"}])
-    ch = chat(live, tools=[tool], max_tokens=150, **NO_THINKING)
+    ch = chat(live, tools=[tool], max_tokens=150, seed=1, parallel_tool_calls=False,
+              **NO_THINKING)
     assert ch["message"]["content"] == "Let me look." and ch["finish_reason"] == "tool_calls"
     assert strict_fits(json.loads(ch["message"]["tool_calls"][0]["function"]["arguments"]))
     live.script(None)
     r = live.post("/v1/messages", {"model": M, "max_tokens": 150, "messages": ASK,
-                                   "thinking": {"type": "disabled"},
-                                   "tool_choice": {"type": "any"}, "tools": [{
+                                   "thinking": {"type": "disabled"}, "temperature": 0,
+                                   "tool_choice": {"type": "any",
+                                                   "disable_parallel_tool_use": True},
+                                   "tools": [{
                                        "name": "get_weather", "strict": True,
                                        "input_schema": STRICT}]})
     assert r.status_code == 200, r.text

@@ -245,9 +245,11 @@ class Server:
         schema, any JSON object, the regex) — or, when tools may be called instead, that or a
         tool-call block (one whose strict tools' arguments fit their schemas, when the request
         has strict tools: serve/tool_grammar.py). Without a format, strict tools alone hold the
-        calls block and leave the text before it free. The reasoning is always free (thinking
-        mode: the grammar starts after `</think>`); a continued answer (a prefix message,
-        Anthropic's prefill) must fit the format as given."""
+        calls block and leave the text before it free; a forced call (tool_choice required,
+        a named tool, Anthropic's "any" or "tool") is held to the calls block of the tools it
+        may call. The reasoning is always free (thinking mode: the grammar starts after
+        `</think>`); a continued answer (a prefix message, Anthropic's prefill) must fit the
+        format as given."""
         # (the recipe's output constraint gives the tools that may be called; Messages' format
         # is set on the conversation after it, so the format is read from the conversation)
         oc = conv.request.inference_options.output_constraint
@@ -257,9 +259,10 @@ class Server:
         strict = conv.strict_tools & {t["function"]["name"] for t in tools}
         if conv.parsing.starts_in_tool_calls or (oc is not None
                                                  and oc.kind == "tool_call_required"):
-            # (the prompt opened the calls block: the answer is calls alone)
-            return self.grammars.constraint(grammar(None, calls_grammar(tools, strict, ""))) \
-                if strict else None
+            # the prompt opened the calls block: the answer is calls alone — of the tools the
+            # choice allows (a named one: that one), whatever the strictness, so a forced call
+            # always parses
+            return self.grammars.constraint(grammar(None, calls_grammar(tools, strict, "")))
         fmt = str(c.response_format)
         if fmt == "json_schema":
             answer = json_answer(c.response_schema)
