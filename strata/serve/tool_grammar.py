@@ -1,5 +1,5 @@
-"""Strict tools: the grammar of a DSML tool-call block whose strict tools' arguments fit their
-schemas (OpenAI's `strict: true`, Anthropic's), for runtime/constraint.py.
+"""The grammar of a DSML tool-call block (for runtime/constraint.py): the calls of a request
+with strict tools (OpenAI's `strict: true`, Anthropic's) and of a forced call.
 
 The block as V4.1 writes it (and deepseek-recipe renders and parses it):
 
@@ -10,12 +10,13 @@ The block as V4.1 writes it (and deepseek-recipe renders and parses it):
     </｜DSML｜ invoke>
     </｜DSML｜ calls>
 
-A strict tool's invoke takes its schema's properties in the schema's order (the required ones
-always, the others optionally); a property that is a plain string is written raw (string="true",
-as the model writes strings: any text up to the closing tag), any other — including a string
-with a pattern, format or length — as JSON under its subschema (string="false"; the recipe
-parses it to the same value). A tool that is not strict takes any parameters, each raw text or
-any JSON. Invokes name only the request's tools.
+Invokes name only the request's tools. A strict tool's invoke takes its schema's properties in
+the schema's order (the required ones always, the others optionally): a string property either
+raw (string="true", as the model writes strings: text up to the closing tag, under the
+property's enum, pattern or lengths) or as JSON under its subschema (string="false"; the recipe
+parses either to the same value); any other property, and a string with a format or several
+keywords, as JSON under its subschema only. A tool that is not strict takes any parameters,
+each raw text or any JSON.
 """
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ from strata.runtime.constraint import GrammarError
 
 CLOSE = "</｜DSML｜ calls>"
 PARAM_END = "</｜DSML｜ parameter>"
-# a string property with nothing but these keywords is written raw (string="true")
+# the keywords of a string property that its raw form (string="true") enforces, or that do not
+# constrain it; a pattern or lengths alone are enforced raw too (`_raw_regex`)
 RAW_STRING_KEYS = {"type", "description", "title", "default", "examples", "enum", "const"}
-# (a string with a pattern or lengths is written raw under them, or as JSON)
 
 
 def _lit(text: str) -> str:
@@ -118,7 +119,7 @@ def calls_grammar(tools: list[dict], strict: set[str], lead: str) -> tuple[str, 
         rules.append(f"inv{i}: {head} {body} {tail}")
         invokes.append(f"inv{i}")
     if not invokes:
-        raise GrammarError("strict tools need at least one tool")
+        raise GrammarError("a tool-call grammar needs at least one tool")
     rules += [
         "invoke: " + " | ".join(invokes),
         f'any_param: ({_param_open(None, True)} raw_text | '
