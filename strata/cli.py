@@ -486,7 +486,8 @@ def cmd_bench_decode(args) -> int:
         raise StrataError(f"--modes {args.modes!r}: no mode named (e.g. plain,dspark,oracle)")
     results = bench_decode(model, prompt, modes, n=args.tokens, runs=args.runs,
                            warmup=args.warmup, length=args.length,
-                           progress=lambda line: print(line, file=sys.stderr, flush=True))
+                           progress=lambda line: print(line, file=sys.stderr, flush=True),
+                           tokenizer_json=tokenizer_path(_model_dir(args.model)))
     print(report(results, len(prompt)))
     split = None
     if getattr(args, "parallel", None):
@@ -631,7 +632,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(bd)
     _add_parallel_args(bd)
     bd.add_argument("--modes", default="plain,dspark,oracle",
-                    help="comma-separated: plain, dspark, oracle (drafts = plain continuation)")
+                    help="comma-separated: plain, dspark, oracle (drafts = plain continuation); "
+                         "+json: picks held to a JSON grammar; +graphs: CUDA graphs")
     bd.add_argument("--tokens", type=COUNT, default=96)
     bd.add_argument("--runs", type=COUNT, default=3)
     bd.add_argument("--warmup", type=NONNEGATIVE, default=1)

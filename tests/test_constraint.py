@@ -199,3 +199,21 @@ def test_a_regex_answer_and_a_dspark_engine(model, tok, grammars):
     assert isinstance(events[-1], Finished) and events[-1].reason == "stop"
     assert toks[-1] == model.cfg.eos_token_id
     assert re.fullmatch(r"(yes|no): [0-9]{2,4}", tok.decode(toks[:-1])), tok.decode(toks)
+
+
+def test_the_decode_bench_prices_a_grammar(model, tok, real_vocab_dir):
+    """`strata bench decode` modes with +json: each run's tokens checked against plain
+    decoding's under the same grammar (the bench raises otherwise), an answer that opens a
+    JSON object where the free run does not."""
+    from strata.bench.decode import ModeSpec, bench_decode, parse_mode
+    from strata.tokenizer import tokenizer_path
+    assert parse_mode("dspark@3+json+graphs") == ModeSpec("dspark", 3, True, True)
+    with pytest.raises(Exception, match="unknown mode"):
+        parse_mode("plain+graphs+json")
+    prompt = ids(tok, "Weather?")
+    res = bench_decode(model, prompt, ["plain", "plain+json", "oracle+json", "dspark+json"],
+                       n=12, runs=1, warmup=0, tokenizer_json=tokenizer_path(real_vocab_dir))
+    json_toks = res["plain+json"].tokens
+    assert tok.decode(json_toks).lstrip().startswith("{")
+    assert json_toks != res["plain"].tokens
+    assert res["oracle+json"].accepted > 0

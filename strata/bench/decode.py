@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from strata.errors import StrataError
+from strata.runtime.constraint import Grammars, grammar, json_answer
 from strata.runtime.sampling import SamplingParams
 from strata.runtime.session import Session
 from strata.runtime.speculative import SpecConfig, measure_costs
@@ -30,9 +31,13 @@ PROMPT = "Write a thread-safe LRU cache in Python."
 # and "oracle:X": X committed tokens per window, "oracle:pP": each draft accepted with
 # probability P; a DSpark or oracle mode + "@L": L drafts a window (else the run's --length);
 # any mode + "+graphs": its forwards replayed from CUDA graphs (runtime/graphs.py), the
-# captures' time not counted in tok/s (reported as capture_s). E.g. "oracle:p0.7@2+graphs".
+# captures' time not counted in tok/s (reported as capture_s); + "+json" (before "+graphs"):
+# every pick held to a JSON-object grammar (runtime/constraint.py: the cost of a response
+# format), its tokens checked against plain decoding's under the same grammar.
+# E.g. "oracle:p0.7@2+graphs", "dspark+json+graphs".
 MODES = ("plain", "dspark", "oracle")
 GRAPHS = "+graphs"
+JSON = "+json"
 
 
 @dataclass(frozen=True)
@@ -40,23 +45,27 @@ class ModeSpec:
     base: str            # plain, dspark, oracle, oracle:X or oracle:pP
     length: int | None   # "@L": drafts a window; None: the run's length
     graphs: bool
+    json: bool = False   # "+json": picks held to a JSON-object grammar
 
 
 def parse_mode(mode: str) -> ModeSpec:
     """A decode mode's parts (checked: a known base, a length of ≥ 0 drafts where drafts are
     made)."""
     graphs = mode.endswith(GRAPHS)
-    base, at, drafts = mode.removesuffix(GRAPHS).partition("@")
+    rest = mode.removesuffix(GRAPHS)
+    json_ = rest.endswith(JSON)
+    base, at, drafts = rest.removesuffix(JSON).partition("@")
     if base not in MODES and not base.startswith("oracle:"):
         raise StrataError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}, oracle:X, "
-                          f"oracle:pP, each alone or with @L drafts a window and {GRAPHS}")
+                          f"oracle:pP, each alone or with @L drafts a window, then {JSON} "
+                          f"and/or {GRAPHS}")
     length = None
     if at:
         if base == "plain" or not drafts.isdigit():
             raise StrataError(f"mode {mode!r}: @L is a DSpark or oracle mode's number of "
                               "drafts a window (0 or more)")
         length = int(drafts)
-    return ModeSpec(base, length, graphs)
+    return ModeSpec(base, length, graphs, json_)
 
 
 def oracle_target(mode: str, length: int) -> tuple[str, float] | None:
@@ -184,12 +193,15 @@ def make_session(model, prompt: list[int], n: int, mode: str, reference: list[in
 
 
 def _run_once(model, prompt: list[int], n: int, mode: str, reference: list[int] | None,
-              costs, length: int | None) -> tuple[list[int], float, Session]:
+              costs, length: int | None,
+              grammars: Grammars | None = None) -> tuple[list[int], float, Session]:
     ms = parse_mode(mode)
     graphs, plain = ms.graphs, ms.base == "plain"
     s = make_session(model, prompt, n, mode, reference, costs, length)
     gen = s.generate(prompt, n, SamplingParams(), stop_ids=frozenset(),
-                     mode="plain" if plain else "dspark")
+                     mode="plain" if plain else "dspark",
+                     constraint=grammars.constraint(grammar(json_answer(None)))
+                     if ms.json else None)
     out = [next(gen)]
     captured = s.graphed.capture_s if graphs else 0.0
     t0 = time.perf_counter()
@@ -204,19 +216,31 @@ def _run_once(model, prompt: list[int], n: int, mode: str, reference: list[int] 
 
 def bench_decode(model, prompt: list[int], modes: list[str], n: int = 96, runs: int = 3,
                  warmup: int = 1, length: int | None = None,
-                 progress=None, before_run=None) -> dict[str, ModeResult]:
+                 progress=None, before_run=None,
+                 tokenizer_json: Path | None = None) -> dict[str, ModeResult]:
     """Every mode's tok/s over `runs` measured runs (after `warmup`), tokens checked equal to
-    plain decoding's. `progress(text)`: called with a line per mode as soon as it is measured
-    (a run cut short by a time limit keeps what it printed). `before_run()`: called before
-    each of a mode's runs, warm-ups included (e.g. to start every run with cold caches)."""
+    plain decoding's (a +json mode's: plain decoding's under the same grammar, compiled
+    against `tokenizer_json`). `progress(text)`: called with a line per mode as soon as it is
+    measured (a run cut short by a time limit keeps what it printed). `before_run()`: called
+    before each of a mode's runs, warm-ups included (e.g. to start every run with cold
+    caches)."""
     specs = {mode: parse_mode(mode) for mode in modes}
+    grammars = None
+    if any(ms.json for ms in specs.values()):
+        if tokenizer_json is None:
+            raise StrataError(f"a {JSON} mode needs the model's tokenizer")
+        grammars = Grammars(Path(tokenizer_json).read_text(encoding="utf-8"),
+                            model.cfg.vocab_size, [model.cfg.eos_token_id])
     for mode, ms in specs.items():
         if ms.base.startswith("oracle:"):
             oracle_target(ms.base, oracle_length(model, ms.length if ms.length is not None
                                                  else length))
         if ms.base != "plain" and model.dspark is None:
             raise StrataError(f"mode {mode} needs a model with DSpark stages")
-    reference, _, _ = _run_once(model, prompt, n, "plain", None, None, None)
+    references = {False: _run_once(model, prompt, n, "plain", None, None, None)[0]}
+    if grammars is not None:
+        references[True] = _run_once(model, prompt, n, "plain" + JSON, None, None, None,
+                                     grammars)[0]
     # the adaptive length's window prices, measured the way each adaptive mode runs them
     adaptive = {ms.graphs for ms in specs.values() if ms.base == "dspark"
                 and ms.length is None and length is None}
@@ -225,11 +249,12 @@ def bench_decode(model, prompt: list[int], modes: list[str], n: int = 96, runs: 
     results = {}
     for mode in modes:
         speeds, last = [], None
+        reference = references[specs[mode].json]
         for i in range(warmup + runs):
             if before_run is not None:
                 before_run()
             toks, rate, sess = _run_once(model, prompt, n, mode, reference,
-                                         costs.get(specs[mode].graphs), length)
+                                         costs.get(specs[mode].graphs), length, grammars)
             if toks != reference:
                 first = next(j for j, (a, b) in enumerate(zip(toks, reference)) if a != b)
                 raise StrataError(f"mode {mode}: tokens differ from plain decoding at index "
@@ -285,11 +310,12 @@ def parallel_split(model, prompt: list[int], modes: list[str], n: int = 96,
     One extra run per mode with the device synchronised around each collective (so comm time
     is the collectives' own; this costs some overlap, so the tok/s here is below the measured
     runs'), counting from the first generated token (prefill excluded). In layer mode a rank's
-    comm time includes waiting for the ranks before it."""
+    comm time includes waiting for the ranks before it. (Oracle, +graphs and +json modes are
+    left out.)"""
     out = {}
     for mode in modes:
         ms = parse_mode(mode)
-        if ms.base.startswith("oracle") or ms.graphs:
+        if ms.base.startswith("oracle") or ms.graphs or ms.json:
             continue
         drafts = ms.length if ms.length is not None else length
         spec = None if ms.base == "plain" else SpecConfig(

@@ -32,6 +32,7 @@ from strata.config import ModelConfig
 from strata.engram_store import IO_THREADS
 from strata.quant.exl3 import Exl3Linear
 from strata.quant.linear import DenseLinear, Fp4Group32Linear, Fp8Block32Linear, Linear
+from strata.tokenizer import tokenizer_path
 
 # Default EXL3 bits per weight by tensor group (half-integer K needs the mul1 codebook).
 DEFAULT_BITS = {"experts.w1": 2.5, "experts.w3": 2.5, "experts.w2": 3.0, "mtp_experts": 3.0,
@@ -722,7 +723,8 @@ def run(args) -> int:
         results = bench_decode(model, prompt, modes, n=args.tokens, runs=args.runs,
                                warmup=args.warmup, length=args.length,
                                progress=lambda line: print(line, file=sys.stderr, flush=True),
-                               before_run=before_run)
+                               before_run=before_run,
+                               tokenizer_json=tokenizer_path(None))  # (V4's vocabulary)
         split = None
         if args.parallel:
             from strata.bench.decode import parallel_split
