@@ -110,6 +110,14 @@ def test_a_constraint_after_a_token_leaves_the_reasoning_free(grammars, tok):
     assert int(torch.isfinite(c.mask(logits)).sum()) < 129280 // 10
     with pytest.raises(GrammarError):
         c.advance(ids(tok, "ABC")[0])
+    # triggers in order: a tool-call block's `｜DSML｜` inside the reasoning starts nothing
+    dsml = tok.token_to_id("｜DSML｜")
+    c = grammars.constraint(grammar(regex_answer(" calls>")), after=[{end}, {dsml}])
+    for t in [dsml, end] + ids(tok, "Sure.\n\n<"):
+        c.advance(t)
+        assert not c.active
+    c.advance(dsml)
+    assert c.active
 
 
 def test_bad_grammars_and_prefixes_are_named(grammars, tok):

@@ -149,7 +149,7 @@ def strict_fits(args: dict) -> bool:
 def test_strict_tools_calls_fit_their_schemas(live):
     """`strict: true`: the random weights' own call fits the tool's schema — forced (Chat
     tool_choice required or a named tool, which the call then names; Anthropic "any"), or
-    after the model opens a calls block (here scripted) in an answer whose text is free. (One
+    after the model opens a calls block (here scripted, after free reasoning and text). (One
     call a turn: the grammar allows any number, which random weights may not stop writing.)"""
     tool = {"type": "function", "function": {"name": "get_weather", "strict": True,
                                              "parameters": STRICT}}
@@ -161,9 +161,9 @@ def test_strict_tools_calls_fit_their_schemas(live):
                   parallel_tool_calls=False, **NO_THINKING)
         call = ch["message"]["tool_calls"][0]["function"]
         assert call["name"] == name and strict_fits(json.loads(call["arguments"])), ch
-    live.script([{"match": "", "text": "Let me look.\n\n<｜DSML｜ calls>"}])
-    ch = chat(live, tools=[tool], max_tokens=150, seed=1, parallel_tool_calls=False,
-              **NO_THINKING)
+    # thinking on: the grammar starts at the `｜DSML｜` after `</think>`
+    live.script([{"match": "", "text": "Hmm.</think>Let me look.\n\n<｜DSML｜ calls>"}])
+    ch = chat(live, tools=[tool], max_tokens=150, seed=1, parallel_tool_calls=False)
     assert ch["message"]["content"] == "Let me look." and ch["finish_reason"] == "tool_calls"
     assert strict_fits(json.loads(ch["message"]["tool_calls"][0]["function"]["arguments"]))
     live.script(None)
