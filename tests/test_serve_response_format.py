@@ -1,8 +1,8 @@
 """Response formats over real HTTP: JSON schema, JSON object and regex answers decoded under the
 grammar (strata.runtime.constraint) by the real-vocabulary fixture model, whose random weights
 write no JSON unaided — Chat (streamed or not, thinking on or off, a continued prefix),
-Responses, Messages' output_config.format, and tools beside a format; bad schemas and regexes
-refused by name."""
+Responses, Messages' output_config.format, tools beside a format; strict tools' and forced
+calls' arguments fitting their schemas; bad schemas and regexes refused by name."""
 from __future__ import annotations
 
 import json
