@@ -121,6 +121,8 @@ def test_a_constraint_after_a_token_leaves_the_reasoning_free(grammars, tok):
 
 
 def test_bad_grammars_and_prefixes_are_named(grammars, tok):
+    with pytest.raises(GrammarError, match="320 logits"):  # (a model narrower than its tokenizer)
+        Grammars(tok.to_str(), 320, [1]).constraint(grammar(json_answer(None)))
     with pytest.raises(GrammarError):
         grammars.constraint(grammar(json_answer({"type": "no-such-type"})))
     with pytest.raises(GrammarError, match="regex"):

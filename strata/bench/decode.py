@@ -287,8 +287,12 @@ def report(results: dict[str, ModeResult], prompt_len: int) -> str:
              f"{'mode':<18}{'tok/s':>10}{'vs plain':>10}{'windows':>9}{'committed/win':>15}"
              f"{'accepted':>10}{'capture s':>11}"]
     base = results["plain"].median if "plain" in results else None
-    toks = next(iter(results.values())).tokens
-    lines[0] += f" (sha256 {hashlib.sha256(str(toks).encode()).hexdigest()[:12]})"
+    by_grammar = {}  # (a +json mode's tokens are those of the others under the grammar)
+    for r in results.values():
+        by_grammar.setdefault(parse_mode(r.mode).json, r.tokens)
+    lines[0] += " (sha256 " + ", ".join(
+        ("+json " if json_ else "") + hashlib.sha256(str(by_grammar[json_]).encode())
+        .hexdigest()[:12] for json_ in sorted(by_grammar)) + ")"
     for r in results.values():
         ratio = f"{r.median / base:.2f}x" if base else "-"
         cap = f"{r.capture_s:.2f}" if r.mode.endswith(GRAPHS) else "-"

@@ -100,8 +100,12 @@ class Grammars:
         """llguidance's index of the tokenizer (built once; a server builds it at start)."""
         with self._lock:
             if self._tokenizer is None:
-                self._tokenizer = _llg().LLTokenizer(self._json, n_vocab=self.vocab_size,
-                                                     eos_token=self.eos_ids)
+                try:
+                    self._tokenizer = _llg().LLTokenizer(self._json, n_vocab=self.vocab_size,
+                                                         eos_token=self.eos_ids)
+                except ValueError as e:  # (e.g. a model with fewer logits than the tokenizer)
+                    raise GrammarError(f"the tokenizer cannot serve a grammar for this "
+                                       f"model's {self.vocab_size} logits: {e}") from None
             return self._tokenizer
 
     def compile(self, grammar: str):
