@@ -215,7 +215,7 @@ def test_the_decode_bench_prices_a_grammar(model, tok, real_vocab_dir):
     """`strata bench decode` modes with +json: each run's tokens checked against plain
     decoding's under the same grammar (the bench raises otherwise), an answer that opens a
     JSON object where the free run does not."""
-    from strata.bench.decode import ModeSpec, bench_decode, parse_mode
+    from strata.bench.decode import ModeSpec, bench_decode, parse_mode, report
     from strata.tokenizer import tokenizer_path
     assert parse_mode("dspark@3+json+graphs") == ModeSpec("dspark", 3, True, True)
     with pytest.raises(Exception, match="unknown mode"):
@@ -227,3 +227,5 @@ def test_the_decode_bench_prices_a_grammar(model, tok, real_vocab_dir):
     assert tok.decode(json_toks).lstrip().startswith("{")
     assert json_toks != res["plain"].tokens
     assert res["oracle+json"].accepted > 0
+    head = report(res, len(prompt)).splitlines()[0]  # (each grammar's tokens hashed apart)
+    assert head.count("sha256") == 1 and ", +json " in head
