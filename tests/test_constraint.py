@@ -1,6 +1,7 @@
 """Constrained decoding (strata.runtime.constraint): the real-vocabulary fixture model, whose
 random weights would never write JSON on their own, answers under a grammar — and the answer
-parses and fits the schema, plain session, DSpark engine (run plain) and sampled alike."""
+parses and fits the schema, greedy and sampled; DSpark windows under a grammar pick what plain
+constrained steps pick; the decode bench prices a grammar."""
 from __future__ import annotations
 
 import json
