@@ -137,18 +137,23 @@ def test_bad_grammars_and_prefixes_are_named(grammars, tok):
 
 
 def test_tools_and_a_format_allow_a_call_block_instead(grammars, tok):
-    from strata.serve.app import TOOL_CALLS
-    g = grammar(json_answer(SCHEMA), TOOL_CALLS)
-    for text in ('{"city": "Paris", "days": 1, "sunny": true, "note": "x"}',
-                 '\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">anything</｜DSML｜ invoke>'):
+    """A response format beside tools: the answer, or a calls block of the request's tools
+    (serve/tool_grammar.py) — not free text, not a call of another tool."""
+    from strata.serve.tool_grammar import calls_grammar
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    g = grammar(json_answer(SCHEMA), calls_grammar(tools, set(), "\n\n<｜DSML｜ calls>\n"))
+    call = ('\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n<｜DSML｜ parameter name="x" '
+            'string="true">any text</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>')
+    for text in ('{"city": "Paris", "days": 1, "sunny": true, "note": "x"}', call):
         c = grammars.constraint(g)
         for t in ids(tok, text):
             c.advance(t)
         assert c.matcher.is_accepting(), text
-    c = grammars.constraint(g)
-    with pytest.raises(GrammarError):
-        for t in ids(tok, "Sure! Here it is"):
-            c.advance(t)
+    for text in ("Sure! Here it is", call.replace('"f"', '"g"')):
+        c = grammars.constraint(g)
+        with pytest.raises(GrammarError):
+            for t in ids(tok, text):
+                c.advance(t)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -52,11 +52,6 @@ from strata.tokenizer import load_tokenizer, tokenizer_path
 log = logging.getLogger("strata.serve")
 
 MODEL_NAME = "DeepSeek-V4.1-Flash"
-# A tool-call block where the answer would be (its opening — after a line break or two, V4's
-# spelling or V4.1's — and whatever follows): what a response format leaves the model free to
-# write instead of the answer when no tool is strict. (The lead is bounded: a grammar that
-# allowed any whitespace there would let a model write nothing else.)
-TOOL_CALLS = ("TOOL_CALLS", "TOOL_CALLS: /[\\n ]{0,4}<｜DSML｜ ?calls>(?s:.*)/\n")
 
 
 @dataclass(frozen=True)
@@ -243,8 +238,8 @@ class Server:
     def constraint(self, conv: Converted) -> Constraint | None:
         """The grammar the answer is held to, if any: the response format (JSON under the
         schema, any JSON object, the regex) — or, when tools may be called instead, that or a
-        tool-call block (one whose strict tools' arguments fit their schemas, when the request
-        has strict tools: serve/tool_grammar.py). Without a format, strict tools alone hold the
+        tool-call block (serve/tool_grammar.py: calls of the request's tools, a strict tool's
+        arguments fitting its schema). Without a format, strict tools alone hold the
         calls block and leave the text before it free; a forced call (tool_choice required,
         a named tool, Anthropic's "any" or "tool") is held to the calls block of the tools it
         may call. The reasoning is always free (thinking mode: the grammar starts after
@@ -281,11 +276,8 @@ class Server:
             # free text, then a calls block from its `｜DSML｜` token on
             g = grammar(None, calls_grammar(tools, strict, " calls>\n"))
             return self.grammars.constraint(g, after=thinks + [{self.dsml}])
-        other = None
-        if tools:
-            other = calls_grammar(tools, strict, "\n\n<｜DSML｜ calls>\n") if strict \
-                else TOOL_CALLS
-        g = grammar(answer, other)
+        g = grammar(answer, calls_grammar(tools, strict, "\n\n<｜DSML｜ calls>\n")
+                    if tools else None)
         if thinks:
             return self.grammars.constraint(g, after=thinks)
         prefix = conv.prefill or (c.messages[-1].content if c.messages and c.messages[-1].prefix

@@ -1,5 +1,6 @@
 """The grammar of a DSML tool-call block (for runtime/constraint.py): the calls of a request
-with strict tools (OpenAI's `strict: true`, Anthropic's) and of a forced call.
+with strict tools (OpenAI's `strict: true`, Anthropic's), of a forced call, and of tools
+offered beside a response format.
 
 The block as V4.1 writes it (and deepseek-recipe renders and parses it):
 
