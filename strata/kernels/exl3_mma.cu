@@ -159,26 +159,68 @@ __device__ __forceinline__ u32 funnel(u32 lo, u32 hi, u32 n) {
     return d;
 }
 
+// Where each of a lane's 8 states is taken from. The window's 64 bits are A:B (A = bits 32–63);
+// position 8·lane + j's state is bits [off(j), off(j) + 16). A state at a byte offset of a
+// 32-bit word is one instruction (a mask, a byte permute, or a shift right by 16), not the
+// shift and mask an arbitrary offset costs; so each state is read from a word W_b = bits b …
+// b + 31 of A:B with off − b ∈ {0, 8, 16}, the words shared between states of one residue mod 8
+// (K 2: the 8 states from A and three shifts of it — 11 integer instructions, not 16).
+__device__ constexpr int state_off(int j) { return 48 - ((j + 1) * K2) / 2; }
+
+struct Bases {
+    int b[8];
+};
+
+// W_b for each state: A (b = 32) or B (b = 0) where they serve, else a new word shifted to
+// serve the most states (b = off − 16: the states are visited from the highest offset down),
+// kept at or above bit 32 when no state reaches below it (K 2: then B is never computed)
+__device__ constexpr Bases state_bases() {
+    Bases r{};
+    int words[10] = {32, 0};
+    int n = 2;
+    const int floor_b = state_off(7) >= 32 ? 32 : 0;
+    for (int j = 0; j < 8; ++j) {
+        const int o = state_off(j);
+        int b = -1;
+        for (int i = 0; i < n && b < 0; ++i)
+            if (o - words[i] >= 0 && o - words[i] <= 16 && (o - words[i]) % 8 == 0) b = words[i];
+        for (int d = 16; d >= 0 && b < 0; d -= 8)
+            if (o - d >= floor_b) b = o - d;
+        words[n++] = r.b[j] = b;
+    }
+    return r;
+}
+
+// bits b … b + 31 of A:B (b a constant, 0 ≤ b ≤ 48; above 32, zeros shifted in)
+template <int b>
+__device__ __forceinline__ u32 window_word(u32 A, u32 B) {
+    if constexpr (b == 0) return B;
+    else if constexpr (b == 32) return A;
+    else if constexpr (b > 32) return A >> (b - 32);
+    else return funnel(B, A, 32 - b);
+}
+
+// position 8·lane + j's 16-bit state, one instruction from its word
+template <int j>
+__device__ __forceinline__ u32 state(u32 A, u32 B) {
+    constexpr int b = state_bases().b[j], p = (state_off(j) - b) / 8;
+    const u32 w = window_word<b>(A, B);
+    if constexpr (p == 0) return w & 0xFFFFu;
+    else if constexpr (p == 1) return __byte_perm(w, 0, 0x4421);
+    else return w >> 16;
+}
+
 // This lane's A fragment of one 16×16 tile of Ŵᵀ (rows = Ŵ's columns g, g + 8; columns = Ŵ's
 // rows) from the three words holding its window (the window starts o bits into w[0])
 __device__ __forceinline__ void decode_tile(const u32 (&w)[3], u32 o, u32 xc, u32 (&a)[4]) {
     const u32 A = funnel(w[1], w[0], o), B = funnel(w[2], w[1], o);  // window bits 0..63
-    const unsigned long long AB = ((unsigned long long)A << 32) | B;
-    u32 s[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {  // position 8·lane + j: the 16 bits from ⌊(j + 1)·K2 / 2⌋
-        const int n = ((j + 1) * K2) / 2;
-        // (a constant shift of the 64-bit window, not a funnel then a shift: where it is
-        // byte-aligned the compiler takes the 16 bits with one PRMT)
-        s[j] = (u32)(AB >> (48 - n)) & 0xFFFFu;
-    }
     // positions in pairs: Ŵ rows (k) 2t, 2t + 1 (bit r0) at column g; the rows + 8 (r3); both
     // at column g + 8 (c3). Fragment: a[0] (k 2t…, column g), a[1] (k 2t…, g + 8),
     // a[2] (k 2t + 8…, g), a[3] (k 2t + 8…, g + 8).
-    a[0] = codebook2(s[0], s[1], xc);
-    a[2] = codebook2(s[2], s[3], xc);
-    a[1] = codebook2(s[4], s[5], xc);
-    a[3] = codebook2(s[6], s[7], xc);
+    a[0] = codebook2(state<0>(A, B), state<1>(A, B), xc);
+    a[2] = codebook2(state<2>(A, B), state<3>(A, B), xc);
+    a[1] = codebook2(state<4>(A, B), state<5>(A, B), xc);
+    a[3] = codebook2(state<6>(A, B), state<7>(A, B), xc);
 }
 
 __device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {

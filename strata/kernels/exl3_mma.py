@@ -15,9 +15,9 @@ program's warps, each program running every split of its 128-column block and fi
 `linear_set` exl3_linear_set (a ragged set: weights of one input with their own widths,
 splits and output dtypes in one 1-D grid, found through a table of per-weight rows).
 The decode is integer work on the SM's ALU pipe (shifts, masks, byte permutes), which bounds
-it: the k-loop is written for few such instructions (the compiled loop: 387–448 per k-step at
-K = 2–4, from 598–614 in session 11; bench/results/kernels.md records what each version
-measured).
+it: the k-loop is written for few such instructions (the compiled grouped loop: 341–405 per
+k-step at K = 2–4, from 373–405 in session 34 and 598–614 in session 11;
+bench/results/kernels.md records what each version measured).
 
 Bits: identical to strata.kernels.exl3's kernels on Hopper (same split schedule, ascending
 k16 MMA chain per split — what wgmma computes — same Hadamard butterflies, no fused
