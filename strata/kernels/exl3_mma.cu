@@ -144,6 +144,18 @@ __device__ __forceinline__ u32 xor_constant() {
     return xc;
 }
 
+// the svh (and bias, BT ≥ 0) of output columns c0 … c0 + 3
+__device__ __forceinline__ void load_scales(const unsigned short* sv, const void* bias, int c0,
+                                            int n_out, float (&scale)[4], float* shift) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        scale[j] = h2f(sv[c0 + j]);
+#if BT >= 0
+        shift[j] = c0 + j < n_out ? load_bias(bias, c0 + j) : 0.f;
+#endif
+    }
+}
+
 // a zeroed accumulator of RG row groups
 __device__ __forceinline__ void zero(float (&acc)[RG][4]) {
 #pragma unroll
@@ -408,6 +420,22 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
     u32 x[RG][8][2];
     stage_w(col, step_words, k_lo, goff, sbuf[0], lane);
     commit();
+    // this lane's 4 output columns' svh (and bias) for the output step. One split and 8 warps
+    // (y' then comes from shared memory): loaded now, behind the first trellis words — a
+    // weight's scales are rarely still in L2, and loaded after the k-loop their latency was the
+    // output step's. Otherwise after the arrival count, beside the partials' loads (4 more
+    // registers through the k-loop would cost the 4-warp programs occupancy).
+    const int c0 = nb / PER_BLOCK * 128 + 4 * lane;
+    const unsigned short* const sv = svh + set * ssvh_set + (long long)e * ssvh_e;
+    float scale[4];
+#if BT >= 0
+    float shift[4];
+#else
+    float* const shift = nullptr;
+#endif
+#if NW == 8
+    load_scales(sv, bias, c0, n_out, scale, shift);
+#endif
     // x' comes from the rotate_in launched just before (a no-op without an early launch).
     // Nothing that kernel writes may be read above this line: ptxas may hoist a read-only
     // (.nc, const __restrict__) load above the wait — check the SASS (no LDG before ACQBULK).
@@ -504,22 +532,9 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
     // warp w finishes tile rows w, w + NW, … together, four splits' loads of every row in
     // flight at once (each row still sums its splits in ascending order from zero): the
     // partials come from L2, and the output step's time is their latency, round after round
-    // this lane's 4 output columns' svh (and bias), loaded before the partials: their latency
-    // passes with the partials' instead of after the output Hadamard (a weight's scales are
-    // rarely still in L2)
-    const int c0 = nb / PER_BLOCK * 128 + 4 * lane;
-    const unsigned short* const sv = svh + set * ssvh_set + (long long)e * ssvh_e;
-    float scale[4];
-#if BT >= 0
-    float shift[4];
+#if NW != 8
+    load_scales(sv, bias, c0, n_out, scale, shift);
 #endif
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        scale[j] = h2f(sv[c0 + j]);
-#if BT >= 0
-        shift[j] = c0 + j < n_out ? load_bias(bias, c0 + j) : 0.f;
-#endif
-    }
     constexpr int RPW = TR / NW;  // rows per warp
     int rq[RPW];
     float v[RPW][4];

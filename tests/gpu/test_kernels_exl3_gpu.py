@@ -345,10 +345,10 @@ def test_the_mma_kernel_gives_the_triton_kernels_bits(cuda, monkeypatch, K, code
     """strata.kernels.exl3_mma (the CUDA kernel, fragments decoded in registers, after
     rotate_in) against the Triton fused kernel, bit for bit: four shapes at 1, 6, 9 and 16
     rows — three of several splits (4 warps a program), the last of one (S = 1: 8 warps a
-    program, which finish their block from shared memory); on the first, bf16 and fp32
-    inputs, fp32 / bf16 / fp16 outputs, a bias, a trimmed output and a column slice with the
-    whole weight's split schedule (tensor parallelism); eager and replayed from a CUDA
-    graph."""
+    program, which finish their block from shared memory); on the first and the last, bf16
+    and fp32 inputs, fp32 / bf16 / fp16 outputs, a bias and a trimmed output; on the first a
+    column slice with the whole weight's split schedule (tensor parallelism); eager and
+    replayed from a CUDA graph."""
     from strata.kernels import exl3_mma
     from strata.quant.exl3 import bits_per_weight
     cases = [((5120, 2304), 70), ((2304, 5120), 71), ((1280, 4096), 72), ((256, 32768), 74)]
@@ -374,13 +374,15 @@ def test_the_mma_kernel_gives_the_triton_kernels_bits(cuda, monkeypatch, K, code
             assert why is None, why
             got, ref = both(x.bfloat16(), tr, suh, svh, codebook)
             assert torch.equal(got, ref), ((k, n), M)
-            if c or M != 6:
+            if M != 6 or c not in (0, len(cases) - 1):
                 continue
             bias = scales(n, seed + 3, cuda, scale=0.1).to(torch.bfloat16)
             for kw in (dict(out_dtype=torch.bfloat16, bias=bias, out_features=n - 100),
                        dict(out_dtype=torch.float16)):
                 got, ref = both(x, tr, suh, svh, codebook, **kw)
                 assert torch.equal(got, ref), ((k, n), M, kw.keys())
+            if c:
+                continue
             cols = slice(n // 2, n // 2 + 1024)  # a column slice, the whole weight's schedule
             tr_s = tr[:, cols.start // 16:cols.stop // 16].contiguous()
             got, ref = both(x.bfloat16(), tr_s, suh, svh[cols], codebook, sched_cols=n)
