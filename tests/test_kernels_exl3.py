@@ -365,6 +365,12 @@ def test_dot_order_guard(monkeypatch):
     X._record_dot_order((12, 0), "mma.sync kWidth 4", "exl3 fused kernel")
     with pytest.raises(RuntimeError, match="exl3 fused kernel to mma.sync kWidth 4"):
         X._record_dot_order((12, 0), "mma.sync kWidth 2", "exl3 gemm kernel")
+    # told not to use wgmma (DISABLE_MMA_V3, as Triton reads it), Hopper binds like the rest
+    monkeypatch.setattr(X, "_DOT_ORDER", {})
+    monkeypatch.setenv("DISABLE_MMA_V3", "True")
+    X._record_dot_order((9, 0), "mma.sync kWidth 2", "exl3 fused kernel")
+    with pytest.raises(RuntimeError, match="exl3 fused kernel to mma.sync kWidth 2"):
+        X._record_dot_order((9, 0), "wgmma", "exl3 gemm kernel")
 
     class Compiled:  # a compiled kernel's text as triton exposes it (asm dict)
         def __init__(self, ttgir, ptx):
@@ -372,6 +378,82 @@ def test_dot_order_guard(monkeypatch):
     assert X.dot_lowering(Compiled("", "wgmma.mma_async.sync")) == "wgmma"
     assert X.dot_lowering(Compiled("#ttg.dot_op<{opIdx = 1, kWidth = 4}>", "mma.sync")) == \
         "mma.sync kWidth 4"
+
+
+def test_dot_order_is_what_triton_compiles_for_the_gpu():
+    """dot_order compiles the fused kernel for a GPU (no GPU needed; a process without the
+    interpreter, which replaces the kernels): wgmma on Hopper, mma.sync elsewhere and on Hopper
+    under DISABLE_MMA_V3 — kWidth 2 from Triton 3.8 on, the CUDA kernel's order — and the GEMM
+    kernel in the form it takes there (Ŵ through a join) lowers the same way: the premise of
+    every EXL3 path giving the same bits on an RTX PRO 6000 (sm_120) or an RTX 4090 (sm_89)."""
+    import subprocess
+    import sys
+    import triton
+    script = """
+import sys, json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from strata.kernels import exl3 as X
+def gemm(arch):
+    sig = {n: "constexpr" if n in ("BM", "BN", "BK", "JOIN_B") else "*fp16" if n in
+           ("x_ptr", "w_ptr") else "*fp32" if n == "y_ptr" else "i32"
+           for n in X._gemm_kernel.arg_names}
+    c = triton.compile(ASTSource(fn=X._gemm_kernel, signature=sig, constexprs=dict(
+        BM=X.GEMM_BLOCK_M, BN=X.GEMM_BLOCK_N, BK=X.BLOCK_K, JOIN_B=True)),
+        target=GPUTarget("cuda", arch, 32), options=dict(num_warps=X.GEMM_NUM_WARPS,
+        num_stages=X.GEMM_NUM_STAGES))
+    return X.dot_lowering(c)
+caps = [(12, 0), (8, 9), (9, 0)]
+print(json.dumps({"dot": [X.dot_order(c) for c in caps], "gemm": [gemm(120), gemm(89)]}))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # (silences Triton 3.9's notice; options set it)
+
+    def run(**extra):
+        out = subprocess.run([sys.executable, "-c", script], env={**env, **extra},
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    got = run()
+    version = tuple(int(p) for p in triton.__version__.split(".")[:2])
+    want = "mma.sync kWidth 2" if version >= (3, 8) else "mma.sync kWidth 4"
+    assert got == {"dot": [want, want, "wgmma"], "gemm": [want, want]}, triton.__version__
+    assert run(DISABLE_MMA_V3="1")["dot"][2] == want
+
+
+def test_cuda_order_reason_asks_once_and_never_inside_a_capture(monkeypatch):
+    """The CUDA kernel's gate on a GPU (mocked: no GPU here — the capability, the lowering and
+    the probe are stand-ins; the GPU suite runs the probe): Hopper needs nothing; elsewhere
+    the order must be mma.sync kWidth 2 and the probe agree, asked once per device, and not
+    from inside a CUDA graph capture (the Triton kernels run meanwhile)."""
+    probes = []
+    capturing = [False]
+    monkeypatch.setattr(X, "_MMA_ORDER", {})
+    monkeypatch.setattr(X, "_DOT_ORDER", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: {0: (9, 0), 1: (12, 0),
+                                                                        2: (8, 9)}[i])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(X, "dot_order", lambda cap: {(12, 0): "mma.sync kWidth 2",
+                                                     (8, 9): "mma.sync kWidth 4"}[cap])
+    monkeypatch.setattr(X, "_probe_reason", lambda i: probes.append(i))
+    assert X.cuda_order_reason(0) is None and probes == []
+    capturing[0] = True
+    assert "not run inside a graph capture" in X.cuda_order_reason(1)
+    capturing[0] = False
+    assert X.cuda_order_reason(1) is None and X.cuda_order_reason(1) is None
+    assert probes == [1]
+    assert X.cuda_order_reason(2) == ("this Triton lowers the EXL3 kernels' tl.dot to mma.sync "
+                                      "kWidth 4 on sm_89 (the CUDA kernel's order is mma.sync "
+                                      "kWidth 2's)")
+    assert probes == [1]
+    monkeypatch.setattr(X, "_MMA_ORDER", {})
+    monkeypatch.setattr(X, "_probe_reason", lambda i: "bits differ")
+    assert X.cuda_order_reason(1) == "bits differ"
+    # the reason stands in front of the kernel's own checks
+    x = torch.zeros(1, 256)
+    tr = torch.zeros(16, 16, 20, dtype=torch.int16)
+    assert X._mma_why_not(x, 5, 2, 256, torch.float32, None, tr, 8) == "not on CUDA"
 
 
 def test_bench_smoke(tmp_path):

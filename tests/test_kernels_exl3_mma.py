@@ -71,7 +71,7 @@ def test_lane_windows_are_the_mma_fragments(K2, codebook):
                         assert got.view(torch.int16) == want.view(torch.int16), (tk, tn, lane, r, h)
 
 
-def test_it_declines_off_hopper_and_says_why(monkeypatch):
+def test_it_declines_and_says_why(monkeypatch):
     x = torch.zeros(6, 256)
     tr = torch.zeros(16, 16, 20, dtype=torch.int16)  # (256 × 256 at 2.5 bits)
 
@@ -96,6 +96,23 @@ def test_it_declines_off_hopper_and_says_why(monkeypatch):
                             prefill=True) == "a bias (the prefill kernel has none)"
     monkeypatch.setattr(exl3_mma, "ENABLED", False)
     assert "switched off" in why(x)
+
+
+def test_which_gpus_can_run_it():
+    """The device's part of why_not: mma.sync m16n8k16 and cp.async from sm_80; the prefill
+    kernel's shared memory against the block limit — an H200's 227 KiB holds every K, an
+    RTX PRO 6000's (sm_120) or an RTX 4090's 99 KiB up to K 3."""
+    hopper, blackwell = ((9, 0), 232448), ((12, 0), 101376)
+    assert exl3_mma.device_reason((7, 5), 65536, 5, False) == \
+        "compute capability 7.5 (mma.sync m16n8k16 and cp.async need 8.0)"
+    for K2 in range(2, 13):
+        assert exl3_mma.device_reason(*hopper, K2, True) is None
+        assert exl3_mma.device_reason(*blackwell, K2, False) is None
+    assert exl3_mma.prefill_shared(6) == 101376
+    assert exl3_mma.device_reason(*blackwell, 6, True) is None
+    assert exl3_mma.device_reason(*blackwell, 7, True) == (
+        "the prefill kernel needs 104448 bytes of shared memory a block at K 3.5; this GPU "
+        "allows 101376")
 
 
 def test_a_one_split_weight_gets_eight_warps_a_program():

@@ -39,12 +39,14 @@ program arrives last does not matter), in rotate_out, or inside the GEMM kernel.
 Within a k-step the tensor cores sum products in groups whose make-up depends on how the
 compiler lowers tl.dot — measured on the H200 (scripts/exl3_diag*.py, bench/results/kernels.md):
 mma.sync with the dot-operand kWidth 2 (Ŵ from memory) and wgmma (either operand path; B is
-read from shared memory) give identical bits, but mma.sync with kWidth 4 — what Triton picks
-for an operand assembled with tl.join, i.e. the decode — rounds differently. Hence:
+read from shared memory) give identical bits, but mma.sync with kWidth 4 — what Triton 3.6
+picks for an operand assembled with tl.join, i.e. the decode — rounds differently. Hence:
   - on Hopper every kernel here runs wgmma: BLOCK_M = 64 and GEMM_BLOCK_M = 128 with 4 warps
-    per warpgroup;
+    per warpgroup (unless DISABLE_MMA_V3 tells Triton otherwise: then as elsewhere);
   - elsewhere (mma.sync only) the GEMM joins Ŵ's column pairs before the dot (`JOIN_B`), so
-    both paths get kWidth 4 (checked by compiling for sm_80/89/120; not run on such a GPU);
+    both paths get the decode's kWidth: 4 with Triton 3.6, 2 with 3.8 and 3.9 (compiled for
+    sm_80/89/120 by tests/test_kernels_exl3.py; run on an H200 told not to use wgmma by the
+    GPU suite, not on such a GPU);
   - `_check_dot_order` reads each compiled kernel's lowering and refuses a mix on one GPU.
 So nothing depends on M, on which rows share a program, on the grid or on the path:
   - a row's output is bit-identical whatever M and whatever other rows (tokens, MoE pairs)
@@ -67,10 +69,11 @@ rotate_in began (the trellis, the expert groups), and it stores only after. Same
 
 Occupancy: each k-step's trellis words are loaded while the previous step decodes, and the
 fused / grouped kernel is capped at FUSED_MAX_REGISTERS (4 programs of 4 warps per SM: a
-~512-program decode launch in one wave). On Hopper a decode-sized call's matmul — a dense
-linear's ≤ 16 rows, a grouped call's ≤ 64 pairs in tiles of 8 — runs in CUDA C instead
-(strata.kernels.exl3_mma: each MMA lane decodes its own fragment window; the same bits,
-checked on the GPU).
+~512-program decode launch in one wave). A decode-sized call's matmul — a dense linear's
+≤ 16 rows, a grouped call's ≤ 64 pairs in tiles of 8 — runs in CUDA C instead
+(strata.kernels.exl3_mma: each MMA lane decodes its own fragment window) where its bits are
+these kernels' (`cuda_order_reason`: on Hopper, checked by the GPU suite; elsewhere where
+Triton lowers tl.dot to mma.sync kWidth 2 and a probe linear agrees on the GPU).
 
 Arrival counters (`_counters`) are one zeroed buffer per device and stream lane (the current
 stream, or strata.streams' side stream), zero again after every launch; an eager first call
@@ -81,7 +84,9 @@ Everything runs on CPU under TRITON_INTERPRET=1 (tests/test_kernels_exl3.py).
 """
 from __future__ import annotations
 
+import functools
 import math
+import os
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -608,9 +613,18 @@ def dot_lowering(compiled) -> str:
     return f"mma.sync kWidth {','.join(widths) or '?'}"
 
 
+def mma_v3_disabled() -> bool:
+    """Whether Triton is told not to use wgmma (DISABLE_MMA_V3, read as Triton reads it)."""
+    return os.environ.get("DISABLE_MMA_V3", "").lower() in ("1", "true", "on")
+
+
+def _expects_wgmma(cap: tuple[int, int]) -> bool:
+    return cap[0] == 9 and not mma_v3_disabled()
+
+
 def _record_dot_order(cap: tuple[int, int], got: str, name: str) -> None:
     """The rule of `_check_dot_order` for one kernel lowered as `got` on capability `cap`."""
-    if cap[0] == 9 and got != "wgmma":
+    if _expects_wgmma(cap) and got != "wgmma":
         raise RuntimeError(f"{name}: triton lowered tl.dot to {got} on sm_90; the EXL3 kernels "
                            "need wgmma there (BLOCK_M ≥ 64, 4 warps per warpgroup) for "
                            "bit-identical fused/GEMM/MoE results")
@@ -641,7 +655,102 @@ def _asm(t: torch.Tensor) -> bool:
 def _join_b(t: torch.Tensor) -> bool:
     """GEMM operand B through a join (the decode's kWidth) where tl.dot is mma.sync, i.e. on
     any CUDA GPU but Hopper, whose wgmma reads B from shared memory in canonical order."""
-    return t.is_cuda and not _interpreting() and torch.cuda.get_device_capability(t.device)[0] != 9
+    return t.is_cuda and not _interpreting() and not _expects_wgmma(
+        torch.cuda.get_device_capability(t.device))
+
+
+def dot_order(cap: tuple[int, int]) -> str:
+    """How this Triton lowers the EXL3 kernels' tl.dot on a GPU of capability `cap`: the fused
+    kernel compiled in its one-row decode form, not launched (Triton keeps the compile in its
+    cache). On Hopper it is wgmma by rule (`_record_dot_order` refuses anything else) unless
+    DISABLE_MMA_V3 tells Triton otherwise."""
+    return _dot_order(cap, mma_v3_disabled())
+
+
+@functools.lru_cache(maxsize=None)
+def _dot_order(cap: tuple[int, int], mma_v3_off: bool) -> str:
+    if cap[0] == 9 and not mma_v3_off:
+        return "wgmma"
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    pointers = {"x_ptr": "*fp16", "tr_ptr": "*i32", "part_ptr": "*fp32", "rows_ptr": "*fp16",
+                "texp_ptr": "*fp16", "cnt_ptr": "*i32", "svh_ptr": "*fp16",
+                "bias_ptr": "*fp32", "out_ptr": "*fp32", "inv": "fp32"}
+    constexprs = dict(K2=5, CB=CODEBOOK_IDS["mul1"], ASM=True, GROUPED=False, FUSE_OUT=True,
+                      HAS_BIAS=False, SPLIT_LOOP=False, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
+                      FR=FINISH_ROWS, PDL=False)
+    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32")
+                 for name in _fused_kernel.arg_names}
+    compiled = triton.compile(
+        ASTSource(fn=_fused_kernel, signature=signature, constexprs=constexprs),
+        target=GPUTarget("cuda", 10 * cap[0] + cap[1], 32),
+        options=dict(num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False,
+                     maxnreg=FUSED_MAX_REGISTERS))
+    return dot_lowering(compiled)
+
+
+_MMA_ORDER: dict = {}  # device index → cuda_order_reason's answer
+
+
+def cuda_order_reason(index: int) -> str | None:
+    """None where the CUDA kernel (exl3_mma) gives this GPU's Triton EXL3 kernels' bits, else
+    why not. Its products run k16 step after k16 step, each step's products in an MMA in
+    natural order: the order of wgmma (Hopper: the GPU suite's bit tests) and of mma.sync with
+    kWidth 2. Elsewhere this Triton must lower tl.dot to the latter (Triton 3.8 and 3.9 do on
+    sm_80 … sm_120; 3.6 gives kWidth 4), and a probe linear run both ways must agree bit for
+    bit on this GPU (once; not inside a CUDA graph capture, where the Triton kernels run
+    until it has been made)."""
+    known = _MMA_ORDER.get(index, ...)
+    if known is not ...:
+        return known
+    cap = torch.cuda.get_device_capability(index)
+    if _expects_wgmma(cap):
+        reason = None
+    else:
+        order = dot_order(cap)
+        _record_dot_order(cap, order, "exl3 fused kernel (dot_order)")
+        if order != "mma.sync kWidth 2":
+            reason = (f"this Triton lowers the EXL3 kernels' tl.dot to {order} on sm_{cap[0]}"
+                      f"{cap[1]} (the CUDA kernel's order is mma.sync kWidth 2's)")
+        elif torch.cuda.is_current_stream_capturing():
+            return "its probe against the Triton kernels is not run inside a graph capture"
+        else:
+            reason = _probe_reason(index)
+    _MMA_ORDER[index] = reason
+    return reason
+
+
+def _probe_reason(index: int) -> str | None:
+    """One linear (1,024 → 256 at K 2.5, MUL1; several splits) of 1 and 6 rows on the CUDA
+    kernel and on the Triton fused kernel: None where every output bit agrees."""
+    dev = torch.device("cuda", index)
+    g = torch.Generator().manual_seed(0)
+    k, n, K2 = 1024, 256, 5
+    trellis = torch.randint(-2 ** 15, 2 ** 15, (k // 16, n // 16, 8 * K2), generator=g,
+                            dtype=torch.int32).to(torch.int16).to(dev)
+    suh = (torch.randn(k, generator=g) * k ** -0.5).half().to(dev)
+    svh = (torch.randn(n, generator=g) * 0.05).half().to(dev)
+    x = torch.randn(6, k, generator=g).to(dev, torch.bfloat16)
+    per, S = split_schedule(k, n)
+    cb = CODEBOOK_IDS["mul1"]
+    for M in (1, 6):
+        why = exl3_mma.why_not(x[:M], K2, cb, n, torch.float32, None, trellis, S)
+        if why is not None:
+            return why
+        got, want = (torch.empty((M, n), dtype=torch.float32, device=dev) for _ in range(2))
+        _mma_linear(x[:M], trellis, suh, svh, cb, K2, per, S, None, got)
+        _fused(rotate_in(x[:M], suh), trellis, "mul1", svh, None, want)
+        if not torch.equal(got.view(torch.int32), want.view(torch.int32)):
+            return (f"the CUDA kernel's bits differ from the Triton kernels' on this GPU "
+                    f"(probe linear, {M} rows)")
+    return None
+
+
+def _mma_why_not(x: torch.Tensor, *args, **kwargs) -> str | None:
+    """None where the CUDA kernel runs this call (exl3_mma.why_not's arguments) with the Triton
+    kernels' bits: cuda_order_reason, then exl3_mma.why_not."""
+    return (x.is_cuda and cuda_order_reason(x.device.index)) or exl3_mma.why_not(x, *args,
+                                                                               **kwargs)
 
 
 def _words(trellis: torch.Tensor) -> torch.Tensor:
@@ -874,12 +983,8 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
         trellis = trellis if trellis.is_contiguous() else trellis.contiguous()
         cb = CODEBOOK_IDS[codebook]
         per, S = split_schedule(16 * kt, sched_cols or 16 * nt, target_programs)
-        if exl3_mma.why_not(x2, K2, cb, 16 * nt, out_dtype, bias, trellis, S) is None:  # same bits
-            part = torch.empty((S, M, 16 * nt), dtype=torch.float32, device=x.device)
-            words, cnt = _words(trellis), _counters(x.device, 16 * nt // 128)
-            xr = rotate_in(x2, suh, fragment_order=True)
-            exl3_mma.linear(xr, words, svh, cb, K2, y, part, cnt, per, bias, INV_SQRT128,
-                            early=bool(_pdl(x.device)))
+        if _mma_why_not(x2, K2, cb, 16 * nt, out_dtype, bias, trellis, S) is None:  # same bits
+            _mma_linear(x2, trellis, suh, svh, cb, K2, per, S, bias, y)
         else:
             xr = rotate_in(x2, suh)
             _fused(xr, trellis, codebook, svh, bias, y, sched_cols, after_rotate=True,
@@ -889,6 +994,19 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
                              target_programs)
         y = rotate_out(part, svh, bias, n_out, out_dtype)
     return y.reshape(*lead, n_out)
+
+
+def _mma_linear(x2: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
+                cb: int, K2: int, per: int, S: int, bias: torch.Tensor | None,
+                y: torch.Tensor) -> None:
+    """exl3_linear's fused path on the CUDA kernel into y [M, n_out] (the caller asked
+    _mma_why_not): rotate_in in fragment order, then exl3_mma.linear, launched early after it."""
+    M, n_p = x2.shape[0], 16 * trellis.shape[1]
+    part = torch.empty((S, M, n_p), dtype=torch.float32, device=x2.device)
+    words, cnt = _words(trellis), _counters(x2.device, n_p // 128)
+    xr = rotate_in(x2, suh, fragment_order=True)
+    exl3_mma.linear(xr, words, svh, cb, K2, y, part, cnt, per, bias, INV_SQRT128,
+                    early=bool(_pdl(x2.device)))
 
 
 # ------------------------------------------------------- linears of one input (ragged sets)
@@ -965,7 +1083,7 @@ def _make_set_plan(x2: torch.Tensor, weights: Sequence[SetWeight], codebook: str
         per, S = split_schedule(16 * kt, w.sched_cols or n_p, w.target_programs)
         if (wkt, wK2) != (kt, K2) or w.trellis.dim() != 3 or not w.trellis.is_contiguous() \
                 or w.suh.shape != (16 * kt,) or w.svh.shape != (n_p,) \
-                or w.out_features > n_p or not w.svh.is_contiguous() or exl3_mma.why_not(
+                or w.out_features > n_p or not w.svh.is_contiguous() or _mma_why_not(
                     x2, K2, cb, n_p, w.out_dtype, None, w.trellis, S, ragged=True) is not None:
             return None
         cols = n_p // 64  # (4 warps a program: 64 columns)
@@ -997,8 +1115,8 @@ def exl3_linear_set(x: torch.Tensor, weights: Sequence[SetWeight],
     widths and dtypes, no bias — in two launches on the CUDA decode kernel: one rotate_in
     with every weight's suh, one exl3_mma.linear_set. Each output [..., out_features] is bit
     for bit exl3_linear's for its weight (the same rotation, split schedule, k-steps and
-    output step). None where that kernel does not run the call (not Hopper, more than
-    exl3_mma.MAX_ROWS rows, a weight it cannot read…): the caller runs each linear."""
+    output step). None where that kernel does not run the call (cuda_order_reason, more
+    than exl3_mma.MAX_ROWS rows, a weight it cannot read…): the caller runs each linear."""
     _require_triton()
     lead = x.shape[:-1]
     x2 = _contig_rows(x.reshape(-1, x.shape[-1]))
@@ -1110,7 +1228,7 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     Cost: two launches (the grouped Hadamard-in for all sets and pairs, then the grouped decode
     kernel, which also finishes the output Hadamard·svh); each selected expert's tiles are
     decoded once per tile of pairs routed to it, for every set: tiles of BLOCK_M (64) on the
-    Triton kernel, on Hopper (where they apply: the same bits) of exl3_mma.MOE_TILE_M (8) on
+    Triton kernel, where they apply (_mma_why_not: the same bits) of exl3_mma.MOE_TILE_M (8) on
     the CUDA kernel up to exl3_mma.MAX_PAIRS pairs and of exl3_mma.PREFILL_TILE_M (64) on its
     prefill kernel above. Everything stays on the
     device with static shapes (group_by_expert included), so the call can be captured in a
@@ -1147,11 +1265,11 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     cb = CODEBOOK_IDS[codebook]
     sets = _stack_sets(weights)
     per, S = split_schedule(kp, n_p, target_programs)
-    mma = exl3_mma.why_not(x, K2, cb, n_p, out_dtype, None, sets.trellis, S, pairs=P,
-                           str_set=sets.str_set) is None
+    mma = _mma_why_not(x, K2, cb, n_p, out_dtype, None, sets.trellis, S, pairs=P,
+                       str_set=sets.str_set) is None
     mma_prefill = (not mma and P > exl3_mma.MAX_PAIRS
-                   and exl3_mma.why_not(x, K2, cb, n_p, out_dtype, None, sets.trellis, S,
-                                        pairs=P, str_set=sets.str_set, prefill=True) is None)
+                   and _mma_why_not(x, K2, cb, n_p, out_dtype, None, sets.trellis, S,
+                                    pairs=P, str_set=sets.str_set, prefill=True) is None)
     split_loop = P > MOE_SPLIT_LOOP_PAIRS and not mma
     block_m = (exl3_mma.MOE_TILE_M if mma else exl3_mma.PREFILL_TILE_M if mma_prefill
                else MOE_LOOP_BLOCK_M if split_loop else BLOCK_M)

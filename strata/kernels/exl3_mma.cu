@@ -27,10 +27,12 @@
 // bitstream (position p's 16-bit state ends at bit ⌊(p + 1)·K2 / 2⌋, tail-biting). One MMA per
 // tile and 8 rows: no zero rows padding a decode's few rows to the MMA's 16.
 //
-// Bits: the same as the Triton kernels of strata/kernels/exl3.py on Hopper (wgmma there; an
-// MMA chain over ascending k16 steps rounds as wgmma does, measured in session 3): each split
-// sums its k16 steps in ascending order from zero, the splits (strata's split_schedule) are
-// added in ascending order from zero, and the Hadamard steps use the same butterfly order.
+// Bits: the same as the Triton kernels of strata/kernels/exl3.py wherever their tl.dot puts
+// each k16 step's products in an MMA in natural order — wgmma on Hopper (an MMA chain over
+// ascending k16 steps rounds as wgmma does, measured in session 3), mma.sync with kWidth 2
+// elsewhere (exl3.cuda_order_reason decides): each split sums its k16 steps in ascending order
+// from zero, the splits (strata's split_schedule) are added in ascending order from zero, and
+// the Hadamard steps use the same butterfly order.
 
 #define WT (4 * K2)        // 32-bit words per tile (16·K int16)
 #define PER_BLOCK (8 / NW)  // programs per 128-column block
@@ -48,6 +50,20 @@
 #endif
 
 typedef unsigned int u32;
+
+// Programmatic dependent launch (griddepcontrol) exists from sm_90; below it no kernel is
+// launched early (strata.kernels.pdl), so there is nothing to wait for or release.
+__device__ __forceinline__ void gdc_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void gdc_release() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 
 __device__ __forceinline__ float h2f(unsigned short h) {
     float f;
@@ -439,7 +455,7 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
     // x' comes from the rotate_in launched just before (a no-op without an early launch).
     // Nothing that kernel writes may be read above this line: ptxas may hoist a read-only
     // (.nc, const __restrict__) load above the wait — check the SASS (no LDG before ACQBULK).
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+    gdc_wait();
     load_x(xq, k_lo, t, x);
     int cur = 0;
 #pragma unroll 2
@@ -476,7 +492,7 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
     asm volatile("cp.async.wait_all;" ::: "memory");  // (the last step's spare copy)
     // the next kernel may launch (it waits for this one's end before it reads or writes
     // anything: strata.kernels.pdl), its launch overlapping this program's partials and tail
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    gdc_release();
 
     // One split with one program per 128-column block (NW = 8, S = 1): the block's y' goes
     // to shared memory and the program finishes it. Otherwise this split's partial goes to
@@ -675,7 +691,7 @@ exl3_mma_prefill(const unsigned short* __restrict__ xr, const u32* __restrict__ 
     stage_w(col, step_words, 0, goff, sbuf0, lane);
     commit();
     // x' comes from the rotate_in launched just before (a no-op without an early launch)
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+    gdc_wait();
 #pragma unroll
     for (int j = 0; j < XC; ++j)
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"

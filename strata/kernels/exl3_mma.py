@@ -19,14 +19,18 @@ it: the k-loop is written for few such instructions (the compiled grouped loop: 
 k-step at K = 2–4, from 373–405 in session 34 and 598–614 in session 11;
 bench/results/kernels.md records what each version measured).
 
-Bits: identical to strata.kernels.exl3's kernels on Hopper (same split schedule, ascending
-k16 MMA chain per split — what wgmma computes — same Hadamard butterflies, no fused
-multiply-add: `--fmad=false`); GPU tests compare them, linear and grouped (the transposed
-product included: the same products summed in the same k order). Used only where that holds
-and the kernel applies (`why_not` is None): compute capability 9.0, M ≤ 16 rows (or ≤
-MAX_PAIRS grouped pairs; any number for the prefill kernel), K ≤ 6, a 128-aligned output;
-everything else stays on the Triton kernels. Compiled by torch's NVRTC wrapper
-(`torch.cuda._compile_kernel`, torch ≥ 2.8): no build step and no extra dependency.
+Bits: identical to strata.kernels.exl3's kernels where their tl.dot runs each k16 step's
+products in natural order (same split schedule, ascending k16 MMA chain per split — what
+wgmma computes, and mma.sync with kWidth 2 — same Hadamard butterflies, no fused
+multiply-add: `--fmad=false`); GPU tests compare them on Hopper, linear and grouped (the
+transposed product included: the same products summed in the same k order), and elsewhere a
+probe linear compares them once (exl3.cuda_order_reason). Used only where that holds and the
+kernel applies (`why_not` is None): compute capability ≥ 8.0 (griddepcontrol only from 9.0,
+where kernels launch early), M ≤ 16 rows (or ≤ MAX_PAIRS grouped pairs; any number for the
+prefill kernel, whose shared memory the GPU must allow a block: up to K 3 on a 99 KiB part
+such as sm_120), K ≤ 6, a 128-aligned output; everything else stays on the Triton kernels.
+Compiled by torch's NVRTC wrapper (`torch.cuda._compile_kernel`, torch ≥ 2.8): no build step
+and no extra dependency.
 """
 from __future__ import annotations
 
@@ -62,8 +66,27 @@ def _compiler():
 
 
 @functools.lru_cache(maxsize=None)
-def _hopper(index: int | None) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
+def _device_limits(index: int | None) -> tuple[tuple[int, int], int]:
+    """(compute capability, dynamic shared memory a block may opt in to, bytes)."""
+    props = torch.cuda.get_device_properties(index)
+    return (props.major, props.minor), props.shared_memory_per_block_optin
+
+
+def device_reason(cap: tuple[int, int], shared_max: int, K2: int, prefill: bool) -> str | None:
+    """Why a GPU of capability `cap` allowing `shared_max` bytes of shared memory a block cannot
+    run the kernel (the prefill one where asked) at K2, or None."""
+    if cap < (8, 0):
+        return f"compute capability {cap[0]}.{cap[1]} (mma.sync m16n8k16 and cp.async need 8.0)"
+    if prefill and prefill_shared(K2) > shared_max:
+        return (f"the prefill kernel needs {prefill_shared(K2)} bytes of shared memory a block "
+                f"at K {K2 / 2:g}; this GPU allows {shared_max}")
+    return None
+
+
+def prefill_shared(K2: int) -> int:
+    """exl3_mma_prefill's dynamic shared memory: three x' stages (TM rows × 256 B), the 8
+    warps' three trellis stages (8 tiles of 16·K2 bytes), y' (TM rows of 132 fp32)."""
+    return 3 * PREFILL_TILE_M * 256 + 8 * 3 * 8 * 16 * K2 + PREFILL_TILE_M * 132 * 4
 
 
 def fragment_order(xr: torch.Tensor) -> torch.Tensor:
@@ -83,8 +106,9 @@ def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: tor
             bias: torch.Tensor | None, trellis: torch.Tensor, S: int,
             pairs: int | None = None, str_set: int = 0, prefill: bool = False,
             ragged: bool = False) -> str | None:
-    """None where the kernel may run here with the Triton kernels' bits, else the reason it
-    may not (a failed NVRTC compile included: the Triton kernels then run). x: the input,
+    """None where the kernel can run this call here, else the reason it cannot (a failed
+    NVRTC compile included: the Triton kernels then run). Whether it gives the Triton kernels'
+    bits on this GPU is exl3.cuda_order_reason's question, asked first by exl3. x: the input,
     [M, k_in] for exl3_linear; trellis: the (contiguous) trellis it reads, whose tiles it copies
     in 16-byte chunks; S: the weight's number of splits (exl3.split_schedule); `pairs`: the
     (token, slot) pairs of an exl3_moe_linear call (grouped into tiles of MOE_TILE_M rows; x
@@ -114,8 +138,9 @@ def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: tor
     for ok, reason in checks:
         if not ok:
             return reason
-    if not _hopper(x.device.index):
-        return "not compute capability 9.0 (elsewhere the Triton kernels use mma.sync kWidth 4)"
+    reason = device_reason(*_device_limits(x.device.index), K2, prefill)
+    if reason is not None:
+        return reason
     key = (_prefill_key(K2, codebook_id, out_dtype, x.device.index) if prefill else
            _key(K2, codebook_id, out_dtype, bias,
                 MOE_TILE_M if pairs is not None else x.shape[0], pairs is not None, S,
@@ -282,14 +307,12 @@ def moe_prefill(xr: torch.Tensor, words: torch.Tensor, str_set: int, svh: torch.
         raise ValueError(f"exl3_mma.moe_prefill: tile_rows must be [n_tiles, {PREFILL_TILE_M}] "
                          "contiguous")
     key = _prefill_key(K2, codebook_id, out.dtype, xr.device.index)
-    # three x' stages (TM rows × 256 B), the 8 warps' three trellis stages (8 tiles of 16·K2
-    # bytes), y' (TM rows of 132 fp32)
-    shared = 3 * PREFILL_TILE_M * 256 + 8 * 3 * 8 * 16 * K2 + PREFILL_TILE_M * 132 * 4
     _launch(_KERNELS[key], (n_p // 128, W * n_tiles, 1), (256, 1, 1),
             [xr, words, svh, out, tile_rows, tile_expert, n_tiles,
              xr.stride(1), _L(xr.stride(0)), _L(words.stride(0)), _L(str_set),
              _L(svh.stride(0)), _L(ssvh_set), out.stride(1), _L(out.stride(0)),
-             out.shape[2], kt * 16 // 128, per_split, nt * 4 * K2, float(inv)], early, shared)
+             out.shape[2], kt * 16 // 128, per_split, nt * 4 * K2, float(inv)], early,
+            prefill_shared(K2))
     return out
 
 

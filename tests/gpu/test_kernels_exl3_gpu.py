@@ -11,6 +11,7 @@ These fail (not skip) without CUDA.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -259,6 +260,52 @@ def test_every_kernel_lowers_dot_to_wgmma_on_hopper(cuda, monkeypatch):
     cap = torch.cuda.get_device_capability(cuda)
     assert cap[0] == 9, f"this check is for Hopper (sm_90), got {cap}"
     assert X._DOT_ORDER[cap][0] == "wgmma"
+
+
+def test_the_cuda_kernels_probe_agrees_on_this_gpu(cuda):
+    """exl3._probe_reason, which elsewhere than Hopper decides whether the CUDA kernel may run
+    (exl3.cuda_order_reason), on a real GPU: its probe linear of 1 and 6 rows gives the Triton
+    fused kernel's bits on the CUDA kernel."""
+    assert X._probe_reason(torch.cuda.current_device()) is None
+
+
+_NO_WGMMA = """
+import json, torch
+from strata.kernels import exl3 as X
+from strata.kernels import exl3_mma
+dev = torch.device("cuda", 0)
+g = torch.Generator().manual_seed(90)
+tr = torch.randint(-2**15, 2**15, (64, 32, 40), generator=g, dtype=torch.int32)
+tr = tr.to(torch.int16).to(dev)
+suh = (torch.randn(1024, generator=g) / 32).half().to(dev)
+svh = (torch.randn(512, generator=g) / 20).half().to(dev)
+x = torch.randn(300, 1024, generator=g).to(dev, torch.bfloat16)
+rows = [X.exl3_linear(x[:m], tr, suh, svh, "mul1") for m in (1, 6)]  # fused: CUDA or Triton
+every = X.exl3_linear(x, tr, suh, svh, "mul1")                       # reconstruct + GEMM
+same = all(torch.equal(r, every[:r.shape[0]]) for r in rows)
+print(json.dumps({"dot_order": X.dot_order(torch.cuda.get_device_capability(0)),
+                  "cuda_kernel": X.cuda_order_reason(0), "same_bits": same,
+                  "lowerings": sorted({X._DOT_ORDER[c][0] for c in X._DOT_ORDER})}))
+"""
+
+
+def test_without_wgmma_every_exl3_path_gives_one_set_of_bits(cuda):
+    """What a GPU without wgmma runs (an RTX PRO 6000, an RTX 4090), on this one: Triton told
+    not to use wgmma (DISABLE_MMA_V3=1, a process of its own) lowers every EXL3 kernel to
+    mma.sync, the GEMM joins Ŵ like the decode, and the CUDA kernel runs only where the
+    lowering is its order (kWidth 2) and the probe agrees. A decode-sized call's rows (fused:
+    CUDA or Triton) equal the same rows of a 300-row call (reconstruct + GEMM), bit for bit."""
+    import subprocess
+    import sys
+    env = {**os.environ, "DISABLE_MMA_V3": "1"}
+    out = subprocess.run([sys.executable, "-c", _NO_WGMMA], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    record(test="exl3_without_wgmma", **got)
+    assert got["dot_order"].startswith("mma.sync") and got["lowerings"] == [got["dot_order"]]
+    assert (got["cuda_kernel"] is None) == (got["dot_order"] == "mma.sync kWidth 2"), got
+    assert got["same_bits"], got
 
 
 @pytest.mark.parametrize("mode", ["reference", "vendor"])
