@@ -450,6 +450,13 @@ def test_cuda_order_reason_asks_once_and_never_inside_a_capture(monkeypatch):
     monkeypatch.setattr(X, "_MMA_ORDER", {})
     monkeypatch.setattr(X, "_probe_reason", lambda i: "bits differ")
     assert X.cuda_order_reason(1) == "bits differ"
+    # a Triton that cannot compile the probe for this GPU: the Triton kernels run, no error
+
+    def fails(cap):
+        raise RuntimeError("no such target")
+    monkeypatch.setattr(X, "_MMA_ORDER", {})
+    monkeypatch.setattr(X, "dot_order", fails)
+    assert "an unknown order (RuntimeError: no such target)" in X.cuda_order_reason(1)
     # the reason stands in front of the kernel's own checks
     x = torch.zeros(1, 256)
     tr = torch.zeros(16, 16, 20, dtype=torch.int16)

@@ -707,8 +707,12 @@ def cuda_order_reason(index: int) -> str | None:
     if _expects_wgmma(cap):
         reason = None
     else:
-        order = dot_order(cap)
-        _record_dot_order(cap, order, "exl3 fused kernel (dot_order)")
+        try:
+            order = dot_order(cap)
+        except Exception as e:  # (this Triton cannot tell here: the Triton kernels run)
+            order = f"an unknown order ({type(e).__name__}: {e})".splitlines()[0][:200]
+        else:
+            _record_dot_order(cap, order, "exl3 fused kernel (dot_order)")
         if order != "mma.sync kWidth 2":
             reason = (f"this Triton lowers the EXL3 kernels' tl.dot to {order} on sm_{cap[0]}"
                       f"{cap[1]} (the CUDA kernel's order is mma.sync kWidth 2's)")
