@@ -450,6 +450,13 @@ def test_cuda_order_reason_asks_once_and_never_inside_a_capture(monkeypatch):
     monkeypatch.setattr(X, "_MMA_ORDER", {})
     monkeypatch.setattr(X, "_probe_reason", lambda i: "bits differ")
     assert X.cuda_order_reason(1) == "bits differ"
+
+    def refused(i):
+        raise RuntimeError("exl3_mma: cuLaunchKernelEx failed with CUDA error 1")
+    monkeypatch.setattr(X, "_MMA_ORDER", {})
+    monkeypatch.setattr(X, "_probe_reason", refused)
+    assert X.cuda_order_reason(1) == \
+        "its probe failed (exl3_mma: cuLaunchKernelEx failed with CUDA error 1)"
     # a Triton that cannot compile the probe for this GPU: the Triton kernels run, no error
 
     def fails(cap):

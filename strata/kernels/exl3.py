@@ -719,7 +719,10 @@ def cuda_order_reason(index: int) -> str | None:
         elif torch.cuda.is_current_stream_capturing():
             return "its probe against the Triton kernels is not run inside a graph capture"
         else:
-            reason = _probe_reason(index)
+            try:
+                reason = _probe_reason(index)
+            except RuntimeError as e:  # (a launch the driver refused: the Triton kernels run)
+                reason = f"its probe failed ({e})".splitlines()[0][:300]
     _MMA_ORDER[index] = reason
     return reason
 
