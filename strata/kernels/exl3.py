@@ -61,8 +61,8 @@ so the rotated values may differ from `strata.quant.exl3._rotate` in the last fp
 fp16 ulp after the cast, in ~1 % of elements); every CUDA forward (decode, verify, prefill,
 MoE) uses these kernels, so CUDA stays exact against itself.
 
-Early launch (`PDL`, Hopper): rotate_in lets the kernel after it start at once, and a fused
-kernel launched right after its rotate_in (`exl3_linear`, `exl3_moe_linear`) decodes each
+Early launch (`PDL`, sm_90 and later): rotate_in lets the kernel after it start at once, and a
+fused kernel launched right after its rotate_in (`exl3_linear`, `exl3_moe_linear`) decodes each
 k-step's tile before it waits (griddepcontrol) for the rotation's end, so the rotation and the
 launch overlap the decode; before its wait it reads only what was written before that
 rotate_in began (the trellis, the expert groups), and it stores only after. Same bits.

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (Hopper) for the decode step's small Triton kernels.
+"""Programmatic dependent launch (sm_90 and later) for the decode step's small Triton kernels.
 
 A decode step is ~70 kernels a layer, most of them a few microseconds long, and in a CUDA
 graph the time between one ending and the next starting (launch, block scheduling) is 15–22 %
