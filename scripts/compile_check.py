@@ -4,13 +4,17 @@ The CPU suite runs the kernels in Triton's interpreter, which accepts code the G
 rejects; a device session that finds such an error has spent minutes on it. This records each
 launch of the kernel tests (kernel, argument types, constexpr values, launch options) and
 compiles every distinct one for a target (default Hopper, sm_90) with this machine's Triton —
-which can differ from the device's version, so a pass here is a strong hint, not a proof.
+which can differ from the device's version, so a pass here is a strong hint, not a proof. Each
+launch is also compiled in the form a GPU runs it (the constexprs the interpreter is launched
+with instead: inline PTX, hardware conversions, libdevice, the indexer's tensor-core products),
+and checked against the shared memory the target lets a block have (`--arch 120`: the
+reference box's RTX PRO 6000, 99 KiB).
 
     python scripts/compile_check.py [--arch 90] [--tests "tests/test_kernels_*.py …"] [--regs]
     python scripts/compile_check.py --nvrtc …/nvidia/cuda_nvrtc/lib/libnvrtc.so.12 [--sass]
         (the CUDA C kernel; --sass: its k-loop's instruction counts)
 
-Exit status 1 when any launch fails to compile (each failure is printed).
+Exit status 1 when any launch fails to compile or does not fit (each failure is printed).
 """
 from __future__ import annotations
 
@@ -90,38 +94,79 @@ def _resources(compiled) -> str:
             if m else out.strip()[-200:])
 
 
+# Shared memory a thread block may opt into, by target (CUDA's per-architecture limits): what a
+# launch past it fails with on such a GPU ("out of resources"), whatever this machine compiles.
+SHARED_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448,
+                120: 101376}
+
+# Constexprs the interpreter is launched with but the GPU is not: each launch is also compiled
+# in the form a GPU runs. (The row kernel's tensor-core products are not here: they change its
+# tile shape too, which a recorded launch does not say.)
+_GPU_SWITCHES = ("ASM", "ON_GPU", "LIBDEVICE")
+
+
+def gpu_forms(name: str, sig: dict, consts: dict) -> list[tuple[dict, dict]]:
+    """(signature, constexprs) of what a GPU launches in place of a recorded interpreted launch
+    — the launch itself first."""
+    forms = [(sig, consts)]
+    switched = {k: True for k in _GPU_SWITCHES if consts.get(k) is False}
+    if switched:
+        forms.append((sig, {**consts, **switched}))
+    if name == "_index_scores_kernel" and consts.get("PRODUCT") == 0:
+        # (kernels/indexer.index_scores: 16-bit pairs on tensor cores; fp32 queries against
+        # bf16 keys split in three bf16 products)
+        if sig["q_ptr"] == sig["k_ptr"] and sig["q_ptr"] in ("*bf16", "*fp16"):
+            forms.append((sig, {**consts, "PRODUCT": 1}))
+        forms.append(({**sig, "q_ptr": "*fp32", "k_ptr": "*bf16"}, {**consts, "PRODUCT": 2}))
+    return forms
+
+
 def compile_all(path: str, arch: int, regs: bool = False) -> int:
-    """Compile each distinct recorded launch (no interpreter in this process); `regs`: print
-    each one's registers and shared memory."""
+    """Compile each distinct recorded launch (no interpreter in this process) in each of its
+    GPU forms; a form that fails to compile, or needs more shared memory than the target lets
+    a block have, is a failure. `regs`: print each one's registers and shared memory."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    seen, failures = set(), 0
+    seen, failures, worst = set(), 0, {}
+    limit = SHARED_LIMIT.get(arch)
     with open(path) as f:
         launches = [json.loads(line) for line in f]
     for la in launches:
-        key = json.dumps(la, sort_keys=True)
-        if key in seen:
-            continue
-        seen.add(key)
         kernel = getattr(importlib.import_module(la["module"]), la["name"])
-        consts = {k: tl.dtype(v["tl.dtype"]) if isinstance(v, dict) else v
-                  for k, v in la["constexprs"].items()}
-        forms = [(consts, la["options"])]
-        if consts.get("PDL") is False:  # (interpreted without it; the GPU launches it so)
-            forms.append(({**consts, "PDL": True}, {**la["options"], "launch_pdl": True}))
-        for c, options in forms:
-            src = ASTSource(fn=kernel, signature=la["sig"], constexprs=c)
-            try:
-                compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                                          options=options)
+        for sig, recorded in gpu_forms(la["name"], la["sig"], la["constexprs"]):
+            consts = {k: tl.dtype(v["tl.dtype"]) if isinstance(v, dict) else v
+                      for k, v in recorded.items()}
+            forms = [(consts, la["options"])]
+            if consts.get("PDL") is False:  # (interpreted without it; the GPU launches it so)
+                forms.append(({**consts, "PDL": True}, {**la["options"], "launch_pdl": True}))
+            for c, options in forms:
+                key = json.dumps([la["module"], la["name"], sig, recorded, c.get("PDL"),
+                                  options], sort_keys=True)
+                if key in seen:
+                    continue
+                seen.add(key)
+                shown = {k: v for k, v in c.items() if not isinstance(v, tl.dtype)}
+                src = ASTSource(fn=kernel, signature=sig, constexprs=c)
+                try:
+                    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                              options=options)
+                except Exception as e:  # (a compile error of any kind is what we look for)
+                    failures += 1
+                    print(f"FAILED {la['module']}.{la['name']} {shown}: {e}", flush=True)
+                    continue
+                shared = compiled.metadata.shared
+                worst[la["name"]] = max(worst.get(la["name"], 0), shared)
+                if limit is not None and shared > limit:
+                    failures += 1
+                    print(f"FAILED {la['module']}.{la['name']} {shown}: {shared} B of shared "
+                          f"memory, sm_{arch} lets a block have {limit}", flush=True)
                 if regs:
-                    shown = {k: v for k, v in c.items() if not isinstance(v, tl.dtype)}
                     print(f"{la['name']} {shown} {options}: {_resources(compiled)}", flush=True)
-            except Exception as e:  # (a compile error of any kind is what we look for)
-                failures += 1
-                print(f"FAILED {la['module']}.{la['name']} {c}: {e}", flush=True)
+    top = sorted(worst.items(), key=lambda kv: -kv[1])[:3]
+    print("most shared memory: " + ", ".join(f"{n} {b} B" for n, b in top)
+          + (f" (sm_{arch}'s limit {limit} B)" if limit else ""))
     print(f"{len(seen)} distinct launches of {len({(la['module'], la['name']) for la in launches})}"
           f" kernels compiled for sm_{arch}: {failures} failed")
     return 1 if failures else 0
