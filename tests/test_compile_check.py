@@ -1,0 +1,72 @@
+"""scripts/compile_check.py's compile side: recorded launches compiled for a GPU with no GPU,
+in the forms the GPU runs, and held to the shared memory a block may have there."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+from compile_check import SHARED_LIMIT, gpu_forms  # noqa: E402
+
+# Two launches as the recorder writes them from the CPU tests (interpreted forms): mHC's mix
+# and the indexer's scores (16-bit queries and keys: on the GPU their tensor-core product).
+_I32 = "i32"
+HC_MIX = {"module": "strata.kernels.mhc", "name": "_hc_mix_kernel",
+          "sig": {**{n: "*fp32" for n in ("x_ptr", "fn_ptr", "part_ptr")},
+                  **{n: _I32 for n in ("T", "N", "K", "sx_row", "sf_row", "sp_chunk",
+                                       "sp_row")},
+                  **{n: "constexpr" for n in ("BT", "BN", "BK", "CHUNK", "SPLIT", "PDL")}},
+          "constexprs": {"BT": 16, "BN": 32, "BK": 64, "CHUNK": 256, "SPLIT": False,
+                         "PDL": False},
+          "options": {"num_warps": 4}}
+INDEX_SCORES = {"module": "strata.kernels.indexer", "name": "_index_scores_kernel",
+                "sig": {"q_ptr": "*bf16", "k_ptr": "*bf16", "w_ptr": "*fp32", "vis_ptr": "*i64",
+                        "e_ptr": "*fp32", "o_ptr": "*fp32", "w_scale": "fp32",
+                        **{n: _I32 for n in ("T", "H", "N", "M", "D", "sqt", "sqh", "sqd",
+                                             "skn", "skd", "swt", "swh", "set_", "sot")},
+                        **{n: "constexpr" for n in ("BLOCK_T", "BLOCK_H", "BLOCK_N", "BLOCK_K",
+                                                    "PRODUCT", "GATHER")}},
+                "constexprs": {"BLOCK_T": 2, "BLOCK_H": 32, "BLOCK_N": 128, "BLOCK_K": 64,
+                               "PRODUCT": 0, "GATHER": False},
+                "options": {"num_warps": 4}}
+
+
+def test_each_launch_is_also_compiled_as_the_gpu_runs_it():
+    fused_sig = {"x_ptr": "*fp16"}
+    forms = gpu_forms("_fused_kernel", fused_sig, {"ASM": False, "BM": 64})
+    assert forms == [(fused_sig, {"ASM": False, "BM": 64}),
+                     (fused_sig, {"ASM": True, "BM": 64})]
+    assert gpu_forms("_pool_kernel", {}, {"LIBDEVICE": True}) == [({}, {"LIBDEVICE": True})]
+    sig, consts = INDEX_SCORES["sig"], INDEX_SCORES["constexprs"]
+    forms = gpu_forms("_index_scores_kernel", sig, consts)
+    assert [c["PRODUCT"] for _, c in forms] == [0, 1, 2]
+    assert forms[1][0] == sig  # (16-bit pairs: as recorded)
+    assert (forms[2][0]["q_ptr"], forms[2][0]["k_ptr"]) == ("*fp32", "*bf16")
+    assert SHARED_LIMIT[120] == SHARED_LIMIT[89] == 99 * 1024  # (the reference box; a 4090)
+
+
+def test_a_launch_past_the_targets_shared_memory_fails(tmp_path):
+    """Compiled for sm_120 in a process without the interpreter: both launches fit its 99 KiB;
+    held to 1 KiB, each form is a failure named with its bytes, and the exit status says so."""
+    path = tmp_path / "launches.jsonl"
+    path.write_text("".join(json.dumps(la) + "\n" for la in (HC_MIX, INDEX_SCORES)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # (silences Triton 3.9's notice)
+
+    def run(*extra):
+        return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "compile_check.py"),
+                               "--compile-only", str(path), "--arch", "120", *extra], env=env,
+                              capture_output=True, text=True, timeout=600)
+
+    fits = run()
+    assert fits.returncode == 0, fits.stdout[-3000:] + fits.stderr[-3000:]
+    # hc_mix with and without early launch; the scores in their three products
+    assert "5 distinct launches of 2 kernels compiled for sm_120: 0 failed" in fits.stdout
+    tight = run("--shared-limit=1024")
+    assert tight.returncode == 1
+    failed = [line for line in tight.stdout.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 5 and all("more than a block may have (1024 B)" in f for f in failed)
+    assert "5 distinct launches of 2 kernels compiled for sm_120: 5 failed" in tight.stdout
