@@ -10,27 +10,26 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from compile_check import SHARED_LIMIT, gpu_forms  # noqa: E402
 
-# Two launches as the recorder writes them from the CPU tests (interpreted forms): mHC's mix
-# and the indexer's scores (16-bit queries and keys: on the GPU their tensor-core product).
-_I32 = "i32"
-HC_MIX = {"module": "strata.kernels.mhc", "name": "_hc_mix_kernel",
-          "sig": {**{n: "*fp32" for n in ("x_ptr", "fn_ptr", "part_ptr")},
-                  **{n: _I32 for n in ("T", "N", "K", "sx_row", "sf_row", "sp_chunk",
-                                       "sp_row")},
-                  **{n: "constexpr" for n in ("BT", "BN", "BK", "CHUNK", "SPLIT", "PDL")}},
-          "constexprs": {"BT": 16, "BN": 32, "BK": 64, "CHUNK": 256, "SPLIT": False,
-                         "PDL": False},
-          "options": {"num_warps": 4}}
-INDEX_SCORES = {"module": "strata.kernels.indexer", "name": "_index_scores_kernel",
-                "sig": {"q_ptr": "*bf16", "k_ptr": "*bf16", "w_ptr": "*fp32", "vis_ptr": "*i64",
-                        "e_ptr": "*fp32", "o_ptr": "*fp32", "w_scale": "fp32",
-                        **{n: _I32 for n in ("T", "H", "N", "M", "D", "sqt", "sqh", "sqd",
-                                             "skn", "skd", "swt", "swh", "set_", "sot")},
-                        **{n: "constexpr" for n in ("BLOCK_T", "BLOCK_H", "BLOCK_N", "BLOCK_K",
-                                                    "PRODUCT", "GATHER")}},
-                "constexprs": {"BLOCK_T": 2, "BLOCK_H": 32, "BLOCK_N": 128, "BLOCK_K": 64,
-                               "PRODUCT": 0, "GATHER": False},
-                "options": {"num_warps": 4}}
+from strata.kernels import indexer, mhc  # noqa: E402
+
+
+def _launch(kernel, types: dict, constexprs: dict) -> dict:
+    """A launch as the recorder writes it from the CPU tests (interpreted form): the kernel's
+    own argument list, `types` for its pointers and floats, i32 for the other scalars."""
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in kernel.arg_names}
+    return {"module": kernel.fn.__module__, "name": kernel.fn.__name__, "sig": sig,
+            "constexprs": constexprs, "options": {"num_warps": 4}}
+
+
+# mHC's mix and the indexer's scores (16-bit queries and keys: on the GPU their tensor-core
+# product, and the split one for fp32 queries).
+HC_MIX = _launch(mhc._hc_mix_kernel, dict.fromkeys(("x_ptr", "fn_ptr", "part_ptr"), "*fp32"),
+                 {"BT": 16, "BN": 32, "BK": 64, "CHUNK": 256, "SPLIT": False, "PDL": False})
+INDEX_SCORES = _launch(
+    indexer._index_scores_kernel,
+    {"q_ptr": "*bf16", "k_ptr": "*bf16", "w_ptr": "*fp32", "vis_ptr": "*i64", "e_ptr": "*fp32",
+     "o_ptr": "*fp32", "w_scale": "fp32"},
+    {"BLOCK_T": 2, "BLOCK_H": 32, "BLOCK_N": 128, "BLOCK_K": 64, "PRODUCT": 0, "GATHER": False})
 
 
 def test_each_launch_is_also_compiled_as_the_gpu_runs_it():
