@@ -10,6 +10,7 @@ why; and the driver structures its launcher hands to cuLaunchKernelEx.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import pytest
 import torch
@@ -38,6 +39,102 @@ def lane_values(words: list[int], lane: int, K2: int) -> list[int]:
         n = ((j + 1) * K2) // 2
         out.append((AB >> (48 - n)) & 0xFFFF)
     return out
+
+
+def lane_offset(lane: int, K2: int) -> int:
+    return (4 * K2 * lane - 16) & 31
+
+
+def word_cost(b: int, K2: int) -> tuple[int, bool, bool, bool]:
+    """exl3_mma.cu's word_cost: W_b's own instruction, and whether it needs A, B, w[2]."""
+    if K2 % 8 == 0:  # STATIC_WINDOW: o = 16
+        s = 48 - b
+        return (0 if s % 32 == 0 else 1, False, False, s > 32)
+    o_max = max(lane_offset(lane, K2) for lane in range(32))
+    if b == 0:
+        return (1, False, False, True)
+    if o_max <= b <= 32:
+        return (1, False, False, False)
+    if b > 32:
+        return (1, True, False, False)
+    return (1, True, True, True)
+
+
+@functools.cache
+def state_bases(K2: int) -> tuple[list[int], int]:
+    """exl3_mma.cu's state_bases(): the word W_b each of a lane's 8 states is read from — the
+    cheapest of the 3⁸ covers — and its cost."""
+    static = K2 % 8 == 0
+    o_max = max(lane_offset(lane, K2) for lane in range(32))
+    offs = [48 - ((j + 1) * K2) // 2 for j in range(8)]
+    best, best_key = None, None
+    for code in range(3 ** 8):
+        bases = [offs[j] - 8 * (code // 3 ** j % 3) for j in range(8)]
+        if min(bases) < 0:
+            continue
+        words = list(dict.fromkeys(bases))
+        costs = [word_cost(b, K2) for b in words]
+        a, b, w2 = (any(c[i] for c in costs) for i in (1, 2, 3))
+        cost = sum(c[0] for c in costs) + (a and (static or 32 not in words)) \
+            + (b and (static or 0 not in words)) + w2
+        regs = sum(not static and 0 < w < 32 and w >= o_max for w in words)
+        if best_key is None or (cost, regs) < best_key:
+            best, best_key = bases, (cost, regs)
+    return best, best_key[0]
+
+
+def lane_states(words: list[int], lane: int, K2: int) -> list[int]:
+    """The 8 states as state<j> reads them: each from its word W_b (window_word) by a mask, a
+    byte permute (__byte_perm(w, 0, 0x4421)) or a shift by 16."""
+    WT = 4 * K2
+    b0 = 4 * lane * K2 - 16
+    w0, o = b0 >> 5, b0 & 31
+    w = [words[(w0 + i + WT) % WT] for i in range(3)]
+    A, B = funnel(w[1], w[0], o), funnel(w[2], w[1], o)
+    o_max = max(lane_offset(ln, K2) for ln in range(32))
+    out = []
+    for j, b in enumerate(state_bases(K2)[0]):
+        if K2 % 8 == 0:
+            s = 48 - b
+            word = w[s // 32] if s % 32 == 0 else funnel(w[1], w[0], s) if s < 32 else \
+                funnel(w[2], w[1], s - 32)
+        elif b == 0:
+            word = B
+        elif b >= 32:
+            word = A >> (b - 32)
+        elif b >= o_max:
+            word = funnel(w[1], w[0], o + 32 - b)
+        else:
+            word = funnel(B, A, 32 - b)
+        p = (48 - ((j + 1) * K2) // 2 - b) // 8
+        out.append(word & 0xFFFF if p == 0 else (word >> 8) & 0xFFFF if p == 1 else word >> 16)
+    return out
+
+
+# the cover's cost (words, plus A, B and w[2]'s load where needed) for K2 = 3 … 12; with every
+# word made from A and B, K2 = 5, 6, 8 cost 8, 11, 6 (A, B, w[2]'s load and 5, 8, 3 words)
+COVER_COST = {3: 7, 4: 4, 5: 6, 6: 8, 7: 11, 8: 3, 9: 11, 10: 10, 11: 8, 12: 10}
+
+
+@pytest.mark.parametrize("K2", range(3, 13))
+def test_each_state_read_from_its_shared_word_is_the_lanes_state(K2):
+    """state_bases' cover reads the same 8 states as the window's plain shifts (lane_values,
+    checked against the torch decoder below), every lane, random tiles — and where its cost
+    has no w[2] load, nothing depends on w[2]."""
+    bases, cost = state_bases(K2)
+    assert cost == COVER_COST[K2]
+    reads_w2 = any(word_cost(b, K2)[2] or word_cost(b, K2)[3] for b in bases)
+    g = torch.Generator().manual_seed(100 + K2)
+    for _ in range(4):
+        words = torch.randint(0, 2**32, (4 * K2,), generator=g, dtype=torch.int64).tolist()
+        for lane in range(32):
+            want = lane_values(words, lane, K2)
+            assert lane_states(words, lane, K2) == want, lane
+            if not reads_w2:  # the lane's third word changed: the same states
+                w2 = ((4 * lane * K2 - 16) >> 5) + 2
+                other = list(words)
+                other[w2 % (4 * K2)] ^= 0xFFFFFFFF
+                assert lane_states(other, lane, K2)[:8] == lane_states(words, lane, K2)
 
 
 # decode_tile: fragment register a[r] = codebook2(s[i], s[j]) (low half s[i], high s[j])

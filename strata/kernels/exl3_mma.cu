@@ -195,44 +195,111 @@ __device__ __forceinline__ u32 funnel(u32 lo, u32 hi, u32 n) {
 // (K 2: the 8 states from A and three shifts of it — 11 integer instructions, not 16).
 __device__ constexpr int state_off(int j) { return 48 - ((j + 1) * K2) / 2; }
 
+// The window starts o = (4·K2·lane − 16) mod 32 bits into the lane's first word, so W_b is bits
+// [o + 32 − b, o + 64 − b) of the tile's words w[0]:w[1]:w[2] (w[0] first, most significant). A
+// word is made (window_word) by one instruction from A or B (A = W_32, B = W_0, each a funnel
+// shift of two of the w), or — where that range starts in [0, 32] for every lane, i.e. b from
+// the largest lane offset O_MAX up to 32 — straight from w[0] and w[1] by one funnel shift of
+// o + 32 − b (a per-lane constant, kept in a register). With K2 a multiple of 8 every lane has
+// o = 16 (STATIC_WINDOW): the shifts are constants and W_16 is w[1] itself.
+__device__ constexpr int lane_offset(int lane) { return (4 * K2 * lane - 16) & 31; }
+
+__device__ constexpr int max_offset() {
+    int m = 0;
+    for (int lane = 0; lane < 32; ++lane) m = lane_offset(lane) > m ? lane_offset(lane) : m;
+    return m;
+}
+
+#define STATIC_WINDOW (K2 % 8 == 0)
+#define O_MAX max_offset()
+
+// what W_b takes: its own instruction (none for a whole word), and A, B, w[2]'s shared load
+struct WordCost {
+    int own;
+    bool a, b, w2;
+};
+
+__device__ constexpr WordCost word_cost(int b) {
+    if (STATIC_WINDOW) {
+        const int s = 48 - b;  // (o = 16)
+        return {s % 32 == 0 ? 0 : 1, false, false, s > 32};
+    }
+    if (b == 0) return {1, false, false, true};                 // B
+    if (b >= O_MAX && b <= 32) return {1, false, false, false};  // from w[0], w[1] (A: b = 32)
+    if (b > 32) return {1, true, false, false};                  // A shifted
+    return {1, true, true, true};                                // A and B funnelled
+}
+
 struct Bases {
     int b[8];
 };
 
-// W_b for each state: A (b = 32) or B (b = 0) where they serve, else a new word shifted to
-// serve the most states (b = off − 16: the states are visited from the highest offset down),
-// kept at or above bit 32 when no state reaches below it (K 2: then B is never computed)
+// The cheapest cover of the 8 states — of all 3⁸ choices of off, off − 8 or off − 16 for each:
+// the words made, A and B where a word needs them and is not one of them, and w[2]'s shared
+// load where anything reads it; on a tie, fewer per-lane shift registers, then the first.
+// Against the cover that made every word from A and B: K 2 the same (A and three shifts of
+// it); K 2.5 A and 5 words, not A, B and 5 words; K 3 8 words from w[0], w[1], not A, B and 8;
+// K 4 w[1] and 3 words, not A, B and 3 — and for those three K no state reads w[2], so its
+// shared load goes too (compiled k-loop, MUL1: −4, −6, −7 %).
 __device__ constexpr Bases state_bases() {
-    Bases r{};
-    int words[10] = {32, 0};
-    int n = 2;
-    const int floor_b = state_off(7) >= 32 ? 32 : 0;
-    for (int j = 0; j < 8; ++j) {
-        const int o = state_off(j);
-        int b = -1;
-        for (int i = 0; i < n && b < 0; ++i)
-            if (o - words[i] >= 0 && o - words[i] <= 16 && (o - words[i]) % 8 == 0) b = words[i];
-        for (int d = 16; d >= 0 && b < 0; d -= 8)
-            if (o - d >= floor_b) b = o - d;
-        words[n++] = r.b[j] = b;
+    Bases best{};
+    int best_cost = 1 << 30, best_regs = 0;
+    for (int code = 0; code < 6561; ++code) {
+        Bases c{};
+        bool ok = true;
+        for (int j = 0, x = code; j < 8; ++j, x /= 3) {
+            c.b[j] = state_off(j) - 8 * (x % 3);
+            ok = ok && c.b[j] >= 0;
+        }
+        if (!ok) continue;
+        int cost = 0, regs = 0;
+        bool a = false, b = false, w2 = false, has_a = false, has_b = false;
+        for (int j = 0; j < 8; ++j) {
+            bool seen = false;
+            for (int i = 0; i < j; ++i) seen = seen || c.b[i] == c.b[j];
+            if (seen) continue;
+            const WordCost wc = word_cost(c.b[j]);
+            cost += wc.own;
+            a = a || wc.a;
+            b = b || wc.b;
+            w2 = w2 || wc.w2;
+            has_a = has_a || (!STATIC_WINDOW && c.b[j] == 32);
+            has_b = has_b || (!STATIC_WINDOW && c.b[j] == 0);
+            regs += !STATIC_WINDOW && c.b[j] > 0 && c.b[j] < 32 && c.b[j] >= O_MAX;
+        }
+        cost += (a && !has_a) + (b && !has_b) + w2;
+        if (cost < best_cost || (cost == best_cost && regs < best_regs)) {
+            best = c;
+            best_cost = cost;
+            best_regs = regs;
+        }
     }
-    return r;
+    return best;
 }
 
-// bits b … b + 31 of A:B (b a constant, 0 ≤ b ≤ 48; above 32, zeros shifted in)
+constexpr Bases STATE_BASES = state_bases();  // (searched once, not per state)
+
+// W_b (b a constant; above bit 63 of A:B, zeros or the bits before the window: no state reads
+// them), as word_cost says it is made
 template <int b>
-__device__ __forceinline__ u32 window_word(u32 A, u32 B) {
-    if constexpr (b == 0) return B;
+__device__ __forceinline__ u32 window_word(const u32 (&w)[3], u32 A, u32 B, u32 o) {
+    if constexpr (STATIC_WINDOW) {
+        constexpr int s = 48 - b;
+        if constexpr (s % 32 == 0) return w[s / 32];
+        else if constexpr (s < 32) return funnel(w[1], w[0], s);
+        else return funnel(w[2], w[1], s - 32);
+    } else if constexpr (b == 0) return B;
     else if constexpr (b == 32) return A;
     else if constexpr (b > 32) return A >> (b - 32);
+    else if constexpr (b >= O_MAX) return funnel(w[1], w[0], o + (32 - b));
     else return funnel(B, A, 32 - b);
 }
 
 // position 8·lane + j's 16-bit state, one instruction from its word
 template <int j>
-__device__ __forceinline__ u32 state(u32 A, u32 B) {
-    constexpr int b = state_bases().b[j], p = (state_off(j) - b) / 8;
-    const u32 w = window_word<b>(A, B);
+__device__ __forceinline__ u32 state(const u32 (&ws)[3], u32 A, u32 B, u32 o) {
+    constexpr int b = STATE_BASES.b[j], p = (state_off(j) - b) / 8;
+    const u32 w = window_word<b>(ws, A, B, o);
     if constexpr (p == 0) return w & 0xFFFFu;
     else if constexpr (p == 1) return __byte_perm(w, 0, 0x4421);
     else return w >> 16;
@@ -241,14 +308,15 @@ __device__ __forceinline__ u32 state(u32 A, u32 B) {
 // This lane's A fragment of one 16×16 tile of Ŵᵀ (rows = Ŵ's columns g, g + 8; columns = Ŵ's
 // rows) from the three words holding its window (the window starts o bits into w[0])
 __device__ __forceinline__ void decode_tile(const u32 (&w)[3], u32 o, u32 xc, u32 (&a)[4]) {
-    const u32 A = funnel(w[1], w[0], o), B = funnel(w[2], w[1], o);  // window bits 0..63
+    // window bits 0..63 (not computed where no state's word needs them)
+    const u32 A = funnel(w[1], w[0], o), B = funnel(w[2], w[1], o);
     // positions in pairs: Ŵ rows (k) 2t, 2t + 1 (bit r0) at column g; the rows + 8 (r3); both
     // at column g + 8 (c3). Fragment: a[0] (k 2t…, column g), a[1] (k 2t…, g + 8),
     // a[2] (k 2t + 8…, g), a[3] (k 2t + 8…, g + 8).
-    a[0] = codebook2(state<0>(A, B), state<1>(A, B), xc);
-    a[2] = codebook2(state<2>(A, B), state<3>(A, B), xc);
-    a[1] = codebook2(state<4>(A, B), state<5>(A, B), xc);
-    a[3] = codebook2(state<6>(A, B), state<7>(A, B), xc);
+    a[0] = codebook2(state<0>(w, A, B, o), state<1>(w, A, B, o), xc);
+    a[2] = codebook2(state<2>(w, A, B, o), state<3>(w, A, B, o), xc);
+    a[1] = codebook2(state<4>(w, A, B, o), state<5>(w, A, B, o), xc);
+    a[3] = codebook2(state<6>(w, A, B, o), state<7>(w, A, B, o), xc);
 }
 
 __device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
