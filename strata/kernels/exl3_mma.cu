@@ -342,17 +342,25 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
     return a;
 }
 
-// this lane's chunks (lane, lane + 32, …) of k-step ks into the buffer at shared address dst
+// this lane's chunks (lane, lane + 32, …), from src, into the buffer at shared address dst
 // (the caller commits the group)
-__device__ __forceinline__ void stage_w(const u32* __restrict__ col, long long step_words,
-                                        int ks, const long long (&goff)[LANE_CHUNKS], u32 dst,
-                                        int lane) {
-    const u32* base = col + ks * step_words;
+__device__ __forceinline__ void stage_chunks(const u32* const (&src)[LANE_CHUNKS], u32 dst,
+                                             int lane) {
 #pragma unroll
     for (int c = 0; c < LANE_CHUNKS; ++c)
         if (lane + 32 * c < CHUNKS)
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-                         :: "r"(dst + 16 * (lane + 32 * c)), "l"(base + goff[c]) : "memory");
+                         :: "r"(dst + 16 * (lane + 32 * c)), "l"(src[c]) : "memory");
+}
+
+// k-step ks's chunks: at goff past the k-step's first tile
+__device__ __forceinline__ void stage_w(const u32* __restrict__ col, long long step_words,
+                                        int ks, const long long (&goff)[LANE_CHUNKS], u32 dst,
+                                        int lane) {
+    const u32* src[LANE_CHUNKS];
+#pragma unroll
+    for (int c = 0; c < LANE_CHUNKS; ++c) src[c] = col + ks * step_words + goff[c];
+    stage_chunks(src, dst, lane);
 }
 
 __device__ __forceinline__ void commit() {
@@ -389,11 +397,10 @@ __device__ __forceinline__ Window lane_window(int lane) {
 // 6-row step's x' cost 6× the L1 wavefronts of one row's.
 // (A row the tile lacks reads some valid row: an MMA's output column depends on its own B
 // column only, and such rows are never stored.)
-__device__ __forceinline__ void load_x(const unsigned short* const (&xq)[RG], int ks, int t,
-                                       u32 (&x)[RG][8][2]) {
+__device__ __forceinline__ void load_x(const unsigned short* const (&xp)[RG], u32 (&x)[RG][8][2]) {
 #pragma unroll
     for (int q = 0; q < RG; ++q) {
-        const uint4* const p = (const uint4*)(xq[q] + ks * 128 + 32 * t);
+        const uint4* const p = (const uint4*)xp[q];  // (x' row xq[q], k-step ks: + 128·ks + 32t)
 #pragma unroll
         for (int v = 0; v < 4; ++v) {
             const uint4 d = p[v];  // steps 2v, 2v + 1: (k 2t…, k 2t + 8…) each
@@ -502,7 +509,16 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
     zero(acc);
     const u32 xc = xor_constant();
     u32 x[RG][8][2];
-    stage_w(col, step_words, k_lo, goff, sbuf[0], lane);
+    // this lane's trellis chunks and x' words of the k-step being fetched, moved on a k-step at
+    // a time: one 64-bit add a pointer and k-step, where the addresses made from ks took a
+    // multiply and adds a chunk
+    const u32* wsrc[LANE_CHUNKS];
+#pragma unroll
+    for (int c = 0; c < LANE_CHUNKS; ++c) wsrc[c] = col + k_lo * step_words + goff[c];
+    const unsigned short* xp[RG];
+#pragma unroll
+    for (int q = 0; q < RG; ++q) xp[q] = xq[q] + k_lo * 128 + 32 * t;
+    stage_chunks(wsrc, sbuf[0], lane);
     commit();
     // this lane's 4 output columns' svh (and bias) for the output step. One split and 8 warps
     // (y' then comes from shared memory): loaded now, behind the first trellis words — a
@@ -524,19 +540,23 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
     // Nothing that kernel writes may be read above this line: ptxas may hoist a read-only
     // (.nc, const __restrict__) load above the wait — check the SASS (no LDG before ACQBULK).
     gdc_wait();
-    load_x(xq, k_lo, t, x);
+    load_x(xp, x);
     int cur = 0;
 #pragma unroll 2
     for (int ks = k_lo; ks < k_hi; ++ks) {
         // the next k-step's words (into the other buffer, which every lane finished reading
         // in the previous step) and x' load while this one decodes; the last step re-stages
-        // its own into the idle buffer, so there is no branch
-        const int kn = min(ks + 1, k_hi - 1);
+        // its own into the idle buffer (its sources not moved on), so there is no branch
+        const bool more = ks + 1 < k_hi;
+#pragma unroll
+        for (int c = 0; c < LANE_CHUNKS; ++c) wsrc[c] += more ? step_words : 0;
+#pragma unroll
+        for (int q = 0; q < RG; ++q) xp[q] += more ? 128 : 0;
         __syncwarp();
-        stage_w(col, step_words, kn, goff, sbuf[cur ^ 1], lane);
+        stage_chunks(wsrc, sbuf[cur ^ 1], lane);
         commit();
         u32 xn[RG][8][2];
-        load_x(xq, kn, t, xn);
+        load_x(xp, xn);
         asm volatile("cp.async.wait_group 1;" ::: "memory");  // this step's chunks (own)
         __syncwarp();                                          // … and the other lanes'
         const u32* const sw = &stage[warp][cur][0];
