@@ -404,7 +404,8 @@ __device__ __forceinline__ Window lane_window(int lane) {
 // 6-row step's x' cost 6× the L1 wavefronts of one row's.
 // (A row the tile lacks reads some valid row: an MMA's output column depends on its own B
 // column only, and such rows are never stored.)
-__device__ __forceinline__ void load_x(const unsigned short* const (&xp)[RG], u32 (&x)[RG][8][2]) {
+__device__ __forceinline__ void load_x(const unsigned short* const (&xp)[RG],
+                                       u32 (&x)[RG][8][2]) {
 #pragma unroll
     for (int q = 0; q < RG; ++q) {
         const uint4* const p = (const uint4*)xp[q];  // (x' row xq[q], k-step ks: + 128·ks + 32t)
