@@ -728,17 +728,17 @@ __device__ __forceinline__ void ldsm4(u32 addr, u32 (&b)[4]) {
                  : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "r"(addr));
 }
 
-// Grid (n_p / 128, W · n_tiles), 256 threads. Dynamic shared memory: STAGES x' stages
-// (STAGES·XS_BYTES), the warps' trellis stages (NW·STAGES·8·WT words), y' [TM][YS_STRIDE]
-// fp32 — moe_prefill's `shared`. Strides in elements of what they step through (32-bit words
-// for the trellis).
-extern "C" __global__ void __launch_bounds__(256, MINB)
-exl3_mma_prefill(const unsigned short* __restrict__ xr, const u32* __restrict__ trellis,
-                 const unsigned short* __restrict__ svh, void* __restrict__ out,
-                 const int* __restrict__ rows, const int* __restrict__ texp, int n_tiles,
-                 int sxr, long long sx_set, long long str_exp, long long str_set,
-                 long long ssvh_e, long long ssvh_set, int so, long long so_set,
-                 int n_out, int k_steps, int per_split, int row_words, double inv_d) {
+// A program's work for tiles whose valid rows fill NQ pairs of 8-row groups (a compile-time
+// count: a run-time bound inside the unrolled tiles would split them into blocks the
+// compiler cannot interleave); the kernel below picks the copy.
+template <int NQ>
+__device__ __forceinline__ void
+prefill_block(const unsigned short* __restrict__ xr, const u32* __restrict__ trellis,
+              const unsigned short* __restrict__ svh, void* __restrict__ out,
+              const int* __restrict__ rows, int n_tiles, int sxr, long long sx_set,
+              long long str_exp, long long str_set, long long ssvh_e, long long ssvh_set, int so,
+              long long so_set, int n_out, int k_steps, int per_split, int row_words,
+              double inv_d, int e, int nv) {
     extern __shared__ __align__(16) unsigned char smem[];
     const float inv = (float)inv_d;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -746,9 +746,6 @@ exl3_mma_prefill(const unsigned short* __restrict__ xr, const u32* __restrict__ 
     const int nb = blockIdx.x;
     const int tile = blockIdx.y % n_tiles;
     const long long set = blockIdx.y / n_tiles;
-    // (the groups were written before the rotate_in this launch may overlap: readable now)
-    const int e = texp[tile];
-    if (e < 0) return;  // an unused tile
     const int* const trow = rows + (long long)tile * TM;
     const u32* col = trellis + set * str_set + e * str_exp + (long long)(nb * NW + warp) * WT;
     const unsigned short* const x0 = xr + set * sx_set;
@@ -763,17 +760,18 @@ exl3_mma_prefill(const unsigned short* __restrict__ xr, const u32* __restrict__ 
     const long long step_words = 8LL * row_words;
 
     // this thread's x' chunks of a k-step: chunk c = threadIdx.x + 256j is row c / 16 (a pair's
-    // x' row; a row the tile lacks reads row 0: never stored), 16-byte column c % 16, stored at
-    // column (c % 16) ^ (row % 8)
+    // x' row; a row the tile lacks is zero-filled, nothing read: never stored), 16-byte column
+    // c % 16, stored at column (c % 16) ^ (row % 8)
     constexpr int XC = TM / 16;
     const char* xsrc[XC];
-    u32 xdst[XC];
+    u32 xdst[XC], xlen[XC];
 #pragma unroll
     for (int j = 0; j < XC; ++j) {
         const int c = threadIdx.x + 256 * j, r = c >> 4, cc = c & 15;
-        const int pr = trow[r];
+        const int pr = r < nv ? trow[r] : -1;
         xsrc[j] = (const char*)(x0 + (pr >= 0 ? (long long)pr * sxr : 0LL)) + 16 * cc;
         xdst[j] = r * 256 + ((cc ^ (r & 7)) << 4);
+        xlen[j] = pr >= 0 ? 16 : 0;
     }
     // this lane's ldmatrix row: tile row 16·qp + lrow, 16-byte column (2i + half) ^ (lrow % 8)
     const int lrow = 8 * (lane >> 4) + (lane & 7), half = (lane >> 3) & 1;
@@ -790,8 +788,8 @@ exl3_mma_prefill(const unsigned short* __restrict__ xr, const u32* __restrict__ 
     gdc_wait();
 #pragma unroll
     for (int j = 0; j < XC; ++j)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-                     :: "r"(xs + xdst[j]), "l"(xsrc[j]) : "memory");
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                     :: "r"(xs + xdst[j]), "l"(xsrc[j]), "r"(xlen[j]) : "memory");
     commit();
     bool first = true;  // the first split: y' = 0 + its chain
     int cur = 0;
@@ -801,9 +799,9 @@ exl3_mma_prefill(const unsigned short* __restrict__ xr, const u32* __restrict__ 
         stage_w(col, step_words, kn, goff, sbuf0 + nx * 32 * WT, lane);
 #pragma unroll
         for (int j = 0; j < XC; ++j)
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-                         :: "r"(xs + nx * XS_BYTES + xdst[j]), "l"(xsrc[j] + 256LL * kn)
-                         : "memory");
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                         :: "r"(xs + nx * XS_BYTES + xdst[j]), "l"(xsrc[j] + 256LL * kn),
+                            "r"(xlen[j]) : "memory");
         commit();
         asm volatile("cp.async.wait_group 1;" ::: "memory");  // this step's (own) chunks
         __syncthreads();                                       // … and every thread's
@@ -816,7 +814,7 @@ exl3_mma_prefill(const unsigned short* __restrict__ xr, const u32* __restrict__ 
             decode_tile(w, win.o, xc, a);
             const u32 xo = xb + (((2 * i + half) ^ (lane & 7)) << 4);
 #pragma unroll
-            for (int qp = 0; qp < RG / 2; ++qp) {
+            for (int qp = 0; qp < NQ; ++qp) {
                 u32 b[4];
                 ldsm4(xo + qp * 16 * 256, b);
                 mma(acc[2 * qp], a, b[0], b[1]);
@@ -826,7 +824,7 @@ exl3_mma_prefill(const unsigned short* __restrict__ xr, const u32* __restrict__ 
         if ((ks + 1) % per_split == 0 || ks + 1 == k_steps) {  // a split ends (uniform)
             // (each lane adds to its own elements only: no barrier)
 #pragma unroll
-            for (int q = 0; q < RG; ++q)
+            for (int q = 0; q < 2 * NQ; ++q)
 #pragma unroll
                 for (int j = 0; j < 2; ++j) {
                     float* y = yl + (8 * q + j) * YS_STRIDE;
@@ -862,5 +860,43 @@ exl3_mma_prefill(const unsigned short* __restrict__ xr, const u32* __restrict__ 
             if (c < n_out) store_out(out, set * so_set + (long long)pr * so + c, y);
         }
     }
+}
+
+// Grid (n_p / 128, W · n_tiles), 256 threads. Dynamic shared memory: STAGES x' stages
+// (STAGES·XS_BYTES), the warps' trellis stages (NW·STAGES·8·WT words), y' [TM][YS_STRIDE]
+// fp32 — moe_prefill's `shared`. Strides in elements of what they step through (32-bit words
+// for the trellis).
+extern "C" __global__ void __launch_bounds__(256, MINB)
+exl3_mma_prefill(const unsigned short* __restrict__ xr, const u32* __restrict__ trellis,
+                 const unsigned short* __restrict__ svh, void* __restrict__ out,
+                 const int* __restrict__ rows, const int* __restrict__ texp, int n_tiles,
+                 int sxr, long long sx_set, long long str_exp, long long str_set,
+                 long long ssvh_e, long long ssvh_set, int so, long long so_set,
+                 int n_out, int k_steps, int per_split, int row_words, double inv_d) {
+    // (the groups were written before the rotate_in this launch may overlap: readable now)
+    const int tile = blockIdx.y % n_tiles, lane = threadIdx.x & 31;
+    const int e = texp[tile];
+    if (e < 0) return;  // an unused tile
+    // The tile's valid rows are a prefix (moe_grouping fills a tile's lanes in order). An
+    // expert's last tile is often nearly empty (a 4,096-token chunk: ~64 ± 8 pairs an expert,
+    // so about half the experts have a second tile of a few pairs): only the row groups that
+    // hold a valid row are multiplied.
+    const int* const trow = rows + (long long)tile * TM;
+    int nv = 0;
+#pragma unroll
+    for (int r0 = 0; r0 < TM; r0 += 32)
+        nv += __popc(__ballot_sync(0xffffffffu, r0 + lane < TM && trow[r0 + lane] >= 0));
+    const int nq = (nv + 15) >> 4;  // (uniform)
+#define PREFILL_ARGS xr, trellis, svh, out, rows, n_tiles, sxr, sx_set, str_exp, str_set, \
+    ssvh_e, ssvh_set, so, so_set, n_out, k_steps, per_split, row_words, inv_d, e, nv
+#define AT_MOST_HALF_RG(n) ((n) < RG / 2 ? (n) : RG / 2)
+    // (copies for 1, 2, 4 and RG / 2 pairs of groups; a condition false for this RG drops
+    // its copy at compile time)
+    if (nq <= 1) prefill_block<1>(PREFILL_ARGS);
+    else if (nq <= 2 && RG / 2 > 2) prefill_block<AT_MOST_HALF_RG(2)>(PREFILL_ARGS);
+    else if (nq <= 4 && RG / 2 > 4) prefill_block<AT_MOST_HALF_RG(4)>(PREFILL_ARGS);
+    else prefill_block<RG / 2>(PREFILL_ARGS);
+#undef AT_MOST_HALF_RG
+#undef PREFILL_ARGS
 }
 #endif  // PF

@@ -502,19 +502,24 @@ def test_the_prefill_kernel_gives_the_triton_split_loops_bits(cuda, monkeypatch,
     """exl3_moe_linear above exl3_mma.MAX_PAIRS pairs on the CUDA prefill kernel (tiles of
     PREFILL_TILE_M pairs, x' staged in shared memory, each program running all splits of its
     block) against the Triton split loop, bit for bit: gate + up (two sets, one input per
-    token) and down (one input per pair), fp32 and bf16 outputs, over 5 experts with ~50–90
-    pairs each — full and partial tiles, two for one expert — and against each pair's own
+    token) and down (one input per pair), fp32 and bf16 outputs, over 5 experts with 40–90
+    pairs each — full and partial tiles, two for two experts, tiles that run each of the
+    kernel's loop copies (1, 2 and 4 pairs of 8-row groups) — and against each pair's own
     single linear."""
     from strata.kernels import exl3_mma
     E, T, k = 5, 100, 3
     sets, down = expert_sets(K, E, 190, cuda)
     g = torch.Generator().manual_seed(199)
-    # expert 0 takes slot 0 of 90 tokens (two tiles: 64 and 26 pairs), experts 1–4 the rest
-    idx = torch.stack([1 + torch.randperm(E - 1, generator=g)[:k] for _ in range(T)])
-    idx[:90, 0] = 0
+    # expert 0: slot 0 of 90 tokens (tiles of 64 and 26 pairs), expert 1: slot 0 of the
+    # other 10 and slot 1 of 60 (64 and 6), experts 2–4 the other 140 slots (~47 each)
+    rest = torch.stack([2 + torch.randperm(3, generator=g)[:2] for _ in range(T)])
+    idx = torch.empty(T, k, dtype=torch.long)
+    idx[:90, 0], idx[90:, 0], idx[:60, 1] = 0, 1, 1
+    idx[60:, 1], idx[:, 2] = rest[60:, 0], rest[:, 1]
     idx = idx.to(cuda)
     counts = torch.bincount(idx.reshape(-1), minlength=E)
-    assert int(counts.max()) > exl3_mma.PREFILL_TILE_M and T * k > exl3_mma.MAX_PAIRS
+    assert counts[:2].tolist() == [90, 70] and exl3_mma.PREFILL_TILE_M == 64
+    assert T * k > exl3_mma.MAX_PAIRS
     x = torch.randn(T, 5120, generator=g).to(cuda, torch.bfloat16)
     a = torch.randn(T, k, 2304, generator=g).to(cuda, torch.bfloat16)
 
@@ -527,7 +532,7 @@ def test_the_prefill_kernel_gives_the_triton_split_loops_bits(cuda, monkeypatch,
         got_down, ref_down = both(a, idx, down, out_dtype)
         assert torch.equal(i16(got_down[0]), i16(ref_down[0])), out_dtype
     monkeypatch.setattr(exl3_mma, "ENABLED", True)
-    for t, s in ((0, 0), (57, 1), (99, 2)):
+    for t, s in ((0, 0), (57, 1), (89, 0), (95, 0), (99, 2)):  # (89, 95: second tiles)
         e = int(idx[t, s])
         one = X.exl3_linear(x[t:t + 1], sets[1][0][e], sets[1][1][e], sets[1][2][e], codebook,
                             out_dtype=torch.bfloat16)
