@@ -174,10 +174,11 @@ def compile_all(path: str, arch: int, regs: bool = False, limit: int | None = No
 
 
 def _k_loop(cubin: str) -> tuple[list[str], int]:
-    """The k-loop of exl3_mma's compiled kernel — the backward branch whose body holds the
-    MMAs — as its opcodes and MMA count (8 MMAs per k-step and row group): the decode's
-    integer work is what bounds the kernel, so this is its cost, read from the SASS of
-    Triton's cuobjdump."""
+    """The k-loop of exl3_mma's compiled kernel — the innermost loop (a backward branch with
+    no other backward branch inside) whose body holds the most MMAs (the prefill kernel's
+    copy for full tiles) — as its opcodes and MMA count (mma.sync: 8 a k-step and row group;
+    wgmma: 8 a k-step): the decode's integer work is what bounds the kernel, so this is its
+    cost, read from the SASS of Triton's cuobjdump."""
     import re
     from triton.backends.nvidia import __file__ as nv
     sass = subprocess.run([os.path.join(os.path.dirname(nv), "bin", "cuobjdump"), "-sass",
@@ -185,14 +186,18 @@ def _k_loop(cubin: str) -> tuple[list[str], int]:
     code = [(int(m.group(1), 16), m.group(2)) for m in
             re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);",
                         sass)]
-    branches = re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+0x([0-9a-f]+)", sass)
-    for b in branches:
-        at, to = int(b.group(1), 16), int(b.group(2), 16)
+    loops = [(int(b.group(2), 16), int(b.group(1), 16)) for b in re.finditer(
+        r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+0x([0-9a-f]+)", sass)]
+    loops = [(to, at) for to, at in loops if to < at]
+    best: tuple[list[str], int] = ([], 0)
+    for to, at in loops:
+        if any(to <= t and a <= at and (t, a) != (to, at) for t, a in loops):
+            continue  # (an outer loop)
         body = [op.split(".")[0] for a, op in code if to <= a <= at]
-        n_mma = body.count("HMMA")
-        if to < at and n_mma:
-            return body, n_mma
-    return [], 0
+        n_mma = body.count("HMMA") + body.count("HGMMA")
+        if n_mma > best[1]:
+            best = (body, n_mma)
+    return best
 
 
 def compile_cuda(nvrtc: str, arch: int, sass: bool = False) -> int:
@@ -210,9 +215,9 @@ def compile_cuda(nvrtc: str, arch: int, sass: bool = False) -> int:
     ptxas = os.path.join(os.path.dirname(nv), "bin", "ptxas")
     failures = 0
     rg = exl3_mma.PREFILL_TILE_M // 8
-    for K2, CB, OT, BT, R16, G, NW, PF, RS in itertools.product(
+    for K2, CB, OT, BT, R16, G, NW, PF, RS, WG in itertools.product(
             range(4, 13), (0, 1, 2), (0, 1, 2), (-1, 0, 1, 2), (0, 1), (0, 1), (4, 8), (0, 1),
-            (0, 1)):
+            (0, 1), (0, 1)):
         if K2 % 2 and CB != 2:
             continue  # half-integer K exists with MUL1 only
         if G and (BT >= 0 or R16):
@@ -221,9 +226,12 @@ def compile_cuda(nvrtc: str, arch: int, sass: bool = False) -> int:
             continue  # the prefill kernel: grouped, 8 warps
         if RS and (G or PF or NW == 8 or OT or BT >= 0):
             continue  # ragged sets: 4 warps, no bias, output dtypes read per set
+        if WG and not PF:
+            continue  # wgmma: the prefill kernel's option
+        target = f"{arch}a" if WG else f"{arch}"  # (wgmma: the arch-specific target)
         opts = exl3_mma._options(K2, CB, OT, BT, R16, G, NW, PF, rg if PF else 0,
-                                 exl3_mma.PREFILL_MIN_BLOCKS if PF else 0, RS) \
-            + [f"--gpu-architecture=compute_{arch}"]
+                                 exl3_mma.PREFILL_MIN_BLOCKS if PF else 0, RS, WG) \
+            + [f"--gpu-architecture=compute_{target}"]
         prog = ctypes.c_void_p()
         lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"exl3_mma.cu", 0, None, None)
         rc = lib.nvrtcCompileProgram(prog, len(opts),
@@ -243,13 +251,13 @@ def compile_cuda(nvrtc: str, arch: int, sass: bool = False) -> int:
             path = os.path.join(tmp, "k.ptx")
             with open(path, "wb") as f:
                 f.write(ptx.value)
-            out = subprocess.run([ptxas, f"-arch=sm_{arch}", "-v", path, "-o",
+            out = subprocess.run([ptxas, f"-arch=sm_{target}", "-v", path, "-o",
                                   os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
             loop = ""
             if sass and out.returncode == 0 and OT == 0 and BT == -1:
                 import collections
                 body, n_mma = _k_loop(os.path.join(tmp, "k.cubin"))
-                groups = rg if PF else 2 if R16 else 1  # MMAs per tile
+                groups = 1 if WG else rg if PF else 2 if R16 else 1  # MMAs per tile
                 per = len(body) * 8 * groups / max(n_mma, 1)
                 top = collections.Counter(body).most_common(6)
                 loop = (f"; k-loop {per:.0f} instructions per k-step ("
@@ -263,7 +271,7 @@ def compile_cuda(nvrtc: str, arch: int, sass: bool = False) -> int:
             regs = [a for a, _ in info if a]
             spills = [b for _, b in info if b]
             print(f"exl3_mma K2={K2} CB={CB} OT={OT} BT={BT} R16={R16} G={G} NW={NW} PF={PF} "
-                  f"RS={RS}: "
+                  f"RS={RS}{f' WG={WG}' if PF else ''}: "
                   f"{regs[0]} registers, "
                   f"{spills[0] if spills else 0} bytes spilled{loop}", flush=True)
     print(f"exl3_mma.cu compiled for sm_{arch}: {failures} failed")

@@ -2,7 +2,8 @@
 random routing; V4.1's expert shapes at the synthetic mix: gate + up K 2.5 mul1, down K 3
 3inst): the CUDA prefill kernel (exl3_mma.moe_prefill, tiles of PREFILL_TILE_M pairs) against
 the Triton split loop (tiles of exl3.MOE_LOOP_BLOCK_M, as session 15 measured: 64 with the
-register cap), for tiles of 64–128 pairs and register bounds of 1–2 programs an SM — ms
+register cap), for tiles of 64–128 pairs and register bounds of 1–2 programs an SM, and the
+products on wgmma (session 37) — ms
 per call (CUDA events, median of 5 after a warm-up; the rotate_in and, for Triton, the
 rotate_out launches included; PROFILE=1: also each kernel's time) and whether they give the
 same bits. Session 15's prefill profile put 39 % of a chunk in these calls.
@@ -69,15 +70,21 @@ def kernels(fn) -> dict:
 
 
 results = {}
-# (name, CUDA kernels on, prefill tile, programs an SM); ONLY=substring to run a subset
+# (name, CUDA kernels on, prefill tile, programs an SM, wgmma); ONLY=substring to run a subset
 # (session 16 also measured tiles of 32 pairs with 2 and 3 programs an SM: slower than 64)
-variants = [("triton split loop", False, 64, 2), ("cuda prefill tm64 minb2", True, 64, 2),
-            ("cuda prefill tm96 minb1", True, 96, 1), ("cuda prefill tm128 minb1", True, 128, 1)]
-for name, cuda, tm, minb in variants:
+variants = [("triton split loop", False, 64, 2, False),
+            ("cuda prefill tm64 minb2", True, 64, 2, False),
+            ("cuda prefill tm64 minb2 wgmma", True, 64, 2, True),
+            ("cuda prefill tm96 minb1", True, 96, 1, False),
+            ("cuda prefill tm128 minb1", True, 128, 1, False)]
+for name, cuda, tm, minb, wg in variants:
     if os.environ.get("ONLY", "") not in name:
         continue
+    if wg and not hasattr(X.exl3_mma, "PREFILL_WGMMA"):
+        continue  # (a tree from before the wgmma variant)
     X.exl3_mma.ENABLED = cuda
     X.exl3_mma.PREFILL_TILE_M, X.exl3_mma.PREFILL_MIN_BLOCKS = tm, minb
+    X.exl3_mma.PREFILL_WGMMA = wg
     up = lambda: X.exl3_moe_linear(x, idx, [w1, w3], "mul1", I, torch.bfloat16)
     down = lambda: X.exl3_moe_linear(a, idx, [w2], "3inst", D, torch.bfloat16)
     results[name] = up() + down()
@@ -89,6 +96,7 @@ for name, cuda, tm, minb in variants:
         print("  ", out[f"{name} gate+up kernels"], flush=True)
 X.exl3_mma.ENABLED = True
 X.exl3_mma.PREFILL_TILE_M, X.exl3_mma.PREFILL_MIN_BLOCKS = 64, 2
+X.exl3_mma.PREFILL_WGMMA = False
 first = next(iter(results.values()))
 same = all(torch.equal(p, q) for r in results.values() for p, q in zip(first, r))
 out["every variant bit-identical"] = same

@@ -283,3 +283,42 @@ def test_launch_structures_match_the_driver_abi():
     C = exl3_mma._Config
     assert (C.grid.offset, C.block.offset, C.shared.offset, C.stream.offset, C.attrs.offset,
             C.n_attrs.offset, ctypes.sizeof(C)) == (0, 12, 24, 32, 40, 48, 56)
+
+
+def test_prefill_wgmma_staging_and_descriptors():
+    """exl3_mma_prefill's x' tile for wgmma (WG 1), transcribed: chunk c = tid + 256j is row
+    r = c / 16, 16-byte column cc = c % 16, stored in half cc / 8's region (TM rows of 128
+    bytes) at chunk (cc % 8) ^ (r % 8); the B descriptor of k16 step kk (x_desc_lo, x_desc).
+    Every chunk is staged once; the descriptor's fields decode to start = region + 32·(kk % 4),
+    stride 1,024, swizzle mode 1 (128 bytes), and reading it as the PTX ISA defines the 128-byte
+    swizzled K-major layout — row n, 16-byte chunk h of the step at start + 128n + 16h (8-row
+    groups a stride apart), address bits 4–6 XORed with bits 7–9 — gives row n's k values
+    16kk + 8h … + 7 (the chunk 2kk + h) for every row, k16 step and stage. (The layout's
+    definition is read from the ISA, not checked against hardware here: the GPU test does.)"""
+    TM = exl3_mma.PREFILL_TILE_M
+    XS = TM * 256
+    staged = {}
+    for tid in range(256):
+        for j in range(TM // 16):
+            c = tid + 256 * j
+            r, cc = c >> 4, c & 15
+            staged[(cc >> 3) * (TM * 128) + r * 128 + (((cc & 7) ^ (r & 7)) << 4)] = (r, cc)
+    assert sorted(staged.values()) == [(r, cc) for r in range(TM) for cc in range(16)]
+    assert max(staged) < XS
+    HI = (1024 >> 4) | (1 << 30)
+    for base in (0, 1024 * 37, 227 * 1024 - 3 * XS):  # 1,024-aligned stage bases
+        base -= base % 1024
+        for stage in range(3):
+            addr = base + stage * XS
+            lo = ((addr & 0x3FFFF) >> 4) | (1 << 16)
+            for kk in range(8):
+                desc = (HI << 32) | (lo + (((kk >> 2) * (TM * 128) + (kk & 3) * 32) >> 4))
+                start = (desc & 0x3FFF) << 4
+                assert (desc >> 32) & 0x3FFF == 1024 >> 4 and desc >> 62 == 1
+                assert (desc >> 16) & 0x3FFF == 1 and (desc >> 49) & 7 == 0
+                assert start == addr + (kk >> 2) * (TM * 128) + (kk & 3) * 32
+                for n in range(TM):
+                    for h in range(2):
+                        logical = start + (n // 8) * 1024 + (n % 8) * 128 + 16 * h
+                        physical = logical ^ (((logical >> 7) & 7) << 4)
+                        assert staged[physical - addr] == (n, 2 * kk + h)

@@ -10,7 +10,8 @@
 // OT (out: 0 fp32, 1 bf16, 2 fp16), BT (bias: -1 none, else as OT),
 // R16 (1: up to 16 rows; 0: up to 8 — one n8 group of x' rows),
 // PF (1: the prefill kernel exl3_mma_prefill below, with RG groups of 8 rows and at least MINB
-// programs an SM — its register bound; 0: exl3_mma_linear),
+// programs an SM — its register bound, its MMAs wgmma where WG is 1 (sm_90a), else mma.sync;
+// 0: exl3_mma_linear),
 // G (1: grouped — the rows of a program are a tile of (token, slot) pairs sharing one expert,
 // from strata.kernels.moe_grouping, for W weight sets at once: exl3.exl3_moe_linear),
 // RS (1: ragged sets — W weights of one input and one k_p but any widths, each on its own
@@ -720,6 +721,9 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
 #if NW != 8 || RG % 2 || RG < 2
 #error "exl3_mma_prefill: NW = 8 and an even RG"
 #endif
+#if WG && RG > 8
+#error "exl3_mma_prefill: wgmma for tiles of at most 64 rows"
+#endif
 
 // B fragments of two groups of 8 rows for one k16 step: lanes 8m … 8m + 7 address the 8 rows
 // of matrix m (group 2·qp + m / 2, k half m % 2)
@@ -727,6 +731,98 @@ __device__ __forceinline__ void ldsm4(u32 addr, u32 (&b)[4]) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "r"(addr));
 }
+
+#if WG
+// wgmma (sm_90a): the warpgroup's 4 warps multiply their decoded 16-column tiles — the same A
+// fragments as mma.sync's, rows 16·(warp % 4) … of the group's 64 — with the tile's x' rows
+// straight from shared memory, 16·NQ of them, in one asynchronous instruction. D's registers
+// are mma.sync's C fragments of each group of 8 rows in turn (acc[q]), so the chain and its
+// bits are the same: D = A·B + D over ascending k16 steps from zero.
+__device__ __forceinline__ void wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
+}
+
+// x' of a k-step as wgmma reads it: each 64-column half (k 0–63, 64–127) a region of TM rows of
+// 128 bytes, 16-byte chunk c of row r at chunk c ^ (r % 8) — the 128-byte swizzle, whose pattern
+// repeats every 8 rows (1,024 bytes, so the regions start on such a boundary). The B descriptor
+// of k16 step kk: start at its half's region + 32·(kk % 4) bytes (bits 0–13: address / 16), 8-row
+// groups 1,024 bytes apart (the stride, bits 32–45: 1,024 / 16), swizzle mode 1 (128 bytes, bits
+// 62–63); the leading offset (bits 16–29) is unused at this swizzle. The low word is made once a
+// stage (x_desc_lo) and each k16 step adds its constant: shared addresses stay below 2¹⁸ bytes,
+// so the sum never carries out of the address field.
+__device__ __forceinline__ u32 x_desc_lo(u32 stage_addr) {
+    return ((stage_addr & 0x3FFFF) >> 4) | (1u << 16);
+}
+__device__ __forceinline__ unsigned long long x_desc(u32 lo, int kk) {
+    const u32 HI = (1024u >> 4) | (1u << 30);
+    return ((unsigned long long)HI << 32) | (lo + (((kk >> 2) * (TM * 128) + (kk & 3) * 32) >> 4));
+}
+
+// acc[0 … 2·NQ − 1] += Â·x'ᵀ for one k16 step (scale-d 1: accumulate; A, B not negated, B not
+// transposed: K-major as stored)
+template <int NQ>
+__device__ __forceinline__ void wgmma(float (&c)[RG][4], const u32 (&a)[4],
+                                      unsigned long long desc) {
+    const u32 one = 1;
+    if constexpr (NQ == 1) {
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %13, 0;\n\t"
+            "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0; }"
+            : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]),
+              "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(one));
+    } else if constexpr (NQ == 2) {
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %21, 0;\n\t"
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+            "{%16, %17, %18, %19}, %20, p, 1, 1, 0; }"
+            : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]),
+              "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3]),
+              "+f"(c[2][0]), "+f"(c[2][1]), "+f"(c[2][2]), "+f"(c[2][3]),
+              "+f"(c[3][0]), "+f"(c[3][1]), "+f"(c[3][2]), "+f"(c[3][3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(one));
+    } else {
+        static_assert(NQ == 4, "wgmma: 16, 32 or 64 rows");
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %37, 0;\n\t"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+            "{%32, %33, %34, %35}, %36, p, 1, 1, 0; }"
+            : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]),
+              "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3]),
+              "+f"(c[2][0]), "+f"(c[2][1]), "+f"(c[2][2]), "+f"(c[2][3]),
+              "+f"(c[3][0]), "+f"(c[3][1]), "+f"(c[3][2]), "+f"(c[3][3]),
+              "+f"(c[4][0]), "+f"(c[4][1]), "+f"(c[4][2]), "+f"(c[4][3]),
+              "+f"(c[5][0]), "+f"(c[5][1]), "+f"(c[5][2]), "+f"(c[5][3]),
+              "+f"(c[6][0]), "+f"(c[6][1]), "+f"(c[6][2]), "+f"(c[6][3]),
+              "+f"(c[7][0]), "+f"(c[7][1]), "+f"(c[7][2]), "+f"(c[7][3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(one));
+    }
+}
+
+// Pins: the compiler sees neither wgmma's late reads of its A registers nor its late writes of
+// D. A use of the A values after the wait that covers them keeps their registers unchanged
+// until then; a redefinition of D after the wait keeps D's readers below it.
+__device__ __forceinline__ void keep(const u32 (&a)[4]) {
+    asm volatile("" :: "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]) : "memory");
+}
+template <int NQ>
+__device__ __forceinline__ void settle(float (&c)[RG][4]) {
+#pragma unroll
+    for (int q = 0; q < 2 * NQ; ++q)
+        asm volatile("" : "+f"(c[q][0]), "+f"(c[q][1]), "+f"(c[q][2]), "+f"(c[q][3]) :: "memory");
+}
+#endif
 
 // A program's work for tiles whose valid rows fill NQ pairs of 8-row groups (a compile-time
 // count: a run-time bound inside the unrolled tiles would split them into blocks the
@@ -739,7 +835,13 @@ prefill_block(const unsigned short* __restrict__ xr, const u32* __restrict__ tre
               long long str_exp, long long str_set, long long ssvh_e, long long ssvh_set, int so,
               long long so_set, int n_out, int k_steps, int per_split, int row_words,
               double inv_d, int e, int nv) {
-    extern __shared__ __align__(16) unsigned char smem[];
+    extern __shared__ __align__(16) unsigned char smem_[];
+#if WG
+    // (the swizzle's 1,024-byte boundary; moe_prefill asks for 1,024 bytes more)
+    unsigned char* const smem = smem_ + ((1024u - (smem_addr(smem_) & 1023u)) & 1023u);
+#else
+    unsigned char* const smem = smem_;
+#endif
     const float inv = (float)inv_d;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
@@ -761,7 +863,7 @@ prefill_block(const unsigned short* __restrict__ xr, const u32* __restrict__ tre
 
     // this thread's x' chunks of a k-step: chunk c = threadIdx.x + 256j is row c / 16 (a pair's
     // x' row; a row the tile lacks is zero-filled, nothing read: never stored), 16-byte column
-    // c % 16, stored at column (c % 16) ^ (row % 8)
+    // c % 16, stored at column (c % 16) ^ (row % 8) — for wgmma in its half's region (x_desc)
     constexpr int XC = TM / 16;
     const char* xsrc[XC];
     u32 xdst[XC], xlen[XC];
@@ -770,11 +872,17 @@ prefill_block(const unsigned short* __restrict__ xr, const u32* __restrict__ tre
         const int c = threadIdx.x + 256 * j, r = c >> 4, cc = c & 15;
         const int pr = r < nv ? trow[r] : -1;
         xsrc[j] = (const char*)(x0 + (pr >= 0 ? (long long)pr * sxr : 0LL)) + 16 * cc;
+#if WG
+        xdst[j] = (cc >> 3) * (TM * 128) + r * 128 + (((cc & 7) ^ (r & 7)) << 4);
+#else
         xdst[j] = r * 256 + ((cc ^ (r & 7)) << 4);
+#endif
         xlen[j] = pr >= 0 ? 16 : 0;
     }
+#if !WG
     // this lane's ldmatrix row: tile row 16·qp + lrow, 16-byte column (2i + half) ^ (lrow % 8)
     const int lrow = 8 * (lane >> 4) + (lane & 7), half = (lane >> 3) & 1;
+#endif
     // this lane's y' elements: rows 8q + 2t + j, columns 16·warp + g (+ 8)
     float* const yl = ys + 2 * t * YS_STRIDE + warp * 16 + g;
 
@@ -804,8 +912,34 @@ prefill_block(const unsigned short* __restrict__ xr, const u32* __restrict__ tre
                             "r"(xlen[j]) : "memory");
         commit();
         asm volatile("cp.async.wait_group 1;" ::: "memory");  // this step's (own) chunks
+#if WG
+        // (cp.async wrote through the generic proxy; wgmma reads through the async one)
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
         __syncthreads();                                       // … and every thread's
         const u32* const sw = stage + cur * 8 * WT;
+#if WG
+        // tile i's A in ab[i % 2] while tile i − 1's wgmma may still read the other: its wait
+        // (one group left in flight) comes before that register set is decoded into again
+        u32 ab[2][4];
+        const u32 dlo = x_desc_lo(xs + cur * XS_BYTES);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const u32 w[3] = {sw[i * WT + win.wa], sw[i * WT + win.wb], sw[i * WT + win.wc]};
+            decode_tile(w, win.o, xc, ab[i & 1]);
+            wgmma_fence();
+            wgmma<NQ>(acc, ab[i & 1], x_desc(dlo, i));
+            wgmma_commit();
+            if (i < 7) {
+                wgmma_wait<1>();
+                if (i > 0) keep(ab[(i - 1) & 1]);
+            }
+        }
+        wgmma_wait<0>();  // (the k-step's last: its stage is refilled two steps on, D read below)
+        keep(ab[0]);
+        keep(ab[1]);
+        settle<NQ>(acc);
+#else
         const u32 xb = xs + cur * XS_BYTES + lrow * 256;
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
@@ -821,6 +955,7 @@ prefill_block(const unsigned short* __restrict__ xr, const u32* __restrict__ tre
                 mma(acc[2 * qp + 1], a, b[2], b[3]);
             }
         }
+#endif
         if ((ks + 1) % per_split == 0 || ks + 1 == k_steps) {  // a split ends (uniform)
             // (each lane adds to its own elements only: no barrier)
 #pragma unroll

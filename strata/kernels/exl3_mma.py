@@ -57,6 +57,9 @@ MOE_TILE_M = 8
 # expert decoded twice as often), of 96 and 128 no faster (one program an SM)
 PREFILL_TILE_M = 64
 PREFILL_MIN_BLOCKS = 2  # programs (of 8 warps) an SM must hold: registers ≤ 65536 / (256 · this)
+# The prefill kernel's products on wgmma (sm_90a, x' read from shared memory by the tensor
+# cores) instead of mma.sync; off until measured on a GPU (STRATA_EXL3_WGMMA=1 turns it on)
+PREFILL_WGMMA = os.environ.get("STRATA_EXL3_WGMMA", "0") == "1"
 _SOURCE = Path(__file__).with_name("exl3_mma.cu")
 _OT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -83,10 +86,11 @@ def device_reason(cap: tuple[int, int], shared_max: int, K2: int, prefill: bool)
     return None
 
 
-def prefill_shared(K2: int) -> int:
+def prefill_shared(K2: int, WG: int = 0) -> int:
     """exl3_mma_prefill's dynamic shared memory: three x' stages (TM rows × 256 B), the 8
-    warps' three trellis stages (8 tiles of 16·K2 bytes), y' (TM rows of 132 fp32)."""
-    return 3 * PREFILL_TILE_M * 256 + 8 * 3 * 8 * 16 * K2 + PREFILL_TILE_M * 132 * 4
+    warps' three trellis stages (8 tiles of 16·K2 bytes), y' (TM rows of 132 fp32); with
+    wgmma 1,024 bytes to align the stages."""
+    return 3 * PREFILL_TILE_M * 256 + 8 * 3 * 8 * 16 * K2 + PREFILL_TILE_M * 132 * 4 + 1024 * WG
 
 
 def fragment_order(xr: torch.Tensor) -> torch.Tensor:
@@ -150,6 +154,7 @@ def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: tor
             with torch.cuda.device(x.device.index):
                 _KERNELS[key] = _compiler()(
                     _SOURCE.read_text(), "exl3_mma_prefill" if prefill else "exl3_mma_linear",
+                    compute_capability=_arch(key[11] if prefill else 0),
                     nvcc_options=_options(*key[:-1]))
         except Exception as e:  # NVRTC missing or refusing: remembered, Triton runs instead
             _KERNELS[key] = f"NVRTC: {type(e).__name__}: {e}".splitlines()[0][:300]
@@ -159,7 +164,8 @@ def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: tor
     return k if isinstance(k, str) else None
 
 
-# (K2, CB, OT, BT, R16, G, NW, PF, RG, MINB, RS, device index) → compiled kernel or why not
+# (K2, CB, OT, BT, R16, G, NW, PF, RG, MINB, RS[, WG for the prefill kernel], device index)
+# → compiled kernel or why not
 _KERNELS: dict = {}
 
 
@@ -176,16 +182,22 @@ def _key(K2: int, codebook_id: int, out_dtype: torch.dtype, bias: torch.Tensor |
 
 
 def _prefill_key(K2: int, codebook_id: int, out_dtype: torch.dtype, index: int | None) -> tuple:
-    """exl3_mma_prefill's compiled variant: 8 warps, RG groups of 8 pairs."""
+    """exl3_mma_prefill's compiled variant: 8 warps, RG groups of 8 pairs, wgmma or not."""
+    wgmma = PREFILL_WGMMA and _device_limits(index)[0] == (9, 0)  # (sm_90a only)
     return (K2, codebook_id, _OT[out_dtype], -1, 0, 1, 8, 1, PREFILL_TILE_M // 8,
-            PREFILL_MIN_BLOCKS, 0, index)
+            PREFILL_MIN_BLOCKS, 0, int(wgmma), index)
 
 
 def _options(K2: int, CB: int, OT: int, BT: int, R16: int, G: int, NW: int, PF: int,
-             RG: int, MINB: int, RS: int) -> list[str]:
+             RG: int, MINB: int, RS: int, WG: int = 0) -> list[str]:
     return [f"-DK2={K2}", f"-DCB={CB}", f"-DOT={OT}", f"-DBT={BT}", f"-DR16={R16}", f"-DG={G}",
             f"-DNW={NW}", f"-DPF={PF}", f"-DRS={RS}"] \
-        + ([f"-DRG={RG}", f"-DMINB={MINB}"] if PF else []) + ["--fmad=false"]
+        + ([f"-DRG={RG}", f"-DMINB={MINB}", f"-DWG={WG}"] if PF else []) + ["--fmad=false"]
+
+
+def _arch(WG: int) -> str | None:
+    """NVRTC's target: the device's own (None), or sm_90a where wgmma is used."""
+    return "90a" if WG else None
 
 
 class _Attr(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
@@ -312,7 +324,7 @@ def moe_prefill(xr: torch.Tensor, words: torch.Tensor, str_set: int, svh: torch.
              xr.stride(1), _L(xr.stride(0)), _L(words.stride(0)), _L(str_set),
              _L(svh.stride(0)), _L(ssvh_set), out.stride(1), _L(out.stride(0)),
              out.shape[2], kt * 16 // 128, per_split, nt * 4 * K2, float(inv)], early,
-            prefill_shared(K2))
+            prefill_shared(K2, key[11]))
     return out
 
 

@@ -496,17 +496,20 @@ def test_the_mma_kernels_moe_gives_the_triton_kernels_bits(cuda, monkeypatch, K,
     assert all(torch.equal(p, q) for p, q in zip(got, ref))
 
 
+@pytest.mark.parametrize("wgmma", [False, True], ids=["mma_sync", "wgmma"])
 @pytest.mark.parametrize("K,codebook", [(2, "3inst"), (2.5, "mul1"), (3, "mcg"), (4, "mul1"),
                                         (6, "mul1")])
-def test_the_prefill_kernel_gives_the_triton_split_loops_bits(cuda, monkeypatch, K, codebook):
+def test_the_prefill_kernel_gives_the_triton_split_loops_bits(cuda, monkeypatch, K, codebook,
+                                                              wgmma):
     """exl3_moe_linear above exl3_mma.MAX_PAIRS pairs on the CUDA prefill kernel (tiles of
     PREFILL_TILE_M pairs, x' staged in shared memory, each program running all splits of its
-    block) against the Triton split loop, bit for bit: gate + up (two sets, one input per
-    token) and down (one input per pair), fp32 and bf16 outputs, over 5 experts with 40–90
-    pairs each — full and partial tiles, two for two experts, tiles that run each of the
-    kernel's loop copies (1, 2 and 4 pairs of 8-row groups) — and against each pair's own
-    single linear."""
+    block; its products on mma.sync or on wgmma) against the Triton split loop, bit for bit:
+    gate + up (two sets, one input per token) and down (one input per pair), fp32 and bf16
+    outputs, over 5 experts with 40–90 pairs each — full and partial tiles, two for two
+    experts, tiles that run each of the kernel's loop copies (1, 2 and 4 pairs of 8-row
+    groups) — and against each pair's own single linear."""
     from strata.kernels import exl3_mma
+    monkeypatch.setattr(exl3_mma, "PREFILL_WGMMA", wgmma)
     E, T, k = 5, 100, 3
     sets, down = expert_sets(K, E, 190, cuda)
     g = torch.Generator().manual_seed(199)
