@@ -227,6 +227,17 @@ def test_a_one_split_weight_gets_eight_warps_a_program():
             f"-DMINB={exl3_mma.PREFILL_MIN_BLOCKS}"} <= set(opts)
 
 
+def test_the_prefill_kernels_wgmma_form_is_its_own_variant(monkeypatch):
+    """PREFILL_WGMMA compiles (and caches) a separate prefill variant: -DWG=1, for sm_90a
+    (wgmma exists only there); the default stays on mma.sync for the device's own target."""
+    base = exl3_mma._prefill_key(5, 2, torch.bfloat16, 0)
+    monkeypatch.setattr(exl3_mma, "PREFILL_WGMMA", True)
+    wg = exl3_mma._prefill_key(5, 2, torch.bfloat16, 0)
+    assert base != wg
+    assert "-DWG=0" in exl3_mma._options(*base[:-1]) and "-DWG=1" in exl3_mma._options(*wg[:-1])
+    assert exl3_mma._arch(base[11]) is None and exl3_mma._arch(wg[11]) == "90a"
+
+
 def test_fragment_order_gives_each_lane_its_b_fragments():
     """load_x, transcribed: lane l = 4g + t reads 16-byte vectors v = 0…3 at half 32t + 8v of
     each 128-block of x' in fragment order, words (x, y, z, w) = steps 2v, 2v + 1 × (b0, b1).
