@@ -229,13 +229,18 @@ def test_a_one_split_weight_gets_eight_warps_a_program():
 
 def test_the_prefill_kernels_wgmma_form_is_its_own_variant(monkeypatch):
     """PREFILL_WGMMA compiles (and caches) a separate prefill variant: -DWG=1, for sm_90a
-    (wgmma exists only there); the default stays on mma.sync for the device's own target."""
+    (wgmma exists only there: other GPUs keep mma.sync — their limits mocked, no GPU here);
+    the default stays on mma.sync for the device's own target."""
+    limits = {0: ((9, 0), 232448), 1: ((12, 0), 101376)}
+    monkeypatch.setattr(exl3_mma, "_device_limits", limits.get)
     base = exl3_mma._prefill_key(5, 2, torch.bfloat16, 0)
     monkeypatch.setattr(exl3_mma, "PREFILL_WGMMA", True)
     wg = exl3_mma._prefill_key(5, 2, torch.bfloat16, 0)
     assert base != wg
     assert "-DWG=0" in exl3_mma._options(*base[:-1]) and "-DWG=1" in exl3_mma._options(*wg[:-1])
     assert exl3_mma._arch(base[11]) is None and exl3_mma._arch(wg[11]) == "90a"
+    assert exl3_mma._prefill_key(5, 2, torch.bfloat16, 1)[11] == 0
+    assert exl3_mma.prefill_shared(5, wg[11]) == exl3_mma.prefill_shared(5) + 1024
 
 
 def test_fragment_order_gives_each_lane_its_b_fragments():
