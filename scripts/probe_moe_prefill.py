@@ -70,6 +70,8 @@ def kernels(fn) -> dict:
 
 
 results = {}
+defaults = (X.exl3_mma.ENABLED, X.exl3_mma.PREFILL_TILE_M, X.exl3_mma.PREFILL_MIN_BLOCKS,
+            getattr(X.exl3_mma, "PREFILL_WGMMA", False))
 # (name, CUDA kernels on, prefill tile, programs an SM, wgmma); ONLY=substring to run a subset
 # (session 16 also measured tiles of 32 pairs with 2 and 3 programs an SM: slower than 64)
 variants = [("triton split loop", False, 64, 2, False),
@@ -94,9 +96,8 @@ for name, cuda, tm, minb, wg in variants:
     if os.environ.get("PROFILE"):
         out[f"{name} gate+up kernels"] = kernels(up)
         print("  ", out[f"{name} gate+up kernels"], flush=True)
-X.exl3_mma.ENABLED = True
-X.exl3_mma.PREFILL_TILE_M, X.exl3_mma.PREFILL_MIN_BLOCKS = 64, 2
-X.exl3_mma.PREFILL_WGMMA = False
+(X.exl3_mma.ENABLED, X.exl3_mma.PREFILL_TILE_M, X.exl3_mma.PREFILL_MIN_BLOCKS,
+ X.exl3_mma.PREFILL_WGMMA) = defaults
 first = next(iter(results.values()))
 same = all(torch.equal(p, q) for r in results.values() for p, q in zip(first, r))
 out["every variant bit-identical"] = same

@@ -212,9 +212,10 @@ def test_which_gpus_can_run_it():
         "allows 101376")
 
 
-def test_a_one_split_weight_gets_eight_warps_a_program():
+def test_a_one_split_weight_gets_eight_warps_a_program(monkeypatch):
     """The compiled variant's NW: 8 warps — one program a 128-column block, finished in
     shared memory — for a weight of one split, else 4 (two programs a block, partials)."""
+    monkeypatch.setattr(exl3_mma, "_device_limits", lambda index: ((9, 0), 232448))  # no GPU
     def nw(S):
         key = exl3_mma._key(5, 2, torch.float32, None, 6, False, S, 0)
         opts = exl3_mma._options(*key[:-1])
@@ -230,9 +231,10 @@ def test_a_one_split_weight_gets_eight_warps_a_program():
 def test_the_prefill_kernels_wgmma_form_is_its_own_variant(monkeypatch):
     """PREFILL_WGMMA compiles (and caches) a separate prefill variant: -DWG=1, for sm_90a
     (wgmma exists only there: other GPUs keep mma.sync — their limits mocked, no GPU here);
-    the default stays on mma.sync for the device's own target."""
+    without it (STRATA_EXL3_WGMMA=0) Hopper too runs mma.sync for the device's own target."""
     limits = {0: ((9, 0), 232448), 1: ((12, 0), 101376)}
     monkeypatch.setattr(exl3_mma, "_device_limits", limits.get)
+    monkeypatch.setattr(exl3_mma, "PREFILL_WGMMA", False)
     base = exl3_mma._prefill_key(5, 2, torch.bfloat16, 0)
     monkeypatch.setattr(exl3_mma, "PREFILL_WGMMA", True)
     wg = exl3_mma._prefill_key(5, 2, torch.bfloat16, 0)
