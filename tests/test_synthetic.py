@@ -153,6 +153,42 @@ def test_cold_runs_read_every_row_from_disk(cfg, tmp_path):
     assert read["cold"] >= 3 * read["warm"] > 0
 
 
+def test_a_layer_subset_too_large_for_the_device_is_refused_before_a_weight_is_made():
+    """check_fits on the published V4.1-Flash config (a meta build: nothing allocated):
+    session 40's H100 (~85 GB free) ran 10 layers (0-4,20-24; peak 56.3 GB measured with a
+    32K prefill) but ran out of memory deep inside the build of 20. Now 20 are refused by
+    name, with the parts and how many layers fit; 10 pass, and their estimate brackets the
+    measured peak."""
+    from strata.bench.synthetic import check_fits, parse_layers
+    from strata.config import v41_flash_config
+    v41 = v41_flash_config()
+    ten = check_fits(v41, parse_layers("0-4,20-24", 40), "cuda:0", int(84.9e9), context=33_000)
+    assert 56.3e9 < ten < 56.3e9 + 4 * 2**30  # the peak, plus at most the reserve
+    with pytest.raises(StrataError) as e:
+        check_fits(v41, parse_layers("0-9,20-29", 40), "cuda:0", int(84.9e9), context=600)
+    msg = str(e.value)
+    assert msg.startswith("20 of 40 layers need 104.") and "84.90 GB is free" in msg
+    assert "about 15 layers of ~4.72 GB fit (--layers)" in msg, msg
+    # The folded Engram rows count only where they are kept on the device: here one table
+    # (layer 1's) of 2^20 rows of 264 bytes (256 e4m3 values and their 8 scales).
+    disk = check_fits(v41, parse_layers("0-4,20-24", 40), "cuda:0", int(84.9e9),
+                      context=33_000, engram="disk")
+    assert ten - disk == 264 * (1 << 20)
+
+
+def test_bench_synthetic_checks_the_device_memory_first(tiny_dir, capsys, monkeypatch):
+    """`strata bench synthetic --device cuda:0` asks the device's free memory before building:
+    too little gives exit 2 and the check's message. (No GPU here: torch.cuda.mem_get_info
+    is the one mocked part, and the run stops at the check, before any CUDA work.)"""
+    from strata.cli import main
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * 10**9, 8 * 10**9))
+    assert main(["bench", "synthetic", "--config", str(tiny_dir), "--device", "cuda:0",
+                 "--prefill", "8K"]) == 2
+    err = capsys.readouterr().err
+    assert "layers need" in err and "2.00 GB is free; not one layer fits beside them" in err
+    assert "caches at 12,296 tokens" in err  # the 8K prompt, a prefill chunk (4,096), 8
+
+
 def test_cold_engram_needs_disk_tables(tiny_dir, capsys):
     from strata.cli import main
     assert main(["bench", "synthetic", "--config", str(tiny_dir), "--device", "cpu",

@@ -69,6 +69,7 @@ class SyntheticWeights:
     # Bytes by checkpoint-like tensor name (the placement planner's input); on the "meta"
     # device nothing is allocated, so the full model's sizes come for free.
     tensor_bytes: dict[str, int] = field(default_factory=dict)
+    folded_engram_bytes: int = 0           # engram="device": the folded tables' rows held
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
@@ -169,6 +170,8 @@ class SyntheticWeights:
         self.tensor_bytes[f"{prefix}.weight"] = n_rows * dim
         self.tensor_bytes[f"{prefix}.scale"] = n_rows * (dim // 32)
         rows = min(n_rows, self.engram_rows)
+        if self.engram == "device":
+            self.folded_engram_bytes += rows * (dim + dim // 32)
         values = self._bytes((rows, dim)) & 0x77        # e4m3 without NaN codes
         scales = self._bytes((rows, dim // 32), 118, 126)
         if self.engram == "device":
@@ -392,6 +395,48 @@ def build_synthetic(cfg: ModelConfig, device: torch.device | str, numerics=None,
 
 
 # ---- `strata bench synthetic` ------------------------------------------------------------------
+def check_fits(cfg: ModelConfig, layers: list[int] | None, device: str, free: int, *,
+               context: int, fmt: str = "exl3", engram: str = "device",
+               engram_rows: int = 1 << 20, reserve: int | None = None) -> int:
+    """The device bytes a one-device run needs — the held layers' weights and the rest (embed,
+    head, DSpark stages), the folded Engram rows kept on the device, the caches at `context`
+    tokens (runtime/placement.py's sizes) and the placement reserve — from a build on the meta
+    device (nothing allocated); a StrataError naming the parts and how many layers would fit
+    when that exceeds `free`, before a weight is made (else the build fails deep inside with
+    the allocator's out-of-memory message, partway through)."""
+    from strata.errors import StrataError
+    from strata.runtime.placement import DEFAULT_RESERVE_BYTES, gb, layer_cache_bytes
+    reserve = DEFAULT_RESERVE_BYTES if reserve is None else reserve
+    w = build_synthetic(cfg, "meta", layers=layers, fmt=fmt, engram="device",
+                        engram_rows=engram_rows)[1]
+    held = list(range(cfg.n_layers)) if layers is None else layers
+    per_layer = dict.fromkeys(held, 0)
+    rest = 0
+    for name, n in w.tensor_bytes.items():
+        if ".engram.embed." in name:
+            continue  # the full table's size, kept for plans; the folded rows are below
+        m = re.match(r"layers\.(\d+)\.", name)
+        if m:
+            per_layer[int(m.group(1))] += n
+        else:
+            rest += n
+    folded = w.folded_engram_bytes if engram == "device" else 0
+    caches = {l: layer_cache_bytes(cfg, l, context) for l in held}
+    need = sum(per_layer.values()) + rest + folded + sum(caches.values()) + reserve
+    if need <= free:
+        return need
+    each = max(per_layer[l] + caches[l] for l in held)
+    room = free - rest - folded - reserve
+    fit = max(0, room // each)
+    hint = f"about {fit} layers of ~{gb(each)} fit (--layers)" if fit else \
+        "not one layer fits beside them"
+    raise StrataError(
+        f"{len(held)} of {cfg.n_layers} layers need {gb(need)} on {device}: layer weights "
+        f"{gb(sum(per_layer.values()))}, embed/head/DSpark {gb(rest)}, folded Engram rows "
+        f"{gb(folded)}, caches at {context:,} tokens {gb(sum(caches.values()))}, reserve "
+        f"{gb(reserve)} — but {gb(free)} is free; {hint}")
+
+
 def _check_index_sources(cfg: ModelConfig, layers) -> None:
     """A one-device subset computes every top-k selection it uses: a held layer whose index
     source (or a re-indexing layer whose candidate source) is not held would find none (a
@@ -691,6 +736,16 @@ def run(args) -> int:
     if args.no_mma:  # (the environment reaches the ranks of a parallel run)
         os.environ["STRATA_EXL3_MMA"] = "0"
         exl3_mma.ENABLED = False
+    lengths = []
+    if args.prefill:
+        from strata.bench.passkey import parse_length
+        lengths = [parse_length(t) for t in args.prefill.split(",") if t.strip()]
+    if not args.parallel and torch.device(args.device).type == "cuda":
+        context = max([args.prompt_tokens + args.tokens + cfg.dspark_block_size + 2]
+                      + [n + args.prefill_chunk + 8 for n in lengths])
+        check_fits(cfg, layers, args.device, torch.cuda.mem_get_info(args.device)[0],
+                   context=context, fmt=args.fmt, engram=args.engram,
+                   engram_rows=args.engram_rows)
     # Measured first, on an empty device (in a layer split or TP, the first device's).
     rates = kernel_rates(cfg, args.devices.split(",")[0] if args.parallel else args.device,
                          args.fmt)
@@ -730,9 +785,7 @@ def run(args) -> int:
             from strata.bench.decode import parallel_split
             split = parallel_split(model, prompt, modes, n=args.tokens, length=args.length)
         prefill = []
-        if args.prefill:
-            from strata.bench.passkey import parse_length
-            lengths = [parse_length(t) for t in args.prefill.split(",") if t.strip()]
+        if lengths:
             prefill = bench_prefill(model, lengths, args.prefill_chunk, args.prefill_skip,
                                     args.seed, progress=lambda line: print(
                                         line, file=sys.stderr, flush=True),
