@@ -168,12 +168,33 @@ def test_a_layer_subset_too_large_for_the_device_is_refused_before_a_weight_is_m
         check_fits(v41, parse_layers("0-9,20-29", 40), "cuda:0", int(84.9e9), context=600)
     msg = str(e.value)
     assert msg.startswith("20 of 40 layers need 104.") and "84.90 GB is free" in msg
-    assert "about 15 layers of ~4.72 GB fit (--layers)" in msg, msg
+    assert "about 14 layers of ≤ 4.99 GB fit (--layers, or --layers fit)" in msg, msg
     # The folded Engram rows count only where they are kept on the device: here one table
     # (layer 1's) of 2^20 rows of 264 bytes (256 e4m3 values and their 8 scales).
     disk = check_fits(v41, parse_layers("0-4,20-24", 40), "cuda:0", int(84.9e9),
                       context=33_000, engram="disk")
     assert ten - disk == 264 * (1 << 20)
+
+
+def test_layers_fit_takes_the_first_layers_of_each_half_as_memory_allows(tiny_dir, capsys):
+    """`--layers fit` (fit_layers, V4.1 config on the meta device): the first k layers of each
+    half, k as large as the free memory allows and each subset's index sources held — the 7 + 7
+    that check_fits' hint counts on ~85 GB, 14 + 14 on an H200's ~149 GB, every layer on two
+    H200s' worth, and a clear error where not even one layer of each half fits."""
+    from strata.bench.synthetic import fit_layers, layers_text, parse_layers
+    from strata.cli import main
+    from strata.config import v41_flash_config
+    v41 = v41_flash_config()
+    got = {free: layers_text(fit_layers(v41, "cuda:0", int(free * 1e9), context=600))
+           for free in (84.9, 149, 206)}
+    assert got == {84.9: "0-6,20-26", 149: "0-13,20-33", 206: "all"}
+    with pytest.raises(StrataError, match="not even layers 0 and 20 fit .2 of 40 layers need"):
+        fit_layers(v41, "cuda:0", int(12e9), context=600)
+    assert layers_text(parse_layers("0-4,7,9-10,20-24", 40)) == "0-4,7,9-10,20-24"
+    assert main(["bench", "synthetic", "--config", str(tiny_dir), "--device", "cpu",
+                 "--layers", "fit"]) == 2
+    assert "--layers fit sizes the subset by a CUDA device's free memory" in \
+        capsys.readouterr().err
 
 
 def test_bench_synthetic_checks_the_device_memory_first(tiny_dir, capsys, monkeypatch):

@@ -69,7 +69,7 @@ class SyntheticWeights:
     # Bytes by checkpoint-like tensor name (the placement planner's input); on the "meta"
     # device nothing is allocated, so the full model's sizes come for free.
     tensor_bytes: dict[str, int] = field(default_factory=dict)
-    folded_engram_bytes: int = 0           # engram="device": the folded tables' rows held
+    folded_bytes: dict[str, int] = field(default_factory=dict)  # engram="device": by table
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
@@ -171,7 +171,7 @@ class SyntheticWeights:
         self.tensor_bytes[f"{prefix}.scale"] = n_rows * (dim // 32)
         rows = min(n_rows, self.engram_rows)
         if self.engram == "device":
-            self.folded_engram_bytes += rows * (dim + dim // 32)
+            self.folded_bytes[prefix] = rows * (dim + dim // 32)
         values = self._bytes((rows, dim)) & 0x77        # e4m3 without NaN codes
         scales = self._bytes((rows, dim // 32), 118, 126)
         if self.engram == "device":
@@ -395,46 +395,76 @@ def build_synthetic(cfg: ModelConfig, device: torch.device | str, numerics=None,
 
 
 # ---- `strata bench synthetic` ------------------------------------------------------------------
-def check_fits(cfg: ModelConfig, layers: list[int] | None, device: str, free: int, *,
-               context: int, fmt: str = "exl3", engram: str = "device",
-               engram_rows: int = 1 << 20, reserve: int | None = None) -> int:
-    """The device bytes a one-device run needs — the held layers' weights and the rest (embed,
-    head, DSpark stages), the folded Engram rows kept on the device, the caches at `context`
-    tokens (runtime/placement.py's sizes) and the placement reserve — from a build on the meta
-    device (nothing allocated); a StrataError naming the parts and how many layers would fit
-    when that exceeds `free`, before a weight is made (else the build fails deep inside with
-    the allocator's out-of-memory message, partway through)."""
-    from strata.errors import StrataError
-    from strata.runtime.placement import DEFAULT_RESERVE_BYTES, gb, layer_cache_bytes
-    reserve = DEFAULT_RESERVE_BYTES if reserve is None else reserve
-    w = build_synthetic(cfg, "meta", layers=layers, fmt=fmt, engram="device",
-                        engram_rows=engram_rows)[1]
-    held = list(range(cfg.n_layers)) if layers is None else layers
-    per_layer = dict.fromkeys(held, 0)
-    rest = 0
-    for name, n in w.tensor_bytes.items():
-        if ".engram.embed." in name:
-            continue  # the full table's size, kept for plans; the folded rows are below
+def device_bytes(cfg: ModelConfig, fmt: str = "exl3", engram: str = "device",
+                 engram_rows: int = 1 << 20) -> tuple[dict[int, int], int]:
+    """(bytes by backbone layer, bytes of the rest: embed, head, DSpark stages) that a one-device
+    build keeps on its device — the stored tensors, and with engram="device" the folded tables'
+    rows (not the full tables' sizes, which are kept for plans) — from a build of every layer
+    on the meta device (nothing allocated)."""
+    w = build_synthetic(cfg, "meta", fmt=fmt, engram="device", engram_rows=engram_rows)[1]
+    sizes = {n: b for n, b in w.tensor_bytes.items() if ".engram.embed." not in n}
+    if engram == "device":
+        sizes.update(w.folded_bytes)
+    per_layer, rest = dict.fromkeys(range(cfg.n_layers), 0), 0
+    for name, n in sizes.items():
         m = re.match(r"layers\.(\d+)\.", name)
         if m:
             per_layer[int(m.group(1))] += n
         else:
             rest += n
-    folded = w.folded_engram_bytes if engram == "device" else 0
+    return per_layer, rest
+
+
+def check_fits(cfg: ModelConfig, layers: list[int] | None, device: str, free: int, *,
+               context: int, fmt: str = "exl3", engram: str = "device",
+               engram_rows: int = 1 << 20, reserve: int | None = None,
+               sizes: tuple[dict[int, int], int] | None = None) -> int:
+    """The device bytes a one-device run of `layers` needs — their weights (device_bytes, or
+    `sizes` from it), the rest, the caches at `context` tokens (runtime/placement.py's sizes)
+    and the placement reserve; a StrataError naming the parts and how many layers would fit
+    when that exceeds `free` — before a weight is made (else the build fails deep inside with
+    the allocator's out-of-memory message, partway through)."""
+    from strata.errors import StrataError
+    from strata.runtime.placement import DEFAULT_RESERVE_BYTES, gb, layer_cache_bytes
+    reserve = DEFAULT_RESERVE_BYTES if reserve is None else reserve
+    per_layer, rest = sizes or device_bytes(cfg, fmt, engram, engram_rows)
+    held = list(range(cfg.n_layers)) if layers is None else layers
+    weights = sum(per_layer[l] for l in held)
     caches = {l: layer_cache_bytes(cfg, l, context) for l in held}
-    need = sum(per_layer.values()) + rest + folded + sum(caches.values()) + reserve
+    need = weights + rest + sum(caches.values()) + reserve
     if need <= free:
         return need
     each = max(per_layer[l] + caches[l] for l in held)
-    room = free - rest - folded - reserve
-    fit = max(0, room // each)
-    hint = f"about {fit} layers of ~{gb(each)} fit (--layers)" if fit else \
+    fit = max(0, (free - rest - reserve) // each)
+    hint = f"about {fit} layers of ≤ {gb(each)} fit (--layers, or --layers fit)" if fit else \
         "not one layer fits beside them"
     raise StrataError(
-        f"{len(held)} of {cfg.n_layers} layers need {gb(need)} on {device}: layer weights "
-        f"{gb(sum(per_layer.values()))}, embed/head/DSpark {gb(rest)}, folded Engram rows "
-        f"{gb(folded)}, caches at {context:,} tokens {gb(sum(caches.values()))}, reserve "
+        f"{len(held)} of {cfg.n_layers} layers need {gb(need)} on {device}: layers {gb(weights)} "
+        f"(weights{' and folded Engram rows' if engram == 'device' else ''}), embed/head/DSpark "
+        f"{gb(rest)}, caches at {context:,} tokens {gb(sum(caches.values()))}, reserve "
         f"{gb(reserve)} — but {gb(free)} is free; {hint}")
+
+
+def fit_layers(cfg: ModelConfig, device: str, free: int, **options) -> list[int] | None:
+    """`--layers fit`: the most layers that fit `free` bytes (check_fits' options) as the first
+    k of each half of the model — 0..k−1 and L/2..L/2+k−1, so both halves are timed (V4.1's
+    decoder half, layers 20–39, reads the compressed KV layer 20 builds) — or every layer
+    (None)."""
+    from strata.errors import StrataError
+    sizes = device_bytes(cfg, options.get("fmt", "exl3"), options.get("engram", "device"),
+                         options.get("engram_rows", 1 << 20))
+    h = cfg.n_layers // 2
+    last = None
+    for k in range(h, 0, -1):
+        layers = None if 2 * k == cfg.n_layers else list(range(k)) + list(range(h, h + k))
+        try:
+            if layers is not None:
+                _check_index_sources(cfg, layers)
+            check_fits(cfg, layers, device, free, sizes=sizes, **options)
+            return layers
+        except StrataError as e:
+            last = e
+    raise StrataError(f"--layers fit: not even layers 0 and {h} fit ({last})")
 
 
 def _check_index_sources(cfg: ModelConfig, layers) -> None:
@@ -472,11 +502,26 @@ def parse_layers(text: str | None, n_layers: int) -> list[int] | None:
     return sorted(set(out))
 
 
+def layers_text(layers: list[int] | None) -> str:
+    """parse_layers' inverse: [0..4, 20..24] → '0-4,20-24'; None → 'all'."""
+    if layers is None:
+        return "all"
+    runs: list[list[int]] = []
+    for l in layers:
+        if runs and l == runs[-1][1] + 1:
+            runs[-1][1] = l
+        else:
+            runs.append([l, l])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
 def add_arguments(p) -> None:
     p.add_argument("--config", help="take the model config from this checkpoint folder "
                                     "(default: the published V4.1-Flash config)")
-    p.add_argument("--layers", help="backbone layers to hold, e.g. 0-11,20-31 (default all); "
-                                    "per-layer times scale to the whole model")
+    p.add_argument("--layers", help="backbone layers to hold, e.g. 0-11,20-31 (default all), "
+                                    "or 'fit': the first k of each half, as many as the GPU's "
+                                    "free memory holds; per-layer times scale to the whole "
+                                    "model")
     p.add_argument("--format", dest="fmt", default="exl3", choices=["exl3", "official"])
     p.add_argument("--device", default="cuda")
     p.add_argument("--engram", default="device", choices=["device", "disk"])
@@ -725,7 +770,8 @@ def run(args) -> int:
     from strata.bench.decode import bench_decode, report
     from strata.config import v41_flash_config
     cfg = ModelConfig.from_model_dir(Path(args.config)) if args.config else v41_flash_config()
-    layers = parse_layers(args.layers, cfg.n_layers)
+    fit = args.layers == "fit"
+    layers = None if fit else parse_layers(args.layers, cfg.n_layers)
     from strata.errors import StrataError
     if args.engram_cache == "cold" and (args.engram != "disk" or args.parallel):
         raise StrataError("--engram-cache cold needs --engram disk on one device (the tables' "
@@ -740,12 +786,21 @@ def run(args) -> int:
     if args.prefill:
         from strata.bench.passkey import parse_length
         lengths = [parse_length(t) for t in args.prefill.split(",") if t.strip()]
+    if fit and (args.parallel or torch.device(args.device).type != "cuda"):
+        raise StrataError("--layers fit sizes the subset by a CUDA device's free memory: give "
+                          "--device cuda[:N] (and no --parallel), or name the layers")
     if not args.parallel and torch.device(args.device).type == "cuda":
         context = max([args.prompt_tokens + args.tokens + cfg.dspark_block_size + 2]
                       + [n + args.prefill_chunk + 8 for n in lengths])
-        check_fits(cfg, layers, args.device, torch.cuda.mem_get_info(args.device)[0],
-                   context=context, fmt=args.fmt, engram=args.engram,
-                   engram_rows=args.engram_rows)
+        free = torch.cuda.mem_get_info(args.device)[0]
+        sizing = dict(context=context, fmt=args.fmt, engram=args.engram,
+                      engram_rows=args.engram_rows)
+        if fit:
+            layers = fit_layers(cfg, args.device, free, **sizing)
+            args.layers = layers_text(layers)
+            print(f"--layers fit: {args.layers} on {args.device}", file=sys.stderr, flush=True)
+        else:
+            check_fits(cfg, layers, args.device, free, **sizing)
     # Measured first, on an empty device (in a layer split or TP, the first device's).
     rates = kernel_rates(cfg, args.devices.split(",")[0] if args.parallel else args.device,
                          args.fmt)
