@@ -226,8 +226,8 @@ def compile_cuda(nvrtc: str, arch: int, sass: bool = False) -> int:
             continue  # the prefill kernel: grouped, 8 warps
         if RS and (G or PF or NW == 8 or OT or BT >= 0):
             continue  # ragged sets: 4 warps, no bias, output dtypes read per set
-        if WG and not PF:
-            continue  # wgmma: the prefill kernel's option
+        if WG and not (PF and arch == 90):
+            continue  # wgmma: the prefill kernel's option, on sm_90a only (_prefill_key)
         target = f"{arch}a" if WG else f"{arch}"  # (wgmma: the arch-specific target)
         opts = exl3_mma._options(K2, CB, OT, BT, R16, G, NW, PF, rg if PF else 0,
                                  exl3_mma.PREFILL_MIN_BLOCKS if PF else 0, RS, WG) \
