@@ -782,7 +782,7 @@ def run(args) -> int:
     if args.no_mma:  # (the environment reaches the ranks of a parallel run)
         os.environ["STRATA_EXL3_MMA"] = "0"
         exl3_mma.ENABLED = False
-    lengths = []
+    lengths, planned = [], None
     if args.prefill:
         from strata.bench.passkey import parse_length
         lengths = [parse_length(t) for t in args.prefill.split(",") if t.strip()]
@@ -799,11 +799,12 @@ def run(args) -> int:
             layers = fit_layers(cfg, args.device, free, **sizing)
             args.layers = layers_text(layers)
             print(f"--layers fit: {args.layers} on {args.device}", file=sys.stderr, flush=True)
-        else:
-            check_fits(cfg, layers, args.device, free, **sizing)
+        planned = check_fits(cfg, layers, args.device, free, **sizing)
     # Measured first, on an empty device (in a layer split or TP, the first device's).
     rates = kernel_rates(cfg, args.devices.split(",")[0] if args.parallel else args.device,
                          args.fmt)
+    if planned is not None:
+        torch.cuda.reset_peak_memory_stats(args.device)  # (the peak below: the model's run)
     t0 = time.perf_counter()
     if args.parallel:
         model = _launch(args, cfg)
@@ -906,6 +907,13 @@ def run(args) -> int:
             # the disk reads happen per Engram layer, not per layer: scaling misses the rest
             lines.append(f"(Engram layers held: {held_engram} of {engram} — the scaled "
                          f"figures read only the held layers' tables from disk)")
+    peak = None
+    if planned is not None:  # (a timed prefill resets the peak: its rows keep theirs)
+        peak = max([torch.cuda.max_memory_allocated(args.device)]
+                   + [r["peak_device_bytes"] for r in prefill])
+    if planned is not None:  # (how the plan compares, for the next one-GPU run's sizing)
+        lines.append(f"device memory: planned {planned / 1e9:.2f} GB with the reserve "
+                     f"(check_fits), peak allocated {peak / 1e9:.2f} GB")
     print("\n".join(lines))
     exact = all(r.get("logits_equal_to_full", True) for r in prefill)
     if not exact:
@@ -919,7 +927,8 @@ def run(args) -> int:
                 "stored_bytes": w.stored_bytes, "build_s": build_s,
                 "exl3_mma": exl3_mma.ENABLED, "early_launch": pdl.ENABLED,
                 "engram": args.engram, "engram_rows": args.engram_rows,
-                "engram_cache": args.engram_cache if args.engram == "disk" else None}
+                "engram_cache": args.engram_cache if args.engram == "disk" else None,
+                "planned_device_bytes": planned, "peak_device_bytes": peak}
         Path(args.json).write_text(json.dumps(
             {"meta": meta, "results": {m: r.as_dict() for m, r in results.items()},
              "scaled_tok_per_s": scaled, "rates": rates, "roofline": roof,
