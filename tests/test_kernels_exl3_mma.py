@@ -340,3 +340,63 @@ def test_prefill_wgmma_staging_and_descriptors():
                         logical = start + (n // 8) * 1024 + (n % 8) * 128 + 16 * h
                         physical = logical ^ (((logical >> 7) & 7) << 4)
                         assert staged[physical - addr] == (n, 2 * kk + h)
+
+
+class _FakeRTC:
+    """Stands in for torch.cuda._utils' NVRTC compile and module load, which need a GPU (none
+    here; the GPU suite runs the real ones): a 'cubin' is the options' text, and loading one
+    that does not start with b"opts:" fails as a damaged module would."""
+
+    def __init__(self):
+        self.compiles = 0
+
+    def _nvrtc_compile(self, source, name, compute_capability=None, nvcc_options=None):
+        self.compiles += 1
+        return b"opts:" + " ".join([compute_capability, *nvcc_options]).encode(), name + "_m"
+
+    def _cuda_load_module(self, cubin, names):
+        if not cubin.startswith(b"opts:"):
+            raise RuntimeError("CUDA error: device kernel image is invalid")
+        return {n: ("kernel", n, cubin) for n in names}
+
+
+def test_compiled_variants_are_kept_on_disk_for_later_processes(tmp_path, monkeypatch):
+    """_compile: the first call compiles a variant and stores its cubin under
+    $STRATA_CACHE/exl3_mma; a later call (a new process: the in-memory table empty) loads it
+    without compiling; another option or target is another entry; a damaged entry is
+    compiled again and replaced; an unwritable cache still returns the kernel."""
+    monkeypatch.setenv("STRATA_CACHE", str(tmp_path))
+    rtc = _FakeRTC()
+    opts = exl3_mma._options(*exl3_mma._key(5, 2, torch.float32, None, 6, False, 2, 0)[:-1])
+    k = exl3_mma._compile("exl3_mma_linear", "90", opts, rtc)
+    assert rtc.compiles == 1 and k[1] == "exl3_mma_linear_m"
+    (entry,) = (tmp_path / "exl3_mma").glob("*.cubin")
+    assert exl3_mma.read_cubin(entry) == ("exl3_mma_linear_m", k[2])
+    assert exl3_mma._compile("exl3_mma_linear", "90", opts, rtc) == k and rtc.compiles == 1
+    exl3_mma._compile("exl3_mma_linear", "120", opts, rtc)
+    exl3_mma._compile("exl3_mma_linear", "90", opts + ["-DX=1"], rtc)
+    assert rtc.compiles == 3 and len(list((tmp_path / "exl3_mma").glob("*.cubin"))) == 3
+    exl3_mma.write_cubin(entry, "exl3_mma_linear_m", b"garbage")
+    assert exl3_mma._compile("exl3_mma_linear", "90", opts, rtc) == k and rtc.compiles == 4
+    assert exl3_mma.read_cubin(entry)[1] == k[2]
+    monkeypatch.setenv("STRATA_CACHE", str(tmp_path / "a-file"))
+    (tmp_path / "a-file").write_text("not a directory")
+    assert exl3_mma._compile("exl3_mma_linear", "90", opts, rtc) == k and rtc.compiles == 5
+
+
+def test_a_cubin_entry_reads_back_whole_or_not_at_all(tmp_path):
+    """write_cubin / read_cubin: the name and the bytes back; a missing, short or malformed
+    file (a name length past the end, a name that is not UTF-8) reads as None; the source or
+    the target changes the key."""
+    path = tmp_path / "k.cubin"
+    assert exl3_mma.read_cubin(path) is None
+    exl3_mma.write_cubin(path, "exl3_mma_prefill", b"\x7fELF" + bytes(range(256)))
+    assert exl3_mma.read_cubin(path) == ("exl3_mma_prefill", b"\x7fELF" + bytes(range(256)))
+    for bad in (b"", b"\x05\x00", (900).to_bytes(4, "little") + b"abc",
+                (2).to_bytes(4, "little") + b"\xff\xfe" + b"cubin"):
+        path.write_bytes(bad)
+        assert exl3_mma.read_cubin(path) is None, bad
+    key = exl3_mma.cubin_key("src", "exl3_mma_linear", "90", ["-DK2=5"])
+    assert key != exl3_mma.cubin_key("src2", "exl3_mma_linear", "90", ["-DK2=5"])
+    assert key != exl3_mma.cubin_key("src", "exl3_mma_linear", "90a", ["-DK2=5"])
+    assert key == exl3_mma.cubin_key("src", "exl3_mma_linear", "90", ["-DK2=5"])

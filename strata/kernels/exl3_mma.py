@@ -29,14 +29,17 @@ kernel applies (`why_not` is None): compute capability ≥ 8.0 (griddepcontrol o
 where kernels launch early), M ≤ 16 rows (or ≤ MAX_PAIRS grouped pairs; any number for the
 prefill kernel, whose shared memory the GPU must allow a block: up to K 3 on a 99 KiB part
 such as sm_120), K ≤ 6, a 128-aligned output; everything else stays on the Triton kernels.
-Compiled by torch's NVRTC wrapper (`torch.cuda._compile_kernel`, torch ≥ 2.8): no build step
-and no extra dependency.
+Compiled by torch's NVRTC helpers (those of `torch.cuda._compile_kernel`, torch ≥ 2.8): no
+build step and no extra dependency; each variant's cubin is kept on disk for later processes
+(`_compile`).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import os
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -153,10 +156,11 @@ def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: tor
     if key not in _KERNELS:
         try:
             with torch.cuda.device(x.device.index):
-                _KERNELS[key] = _compiler()(
-                    _SOURCE.read_text(), "exl3_mma_prefill" if prefill else "exl3_mma_linear",
-                    compute_capability=_arch(key[11] if prefill else 0),
-                    nvcc_options=_options(*key[:-1]))
+                _KERNELS[key] = _compile(
+                    "exl3_mma_prefill" if prefill else "exl3_mma_linear",
+                    _arch(key[11] if prefill else 0) or "".join(
+                        map(str, _device_limits(x.device.index)[0])),
+                    _options(*key[:-1]))
         except Exception as e:  # NVRTC missing or refusing: remembered, Triton runs instead
             _KERNELS[key] = f"NVRTC: {type(e).__name__}: {e}".splitlines()[0][:300]
             warnings.warn(f"strata: EXL3 CUDA kernel unavailable ({_KERNELS[key]}); "
@@ -168,6 +172,76 @@ def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: tor
 # (K2, CB, OT, BT, R16, G, NW, PF, RG, MINB, RS[, WG for the prefill kernel], device index)
 # → compiled kernel or why not
 _KERNELS: dict = {}
+
+
+def _compile(name: str, arch: str, options: list[str], rtc=None):
+    """Kernel `name` of exl3_mma.cu for sm_`arch` with `options`. NVRTC takes seconds a variant
+    and every process (a server start, each rank) compiles the variants it uses, so the cubin
+    is kept on disk (cubin_dir(), a file per variant keyed by the source, kernel, target,
+    options and torch's CUDA): a later process loads it instead; an entry that does not load
+    is compiled again, and a directory that cannot be written only costs the saving. `rtc`:
+    torch's NVRTC helpers (torch.cuda._utils, as torch.cuda._compile_kernel uses them)."""
+    if rtc is None:
+        from torch.cuda import _utils as rtc
+    source = _SOURCE.read_text()
+    if not hasattr(rtc, "_nvrtc_compile") or not hasattr(rtc, "_cuda_load_module"):
+        return _compiler()(source, name, compute_capability=arch, nvcc_options=options)
+    path = cubin_dir() / f"{cubin_key(source, name, arch, options)}.cubin"
+    entry = read_cubin(path)
+    if entry is not None:
+        try:
+            return rtc._cuda_load_module(entry[1], [entry[0]])[entry[0]]
+        except Exception:  # (stale or damaged: compiled again below)
+            pass
+    cubin, mangled = rtc._nvrtc_compile(source, name, compute_capability=arch,
+                                        nvcc_options=options)
+    write_cubin(path, mangled, cubin)
+    return rtc._cuda_load_module(cubin, [mangled])[mangled]
+
+
+def cubin_dir() -> Path:
+    """$STRATA_CACHE (else the XDG cache)/exl3_mma."""
+    from strata.checkpoint.tiny import default_cache_dir
+    return default_cache_dir() / "exl3_mma"
+
+
+def cubin_key(source: str, name: str, arch: str, options: list[str]) -> str:
+    """What a compiled variant depends on, hashed: the source, the kernel, the target, the
+    options, and torch (its NVRTC: torch.version.cuda)."""
+    parts = [source, name, arch, *options, torch.__version__, str(torch.version.cuda)]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:40]
+
+
+def write_cubin(path: Path, name: str, cubin: bytes) -> None:
+    """One file: the kernel's (mangled) name's length (4 bytes, little-endian), the name, the
+    cubin — written to a temporary file and renamed, so a reader sees all of it or none."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(len(name.encode()).to_bytes(4, "little") + name.encode() + cubin)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError:
+        pass  # (the cache only saves time)
+
+
+def read_cubin(path: Path) -> tuple[str, bytes] | None:
+    """(name, cubin) of a write_cubin file, or None (absent, unreadable or malformed)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    n = int.from_bytes(data[:4], "little") if len(data) >= 4 else -1
+    if not 0 < n < 1024 or len(data) <= 4 + n:
+        return None
+    try:
+        return data[4:4 + n].decode(), data[4 + n:]
+    except UnicodeDecodeError:
+        return None
 
 
 def _key(K2: int, codebook_id: int, out_dtype: torch.dtype, bias: torch.Tensor | None,

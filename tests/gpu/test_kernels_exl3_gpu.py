@@ -623,3 +623,34 @@ def test_a_ragged_linear_set_gives_each_linears_bits(cuda, K, codebook):
             torch.cuda.synchronize()
             for i, (g, l, d) in enumerate(zip(static, lins, dtypes)):
                 assert torch.equal(g, l(x6, nx, d)), (k, seed, i)
+
+
+def test_a_kernel_loaded_from_the_disk_cache_gives_the_compiled_ones_bits(cuda, monkeypatch,
+                                                                         tmp_path):
+    """exl3_mma._compile on the GPU: a linear's variant compiled through NVRTC leaves its cubin
+    under $STRATA_CACHE/exl3_mma; with the in-memory table cleared (a new process) and NVRTC
+    made to fail, the same call loads that cubin and gives the same bits (and the Triton
+    kernels' — the CUDA kernel really ran: no entry records a failure)."""
+    from torch.cuda import _utils as rtc
+
+    from strata.kernels import exl3_mma
+    monkeypatch.setenv("STRATA_CACHE", str(tmp_path))
+    monkeypatch.setattr(exl3_mma, "ENABLED", True)
+    monkeypatch.setattr(exl3_mma, "_KERNELS", {})
+    g = torch.Generator().manual_seed(91)
+    x = torch.randn(6, 2304, generator=g).to(cuda, torch.bfloat16)
+    tr = trellis_of(2304, 5120, 2.5, seed=92, device=cuda)
+    suh, svh = scales(2304, 93, cuda, scale=2304 ** -0.5), scales(5120, 94, cuda, scale=0.05)
+    first = X.exl3_linear(x, tr, suh, svh, "mul1")
+    assert exl3_mma._KERNELS and not any(isinstance(k, str) for k in exl3_mma._KERNELS.values())
+    assert list((tmp_path / "exl3_mma").glob("*.cubin"))
+
+    def no_nvrtc(*args, **kw):
+        raise RuntimeError("NVRTC must not run: the cubin is on disk")
+    monkeypatch.setattr(rtc, "_nvrtc_compile", no_nvrtc)
+    monkeypatch.setattr(exl3_mma, "_KERNELS", {})
+    again = X.exl3_linear(x, tr, suh, svh, "mul1")
+    assert not any(isinstance(k, str) for k in exl3_mma._KERNELS.values()), exl3_mma._KERNELS
+    assert torch.equal(again, first)
+    monkeypatch.setattr(exl3_mma, "ENABLED", False)
+    assert torch.equal(X.exl3_linear(x, tr, suh, svh, "mul1"), first)
