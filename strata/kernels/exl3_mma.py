@@ -193,8 +193,8 @@ def _compile(name: str, arch: str, options: list[str], rtc=None):
             return rtc._cuda_load_module(entry[1], [entry[0]])[entry[0]]
         except Exception:  # (stale or damaged: compiled again below)
             pass
-    cubin, mangled = rtc._nvrtc_compile(source, name, compute_capability=arch,
-                                        nvcc_options=options)
+    out = rtc._nvrtc_compile(source, name, compute_capability=arch, nvcc_options=options)
+    cubin, mangled = out if isinstance(out, tuple) else (out, name)  # (torch < 2.9: no name)
     write_cubin(path, mangled, cubin)
     return rtc._cuda_load_module(cubin, [mangled])[mangled]
 
