@@ -16,7 +16,7 @@ import subprocess
 
 import pytest
 
-from strata.checkpoint.tiny import default_cache_dir
+from strata.cache import cache_dir
 from strata.model.model import Model
 from tests.serve_helpers import EOS, M, LiveServer
 
@@ -27,7 +27,7 @@ def opencode_bin() -> str:
     npm = shutil.which("npm")
     if npm is None:
         pytest.fail("the OpenCode end-to-end test needs node and npm on PATH")
-    root = default_cache_dir() / "opencode-1.18"
+    root = cache_dir() / "opencode-1.18"
     exe = root / "node_modules" / ".bin" / "opencode"
     if not exe.exists():
         root.mkdir(parents=True, exist_ok=True)

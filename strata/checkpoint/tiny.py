@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from strata.cache import cache_dir
 from strata.checkpoint.encodings import quant_engram_rows, quant_fp4_group, quant_fp8_block
 from strata.checkpoint.safetensors_io import write_safetensors
 from strata.config import ModelConfig
@@ -333,20 +334,11 @@ def make_tiny(out: str | Path, preset: str = "real-vocab", seed: int = 0,
     return out
 
 
-def default_cache_dir() -> Path:
-    """Where generated fixtures and caches live: $STRATA_CACHE, else the XDG cache."""
-    import os
-    env = os.environ.get("STRATA_CACHE")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "strata"
-
-
 def default_model_dir(preset: str = "real-vocab", seed: int = 0) -> Path:
     """The embedded default model: generated on first use, then reused."""
     import shutil
     import tempfile
-    target = default_cache_dir() / "fixtures" / f"{preset}-seed{seed}"
+    target = cache_dir() / "fixtures" / f"{preset}-seed{seed}"
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

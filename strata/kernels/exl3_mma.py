@@ -39,7 +39,6 @@ import ctypes
 import functools
 import hashlib
 import os
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -201,8 +200,8 @@ def _compile(name: str, arch: str, options: list[str], rtc=None):
 
 def cubin_dir() -> Path:
     """$STRATA_CACHE (else the XDG cache)/exl3_mma."""
-    from strata.checkpoint.tiny import default_cache_dir
-    return default_cache_dir() / "exl3_mma"
+    from strata.cache import cache_dir
+    return cache_dir() / "exl3_mma"
 
 
 def cubin_key(source: str, name: str, arch: str, options: list[str]) -> str:
@@ -214,19 +213,9 @@ def cubin_key(source: str, name: str, arch: str, options: list[str]) -> str:
 
 def write_cubin(path: Path, name: str, cubin: bytes) -> None:
     """One file: the kernel's (mangled) name's length (4 bytes, little-endian), the name, the
-    cubin — written to a temporary file and renamed, so a reader sees all of it or none."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(len(name.encode()).to_bytes(4, "little") + name.encode() + cubin)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    except OSError:
-        pass  # (the cache only saves time)
+    cubin (strata.cache.write_cache_file: whole or absent)."""
+    from strata.cache import write_cache_file
+    write_cache_file(path, len(name.encode()).to_bytes(4, "little") + name.encode() + cubin)
 
 
 def read_cubin(path: Path) -> tuple[str, bytes] | None:

@@ -19,8 +19,7 @@ looking but wrong rows. Hence the exact-value tests in ``tests/test_ngram_hash.p
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
+import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ import sympy
 import torch
 from tokenizers import Regex, Tokenizer, normalizers
 
+from strata.cache import cache_dir as strata_cache_dir, write_cache_file
 from strata.errors import ConfigError
 
 # Bumped whenever the class rule in build_token_map changes, so stale caches are not reused.
@@ -98,15 +98,14 @@ def token_map_cached(
     """build_token_map for a tokenizer.json file, cached as .npy keyed by the file's sha256.
 
     Keying on the file content (not its path) means an edited or swapped tokenizer can never
-    reuse a stale map. ``cache_dir=None`` uses ``$XDG_CACHE_HOME/strata`` (or
-    ``~/.cache/strata``). An unwritable cache directory is not an error: the map is just
-    rebuilt next time.
+    reuse a stale map. ``cache_dir=None`` uses strata.cache.cache_dir() (``$STRATA_CACHE``,
+    else ``$XDG_CACHE_HOME/strata`` or ``~/.cache/strata``). An unwritable cache directory is
+    not an error: the map is just rebuilt next time.
     """
     tokenizer_json_path = Path(tokenizer_json_path)
     digest = hashlib.sha256(tokenizer_json_path.read_bytes()).hexdigest()
     if cache_dir is None:
-        cache_root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-        cache_dir = Path(cache_root) / "strata"
+        cache_dir = strata_cache_dir()
     cache_file = Path(cache_dir) / f"engram_token_map-v{_TOKEN_MAP_RULE_VERSION}-{digest}.npy"
 
     if cache_file.is_file():
@@ -119,19 +118,9 @@ def token_map_cached(
                 return token_map, int(token_map.max()) + 1
 
     token_map, num_classes = build_token_map(Tokenizer.from_file(str(tokenizer_json_path)))
-    try:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        # Write to a temporary file and rename, so a concurrent reader never sees half a file.
-        fd, tmp_name = tempfile.mkstemp(dir=cache_file.parent, suffix=".npy.tmp")
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                np.save(handle, token_map, allow_pickle=False)
-            os.replace(tmp_name, cache_file)
-        except BaseException:
-            Path(tmp_name).unlink(missing_ok=True)
-            raise
-    except OSError:
-        pass  # caching is an optimisation only
+    buf = io.BytesIO()
+    np.save(buf, token_map, allow_pickle=False)
+    write_cache_file(cache_file, buf.getvalue())  # (caching is an optimisation only)
     return token_map, num_classes
 
 
