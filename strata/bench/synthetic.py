@@ -445,14 +445,16 @@ def check_fits(cfg: ModelConfig, layers: list[int] | None, device: str, free: in
         f"{gb(reserve)} — but {gb(free)} is free; {hint}")
 
 
-def fit_layers(cfg: ModelConfig, device: str, free: int, **options) -> list[int] | None:
-    """`--layers fit`: the most layers that fit `free` bytes (check_fits' options) as the first
-    k of each half of the model — 0..k−1 and L/2..L/2+k−1, so both halves are timed (V4.1's
-    decoder half, layers 20–39, reads the compressed KV layer 20 builds) — or every layer
-    (None)."""
+def fit_layers(cfg: ModelConfig, device: str, free: int, sizes=None,
+               **options) -> list[int] | None:
+    """`--layers fit`: the most layers that fit `free` bytes (check_fits' options and sizes)
+    as the first k of each half of the model — 0..k−1 and L/2..L/2+k−1, so both halves are
+    timed (V4.1's decoder half, layers 20–39, reads the compressed KV layer 20 builds) — or
+    every layer (None)."""
     from strata.errors import StrataError
-    sizes = device_bytes(cfg, options.get("fmt", "exl3"), options.get("engram", "device"),
-                         options.get("engram_rows", 1 << 20))
+    sizes = sizes or device_bytes(cfg, options.get("fmt", "exl3"),
+                                  options.get("engram", "device"),
+                                  options.get("engram_rows", 1 << 20))
     h = cfg.n_layers // 2
     last = None
     for k in range(h, 0, -1):
@@ -794,7 +796,8 @@ def run(args) -> int:
                       + [n + args.prefill_chunk + 8 for n in lengths])
         free = torch.cuda.mem_get_info(args.device)[0]
         sizing = dict(context=context, fmt=args.fmt, engram=args.engram,
-                      engram_rows=args.engram_rows)
+                      engram_rows=args.engram_rows,
+                      sizes=device_bytes(cfg, args.fmt, args.engram, args.engram_rows))
         if fit:
             layers = fit_layers(cfg, args.device, free, **sizing)
             args.layers = layers_text(layers)
