@@ -525,7 +525,10 @@ def test_bench_merges_an_earlier_peer_run(tmp_path):
     assert data["checks"]["peer_reconstruct_bit_exact"] is False
     target = data["targets"][0]
     assert target["met_linear"] is True and target["met_chain"] is False
-    assert "Targets met with both chained: 0/1." in (tmp_path / "k.md").read_text()
+    md = (tmp_path / "k.md").read_text()
+    assert "Targets met (the whole linear, ours against exllamav3's): 1/1 (1 row 1/1)." in md
+    assert (f"Targets met with both chained: 0/1 (1 row 0/1). Short: smoke K 2.5, 1 row: "
+            f"{row['speedup_chain']:.3f}.") in md
     # the same merge into a run measured earlier (ours while the peer's extension built)
     plain, merged = tmp_path / "plain.json", tmp_path / "merged.json"
     assert bench_main(["--smoke", "--json", str(plain)]) == 0
