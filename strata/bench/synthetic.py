@@ -911,10 +911,10 @@ def run(args) -> int:
             lines.append(f"(Engram layers held: {held_engram} of {engram} — the scaled "
                          f"figures read only the held layers' tables from disk)")
     peak = None
-    if planned is not None:  # (a timed prefill resets the peak: its rows keep theirs)
+    if planned is not None:  # how the plan compares, for the next one-GPU run's sizing
+        # (a timed prefill resets the peak: its rows keep theirs)
         peak = max([torch.cuda.max_memory_allocated(args.device)]
                    + [r["peak_device_bytes"] for r in prefill])
-    if planned is not None:  # (how the plan compares, for the next one-GPU run's sizing)
         lines.append(f"device memory: planned {planned / 1e9:.2f} GB with the reserve "
                      f"(check_fits), peak allocated {peak / 1e9:.2f} GB")
     print("\n".join(lines))
