@@ -59,8 +59,40 @@ def _faster_interpreter() -> None:
     interpreter._patch_lang = patch_lang
 
 
+def _ordered_interpreter_dot() -> None:
+    """The interpreter's tl.dot is numpy's matmul, whose summation order is the BLAS build's
+    and the CPU's: OpenBLAS's AVX2 kernels sum an output element differently by the matrix's
+    width (seen 2026-12-05 on an AMD EPYC without AVX-512, where the fused and GEMM EXL3 paths
+    then differed in the last bit). On the GPU each element of a tl.dot is one MMA chain whose
+    order does not depend on the tile's shape, which is what the kernels' bit-identity tests
+    rely on; so here each element is summed in one order too: the products in the
+    accumulator's dtype, added in ascending k, then added to the accumulator. (A stand-in for
+    the tensor cores' order where no GPU runs; fp8 operands keep the interpreter's own dot.)"""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder, handle = (getattr(interpreter, n, None) for n in ("InterpreterBuilder",
+                                                                "TensorHandle"))
+    original = getattr(builder, "create_dot", None)
+    if original is None or handle is None:
+        return
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if any(t.dtype.primitive_bitwidth == 8 and t.dtype.is_floating() for t in (a, b)):
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        x, y = a.data.astype(d.data.dtype), b.data.astype(d.data.dtype)
+        total = x[..., :, 0, None] * y[..., None, 0, :]
+        for k in range(1, x.shape[-1]):
+            total = total + x[..., :, k, None] * y[..., None, k, :]
+        return handle(total + d.data, d.dtype.scalar)
+
+    builder.create_dot = create_dot
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _faster_interpreter()
+    _ordered_interpreter_dot()
 if os.environ.get("STRATA_RECORD_LAUNCHES"):  # scripts/compile_check.py: record each launch
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
