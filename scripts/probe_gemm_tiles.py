@@ -43,9 +43,10 @@ def gemm(xr, w, y, per, cfg):
         K, cfg = BASE, CONFIGS[0]
     bm, bn, nw, ns = cfg
     grid = (triton.cdiv(xr.shape[0], bm), w.shape[1] // bn)
-    return K._gemm_kernel[grid](xr, w, y, xr.shape[0], xr.shape[1] // X.BLOCK_K, per, xr.stride(0),
-                         w.stride(0), y.stride(0), BM=bm, BN=bn, BK=X.BLOCK_K,
-                         JOIN_B=X._join_b(xr), num_warps=nw, num_stages=ns)
+    return K._gemm_kernel[grid](xr, w, y, xr.shape[0], xr.shape[1] // X.BLOCK_K, per,
+                                xr.stride(0), w.stride(0), y.stride(0), BM=bm, BN=bn,
+                                BK=X.BLOCK_K, JOIN_B=X._join_b(xr), num_warps=nw,
+                                num_stages=ns)
 
 
 def main():
