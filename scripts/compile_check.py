@@ -47,7 +47,12 @@ def record_launches(path: str) -> None:
                      if "constexpr" in str(a)}
         values = dict(zip(self.arg_names, args))
         values.update({k: v for k, v in kwargs.items() if k in self.arg_names})
-        sig, consts = {}, {}
+        # A GPU launch specialises what it is given (Triton's JIT): a pointer or integer
+        # divisible by 16 compiles as such (vector loads, cp.async, software pipelining: the
+        # shared memory a kernel takes), an integer 1 as a constant — except do_not_specialize's
+        fixed = {self.arg_names[a] if isinstance(a, int) else a
+                 for a in self.kwargs.get("do_not_specialize") or ()}
+        sig, consts, aligned = {}, {}, []
         for name in self.arg_names:
             v = values.get(name)
             if name in constexpr:
@@ -57,10 +62,16 @@ def record_launches(path: str) -> None:
                 sig[name] = "constexpr"
             elif isinstance(v, torch.Tensor):
                 sig[name] = "*" + _TORCH_TYPES[str(v.dtype).removeprefix("torch.")]
+                if name not in fixed and v.data_ptr() % 16 == 0:
+                    aligned.append(name)
             elif isinstance(v, bool):
                 sig[name] = "i1"
+            elif isinstance(v, int) and v == 1 and name not in fixed:
+                sig[name], consts[name] = "constexpr", 1
             elif isinstance(v, int):
                 sig[name] = "i32" if -2 ** 31 <= v < 2 ** 31 else "i64"
+                if name not in fixed and v % 16 == 0:
+                    aligned.append(name)
             elif isinstance(v, float):
                 sig[name] = "fp32"
             else:
@@ -68,7 +79,8 @@ def record_launches(path: str) -> None:
         opts = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
         with open(path, "a") as f:
             f.write(json.dumps({"module": fn.__module__, "name": fn.__name__, "sig": sig,
-                                "constexprs": consts, "options": opts}) + "\n")
+                                "constexprs": consts, "aligned": aligned,
+                                "options": opts}) + "\n")
         return original(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = run
@@ -105,9 +117,11 @@ SHARED_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100:
 _GPU_SWITCHES = ("ASM", "ON_GPU", "LIBDEVICE")
 
 
-def gpu_forms(name: str, sig: dict, consts: dict) -> list[tuple[dict, dict]]:
-    """(signature, constexprs) of what a GPU launches in place of a recorded interpreted launch
-    — the launch itself first."""
+def gpu_forms(name: str, sig: dict, consts: dict, arch: int = 90) -> list[tuple[dict, dict]]:
+    """(signature, constexprs) of what a GPU of compute capability `arch` launches in place of
+    a recorded interpreted launch — the launch itself first."""
+    if "JOIN_B" in consts:  # (the EXL3 GEMM joins Ŵ where tl.dot is mma.sync: off sm_90)
+        consts = {**consts, "JOIN_B": arch != 90}
     forms = [(sig, consts)]
     switched = {k: True for k in _GPU_SWITCHES if consts.get(k) is False}
     if switched:
@@ -136,7 +150,7 @@ def compile_all(path: str, arch: int, regs: bool = False, limit: int | None = No
         launches = [json.loads(line) for line in f]
     for la in launches:
         kernel = getattr(importlib.import_module(la["module"]), la["name"])
-        for sig, recorded in gpu_forms(la["name"], la["sig"], la["constexprs"]):
+        for sig, recorded in gpu_forms(la["name"], la["sig"], la["constexprs"], arch):
             consts = {k: tl.dtype(v["tl.dtype"]) if isinstance(v, dict) else v
                       for k, v in recorded.items()}
             forms = [(consts, la["options"])]
@@ -144,12 +158,14 @@ def compile_all(path: str, arch: int, regs: bool = False, limit: int | None = No
                 forms.append(({**consts, "PDL": True}, {**la["options"], "launch_pdl": True}))
             for c, options in forms:
                 key = json.dumps([la["module"], la["name"], sig, recorded, c.get("PDL"),
-                                  options], sort_keys=True)
+                                  options, la.get("aligned", [])], sort_keys=True)
                 if key in seen:
                     continue
                 seen.add(key)
                 shown = {k: v for k, v in c.items() if not isinstance(v, tl.dtype)}
-                src = ASTSource(fn=kernel, signature=sig, constexprs=c)
+                names = list(sig)
+                attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in la.get("aligned", ())}
+                src = ASTSource(fn=kernel, signature=sig, constexprs=c, attrs=attrs)
                 try:
                     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                                               options=options)
