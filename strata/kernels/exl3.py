@@ -465,7 +465,10 @@ if triton is not None:
                                   bias_ptr, out_ptr + wset * so_set + srows * so_row, n_out,
                                   inv, HAS_BIAS, FR)
 
-    @triton.jit
+    # per_split never a constant: with a 1 (wkv's and wo_a's schedules) the split-end branch
+    # folds away and Triton's combine pass turns `total + tl.dot(a, b, 0)` into
+    # `tl.dot(a, b, total)` — the chain summed onto the total, other bits (session 43)
+    @triton.jit(do_not_specialize=["per_split"])
     def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, k_steps, per_split, sx_row, sw_row, sy_row,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      JOIN_B: tl.constexpr):
@@ -483,20 +486,24 @@ if triton is not None:
         b_off2 = offs_k[:, None] * sw_row + (nb * BN + 2 * tl.arange(0, BN // 2))[None, :]
         a_base = x_ptr + (mb * BM).to(tl.int64) * sx_row
         b_base = w_ptr
+        # One loop over all k-steps, each split's chain added to the total where it ends: a
+        # loop per split (1–2 k-steps for the narrow weights) restarts Triton's software
+        # pipeline every split (wq_a, wkv at 210–270 TFLOPS on an H100, session 42)
         total = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(0, k_steps, per_split):
-            part = tl.zeros([BM, BN], dtype=tl.float32)
-            for ks in range(k0, tl.minimum(k0 + per_split, k_steps)):
-                a = tl.load(a_base + a_off, mask=rmask[:, None], other=0.0)
-                if JOIN_B:  # Ŵ's column pairs joined, as the decode assembles its block
-                    b0 = tl.load(b_base + b_off2)
-                    b = tl.reshape(tl.join(b0, tl.load(b_base + b_off2 + 1)), [BK, BN])
-                else:
-                    b = tl.load(b_base + b_off)
-                part = tl.dot(a, b, part)
-                a_base += BK
-                b_base += BK * sw_row
-            total = total + part
+        part = tl.zeros([BM, BN], dtype=tl.float32)
+        for ks in range(0, k_steps):
+            a = tl.load(a_base + a_off, mask=rmask[:, None], other=0.0)
+            if JOIN_B:  # Ŵ's column pairs joined, as the decode assembles its block
+                b0 = tl.load(b_base + b_off2)
+                b = tl.reshape(tl.join(b0, tl.load(b_base + b_off2 + 1)), [BK, BN])
+            else:
+                b = tl.load(b_base + b_off)
+            part = tl.dot(a, b, part)
+            a_base += BK
+            b_base += BK * sw_row
+            if (ks + 1) % per_split == 0 or ks + 1 == k_steps:  # a split ends
+                total = total + part
+                part = tl.zeros([BM, BN], dtype=tl.float32)
         tl.store(y_ptr + rows.to(tl.int64)[:, None] * sy_row + (nb * BN + tl.arange(0, BN))[None, :],
                  total, mask=rmask[:, None])
 
