@@ -426,6 +426,44 @@ print(json.dumps({"dot": [X.dot_order(c) for c in caps], "gemm": [gemm(120), gem
         assert order == "mma.sync kWidth 4"
 
 
+def test_the_gemms_split_sums_stay_adds_when_a_split_is_one_step():
+    """wkv's and wo_a's schedules give the prefill GEMM splits of one k-step. Compiled for
+    sm_90 as a launch compiles it (per_split = 1 as given, pointers and row strides aligned),
+    each split's chain must still be added to the total by its own add: Triton's launcher
+    makes an integer 1 a constant unless told not to, and with a constant 1 its combine pass
+    folds `total + tl.dot(a, b, 0)` into `tl.dot(a, b, total)` — other bits than the decode
+    kernels' (session 43, on the device). No GPU needed; a process without the interpreter."""
+    import subprocess
+    import sys
+    script = """
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from strata.kernels import exl3 as X
+fixed = set(X._gemm_kernel.do_not_specialize)
+names = X._gemm_kernel.arg_names
+consts = dict(BM=X.GEMM_BLOCK_M, BN=X.GEMM_BLOCK_N, BK=X.BLOCK_K, JOIN_B=False)
+if "per_split" not in fixed and names.index("per_split") not in fixed:
+    consts["per_split"] = 1  # (what the launcher makes of a 1)
+sig = {n: "constexpr" if n in consts else "*fp16" if n in ("x_ptr", "w_ptr") else
+       "*fp32" if n == "y_ptr" else "i32" for n in names}
+attrs = {(names.index(n),): [["tt.divisibility", 16]]
+         for n in ("x_ptr", "w_ptr", "y_ptr", "sx_row", "sw_row", "sy_row")}
+c = triton.compile(ASTSource(fn=X._gemm_kernel, signature=sig, constexprs=consts, attrs=attrs),
+                   target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=X.GEMM_NUM_WARPS, num_stages=X.GEMM_NUM_STAGES))
+ttgir = c.asm["ttgir"]
+print(json.dumps({"dots": ttgir.count("warp_group_dot "), "adds": ttgir.count("arith.addf")}))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # (silences Triton 3.9's notice; options set it)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["dots"] >= 1 and got["adds"] >= 1, got
+
+
 def test_cuda_order_reason_asks_once_and_never_inside_a_capture(monkeypatch):
     """The CUDA kernel's gate on a GPU (mocked: no GPU here — the capability, the lowering and
     the probe are stand-ins; the GPU suite runs the probe): Hopper needs nothing; elsewhere
