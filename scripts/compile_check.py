@@ -164,7 +164,8 @@ def compile_all(path: str, arch: int, regs: bool = False, limit: int | None = No
                 seen.add(key)
                 shown = {k: v for k, v in c.items() if not isinstance(v, tl.dtype)}
                 names = list(sig)
-                attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in la.get("aligned", ())}
+                attrs = {(names.index(n),): [["tt.divisibility", 16]]
+                         for n in la.get("aligned", ())}
                 src = ASTSource(fn=kernel, signature=sig, constexprs=c, attrs=attrs)
                 try:
                     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),

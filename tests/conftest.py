@@ -6,8 +6,8 @@ import os
 os.environ.setdefault("ATEN_CPU_CAPABILITY", "default")  # before torch: see strata/__init__.py
 # A pytest-xdist worker (the README's `pytest -n 2`) keeps to one intra-op thread, and so do the
 # processes its tests start: two workers of two threads each on CI's two cores spin against each
-# other (session 43, 2 cores: the suite took 17.5 min serial with two threads, 9.4 min as two
-# workers of one thread).
+# other (session 43, 2 cores: the suite took 17.5 min serial with two threads, 9.4–9.8 min as
+# two workers of one thread).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
