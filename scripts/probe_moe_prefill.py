@@ -3,7 +3,7 @@ random routing; V4.1's expert shapes at the synthetic mix: gate + up K 2.5 mul1,
 3inst): the CUDA prefill kernel (exl3_mma.moe_prefill, tiles of PREFILL_TILE_M pairs) against
 the Triton split loop (tiles of exl3.MOE_LOOP_BLOCK_M, as session 15 measured: 64 with the
 register cap), for tiles of 64–128 pairs and register bounds of 1–2 programs an SM, and the
-products on wgmma (session 37) — ms
+products on wgmma (session 37; tiles of 96 and 128 pairs on it: session 44) — ms
 per call (CUDA events, median of 5 after a warm-up; the rotate_in and, for Triton, the
 rotate_out launches included; PROFILE=1: also each kernel's time) and whether they give the
 same bits. Session 15's prefill profile put 39 % of a chunk in these calls.
@@ -78,7 +78,9 @@ variants = [("triton split loop", False, 64, 2, False),
             ("cuda prefill tm64 minb2", True, 64, 2, False),
             ("cuda prefill tm64 minb2 wgmma", True, 64, 2, True),
             ("cuda prefill tm96 minb1", True, 96, 1, False),
-            ("cuda prefill tm128 minb1", True, 128, 1, False)]
+            ("cuda prefill tm128 minb1", True, 128, 1, False),
+            ("cuda prefill tm96 minb1 wgmma", True, 96, 1, True),
+            ("cuda prefill tm128 minb1 wgmma", True, 128, 1, True)]
 for name, cuda, tm, minb, wg in variants:
     if os.environ.get("ONLY", "") not in name:
         continue

@@ -311,7 +311,9 @@ def test_prefill_wgmma_staging_and_descriptors():
     stride 1,024, swizzle mode 1 (128 bytes), and reading it as the PTX ISA defines the 128-byte
     swizzled K-major layout — row n, 16-byte chunk h of the step at start + 128n + 16h (8-row
     groups a stride apart), address bits 4–6 XORed with bits 7–9 — gives row n's k values
-    16kk + 8h … + 7 (the chunk 2kk + h) for every row, k16 step and stage. (The layout's
+    16kk + 8h … + 7 (the chunk 2kk + h) for every row, k16 step and stage; the instructions
+    of wgmma<NQ> (64, 32 or 16 rows, each from its own row's start) read every row of the
+    first 16·NQ once, in order. (The layout's
     definition is read from the ISA, not checked against hardware here: the GPU test does.)"""
     TM = exl3_mma.PREFILL_TILE_M
     XS = TM * 256
@@ -340,6 +342,21 @@ def test_prefill_wgmma_staging_and_descriptors():
                         logical = start + (n // 8) * 1024 + (n % 8) * 128 + 16 * h
                         physical = logical ^ (((logical >> 7) & 7) << 4)
                         assert staged[physical - addr] == (n, 2 * kk + h)
+                # wgmma<NQ>'s instructions (64 rows each, then 32, then 16) from q·16 rows on
+                # at desc + q·128: every row 0 … 16·NQ − 1 read once, as the rows above
+                for NQ in range(1, TM // 16 + 1):
+                    n64 = NQ // 4 * 4
+                    parts = [(q, 4) for q in range(0, n64, 4)]
+                    parts += [(n64, 2)] if NQ - n64 >= 2 else []
+                    parts += [(NQ - 1, 1)] if (NQ - n64) % 2 else []
+                    rows = []
+                    for q, size in parts:
+                        start_q = ((desc + q * 128) & 0x3FFF) << 4
+                        for n in range(16 * size):
+                            logical = start_q + (n // 8) * 1024 + (n % 8) * 128
+                            physical = logical ^ (((logical >> 7) & 7) << 4)
+                            rows.append(staged[physical - addr][0])
+                    assert rows == list(range(16 * NQ))
 
 
 class _FakeRTC:

@@ -721,8 +721,8 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
 #if NW != 8 || RG % 2 || RG < 2
 #error "exl3_mma_prefill: NW = 8 and an even RG"
 #endif
-#if WG && RG > 8
-#error "exl3_mma_prefill: wgmma for tiles of at most 64 rows"
+#if RG > 16
+#error "exl3_mma_prefill: tiles of at most 128 rows"
 #endif
 
 // B fragments of two groups of 8 rows for one k16 step: lanes 8m … 8m + 7 address the 8 rows
@@ -765,11 +765,11 @@ __device__ __forceinline__ unsigned long long x_desc(u32 lo, int kk) {
     return ((unsigned long long)HI << 32) | (lo + (((kk >> 2) * (TM * 128) + (kk & 3) * 32) >> 4));
 }
 
-// acc[0 … 2·NQ − 1] += Â·x'ᵀ for one k16 step (scale-d 1: accumulate; A, B not negated, B not
-// transposed: K-major as stored)
+// c[0 … 2·NQ − 1] += Â·x'ᵀ for one k16 step and 16·NQ rows, NQ 1, 2 or 4: one instruction
+// (scale-d 1: accumulate; A, B not negated, B not transposed: K-major as stored)
 template <int NQ>
-__device__ __forceinline__ void wgmma(float (&c)[RG][4], const u32 (&a)[4],
-                                      unsigned long long desc) {
+__device__ __forceinline__ void wgmma_one(float (*c)[4], const u32 (&a)[4],
+                                          unsigned long long desc) {
     const u32 one = 1;
     if constexpr (NQ == 1) {
         asm volatile(
@@ -808,6 +808,19 @@ __device__ __forceinline__ void wgmma(float (&c)[RG][4], const u32 (&a)[4],
               "+f"(c[7][0]), "+f"(c[7][1]), "+f"(c[7][2]), "+f"(c[7][3])
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(one));
     }
+}
+
+// acc[0 … 2·NQ − 1] += Â·x'ᵀ for one k16 step, NQ 1 … RG / 2: instructions of 64 rows, then
+// one of 32 and one of 16 as NQ needs (each row's products are one instruction's, so the
+// bits do not depend on how the rows are cut). Rows 16·q on start at q·16·128 bytes.
+template <int NQ>
+__device__ __forceinline__ void wgmma(float (&c)[RG][4], const u32 (&a)[4],
+                                      unsigned long long desc) {
+    constexpr int N64 = NQ / 4 * 4;  // rows in instructions of 64
+#pragma unroll
+    for (int q = 0; q < N64; q += 4) wgmma_one<4>(&c[2 * q], a, desc + q * 128);
+    if constexpr (NQ - N64 >= 2) wgmma_one<2>(&c[2 * N64], a, desc + N64 * 128);
+    if constexpr ((NQ - N64) % 2) wgmma_one<1>(&c[2 * (NQ - 1)], a, desc + (NQ - 1) * 128);
 }
 
 // Pins: the compiler sees neither wgmma's late reads of its A registers nor its late writes of
@@ -1024,14 +1037,15 @@ exl3_mma_prefill(const unsigned short* __restrict__ xr, const u32* __restrict__ 
     const int nq = (nv + 15) >> 4;  // (uniform)
 #define PREFILL_ARGS xr, trellis, svh, out, rows, n_tiles, sxr, sx_set, str_exp, str_set, \
     ssvh_e, ssvh_set, so, so_set, n_out, k_steps, per_split, row_words, inv_d, e, nv
-#define AT_MOST_HALF_RG(n) ((n) < RG / 2 ? (n) : RG / 2)
-    // (copies for 1, 2, 4 and RG / 2 pairs of groups; a condition false for this RG drops
-    // its copy at compile time)
-    if (nq <= 1) prefill_block<1>(PREFILL_ARGS);
-    else if (nq <= 2 && RG / 2 > 2) prefill_block<AT_MOST_HALF_RG(2)>(PREFILL_ARGS);
-    else if (nq <= 4 && RG / 2 > 4) prefill_block<AT_MOST_HALF_RG(4)>(PREFILL_ARGS);
-    else prefill_block<RG / 2>(PREFILL_ARGS);
-#undef AT_MOST_HALF_RG
+    // a copy for each count of pairs of groups, 1 … RG / 2 (the first copy at RG / 2 returns
+    // unconditionally: the ones after it are unreachable and dropped at compile time)
+#define COPY(n) \
+    if ((n) >= RG / 2 || nq <= (n)) { \
+        prefill_block<((n) < RG / 2 ? (n) : RG / 2)>(PREFILL_ARGS); \
+        return; \
+    }
+    COPY(1) COPY(2) COPY(3) COPY(4) COPY(5) COPY(6) COPY(7) COPY(8)
+#undef COPY
 #undef PREFILL_ARGS
 }
 #endif  // PF

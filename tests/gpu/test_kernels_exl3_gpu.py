@@ -496,33 +496,36 @@ def test_the_mma_kernels_moe_gives_the_triton_kernels_bits(cuda, monkeypatch, K,
     assert all(torch.equal(p, q) for p, q in zip(got, ref))
 
 
+@pytest.mark.parametrize("tile", [64, 128])
 @pytest.mark.parametrize("wgmma", [False, True], ids=["mma_sync", "wgmma"])
 @pytest.mark.parametrize("K,codebook", [(2, "3inst"), (2.5, "mul1"), (3, "mcg"), (4, "mul1"),
                                         (6, "mul1")])
 def test_the_prefill_kernel_gives_the_triton_split_loops_bits(cuda, monkeypatch, K, codebook,
-                                                              wgmma):
+                                                              wgmma, tile):
     """exl3_moe_linear above exl3_mma.MAX_PAIRS pairs on the CUDA prefill kernel (tiles of
-    PREFILL_TILE_M pairs, x' staged in shared memory, each program running all splits of its
-    block; its products on mma.sync or on wgmma) against the Triton split loop, bit for bit:
-    gate + up (two sets, one input per token) and down (one input per pair), fp32 and bf16
-    outputs, over 5 experts with 40–90 pairs each — full and partial tiles, two for two
-    experts, tiles that run each of the kernel's loop copies (1, 2 and 4 pairs of 8-row
-    groups) — and against each pair's own single linear."""
+    PREFILL_TILE_M pairs — 64 at two programs an SM, 128 at one — x' staged in shared memory,
+    each program running all splits of its block; its products on mma.sync or on wgmma)
+    against the Triton split loop, bit for bit: gate + up (two sets, one input per token) and
+    down (one input per pair), fp32 and bf16 outputs, over 8 experts with 20–130 pairs each —
+    full and partial tiles, several for one expert, a tile for each of the kernel's copies
+    (1 … TM / 16 pairs of 8-row groups: wgmma's instructions of 64, 32 and 16 rows in every
+    combination) — and against each pair's own single linear."""
     from strata.kernels import exl3_mma
     monkeypatch.setattr(exl3_mma, "PREFILL_WGMMA", wgmma)
-    E, T, k = 5, 100, 3
+    monkeypatch.setattr(exl3_mma, "PREFILL_TILE_M", tile)
+    monkeypatch.setattr(exl3_mma, "PREFILL_MIN_BLOCKS", 2 if tile == 64 else 1)
+    counts = [130, 112, 96, 80, 64, 48, 32, 20]
+    E, k = len(counts), 3
+    T = sum(counts) // k
     sets, down = expert_sets(K, E, 190, cuda)
     g = torch.Generator().manual_seed(199)
-    # expert 0: slot 0 of 90 tokens (tiles of 64 and 26 pairs), expert 1: slot 0 of the
-    # other 10 and slot 1 of 60 (64 and 6), experts 2–4 the other 140 slots (~47 each)
-    rest = torch.stack([2 + torch.randperm(3, generator=g)[:2] for _ in range(T)])
-    idx = torch.empty(T, k, dtype=torch.long)
-    idx[:90, 0], idx[90:, 0], idx[:60, 1] = 0, 1, 1
-    idx[60:, 1], idx[:, 2] = rest[60:, 0], rest[:, 1]
-    idx = idx.to(cuda)
-    counts = torch.bincount(idx.reshape(-1), minlength=E)
-    assert counts[:2].tolist() == [90, 70] and exl3_mma.PREFILL_TILE_M == 64
-    assert T * k > exl3_mma.MAX_PAIRS
+    # the pairs in expert order, slot by slot: an expert's ≤ 130 < T pairs fall on distinct
+    # tokens, so no token picks an expert twice
+    flat = torch.repeat_interleave(torch.arange(E), torch.tensor(counts))
+    idx = flat.view(k, T).t().contiguous().to(cuda)
+    tiles = [n for c in counts for n in [tile] * (c // tile) + [c % tile] * (c % tile > 0)]
+    assert {(n + 15) // 16 for n in tiles} == set(range(1, tile // 16 + 1))
+    assert T * k == sum(counts) > exl3_mma.MAX_PAIRS
     x = torch.randn(T, 5120, generator=g).to(cuda, torch.bfloat16)
     a = torch.randn(T, k, 2304, generator=g).to(cuda, torch.bfloat16)
 
@@ -535,7 +538,8 @@ def test_the_prefill_kernel_gives_the_triton_split_loops_bits(cuda, monkeypatch,
         got_down, ref_down = both(a, idx, down, out_dtype)
         assert torch.equal(i16(got_down[0]), i16(ref_down[0])), out_dtype
     monkeypatch.setattr(exl3_mma, "ENABLED", True)
-    for t, s in ((0, 0), (57, 1), (89, 0), (95, 0), (99, 2)):  # (89, 95: second tiles)
+    # (129: expert 0's last pair; 150: expert 1; (100, 1): expert 2; (193, 2): expert 7)
+    for t, s in ((0, 0), (129, 0), (150, 0), (100, 1), (193, 2)):
         e = int(idx[t, s])
         one = X.exl3_linear(x[t:t + 1], sets[1][0][e], sets[1][1][e], sets[1][2][e], codebook,
                             out_dtype=torch.bfloat16)
