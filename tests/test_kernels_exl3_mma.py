@@ -303,7 +303,8 @@ def test_launch_structures_match_the_driver_abi():
             C.n_attrs.offset, ctypes.sizeof(C)) == (0, 12, 24, 32, 40, 48, 56)
 
 
-def test_prefill_wgmma_staging_and_descriptors():
+@pytest.mark.parametrize("TM", [64, 128])
+def test_prefill_wgmma_staging_and_descriptors(TM):
     """exl3_mma_prefill's x' tile for wgmma (WG 1), transcribed: chunk c = tid + 256j is row
     r = c / 16, 16-byte column cc = c % 16, stored in half cc / 8's region (TM rows of 128
     bytes) at chunk (cc % 8) ^ (r % 8); the B descriptor of k16 step kk (x_desc_lo, x_desc).
@@ -314,8 +315,8 @@ def test_prefill_wgmma_staging_and_descriptors():
     16kk + 8h … + 7 (the chunk 2kk + h) for every row, k16 step and stage; the instructions
     of wgmma<NQ> (64, 32 or 16 rows, each from its own row's start) read every row of the
     first 16·NQ once, in order. (The layout's
-    definition is read from the ISA, not checked against hardware here: the GPU test does.)"""
-    TM = exl3_mma.PREFILL_TILE_M
+    definition is read from the ISA, not checked against hardware here: the GPU test does.)
+    For tiles of 64 pairs (the default) and of 128 (the most the kernel takes)."""
     XS = TM * 256
     staged = {}
     for tid in range(256):
