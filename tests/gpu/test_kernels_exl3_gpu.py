@@ -496,10 +496,14 @@ def test_the_mma_kernels_moe_gives_the_triton_kernels_bits(cuda, monkeypatch, K,
     assert all(torch.equal(p, q) for p, q in zip(got, ref))
 
 
-@pytest.mark.parametrize("tile", [64, 128])
-@pytest.mark.parametrize("wgmma", [False, True], ids=["mma_sync", "wgmma"])
-@pytest.mark.parametrize("K,codebook", [(2, "3inst"), (2.5, "mul1"), (3, "mcg"), (4, "mul1"),
-                                        (6, "mul1")])
+# every K / codebook on tiles of 64 pairs (the default); tiles of 128 (not a default: three
+# cases, each a compile of its own) on both MMA forms
+@pytest.mark.parametrize("K,codebook,wgmma,tile", [
+    (K, cb, wg, 64) for K, cb in [(2, "3inst"), (2.5, "mul1"), (3, "mcg"), (4, "mul1"),
+                                  (6, "mul1")] for wg in (False, True)
+] + [(2, "3inst", False, 128), (2.5, "mul1", True, 128), (3, "mcg", True, 128)],
+    ids=lambda v: {False: "mma_sync", True: "wgmma"}.get(v, None) if isinstance(v, bool)
+    else None)
 def test_the_prefill_kernel_gives_the_triton_split_loops_bits(cuda, monkeypatch, K, codebook,
                                                               wgmma, tile):
     """exl3_moe_linear above exl3_mma.MAX_PAIRS pairs on the CUDA prefill kernel (tiles of
