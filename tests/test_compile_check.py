@@ -65,15 +65,11 @@ def test_a_launch_past_the_targets_shared_memory_fails(tmp_path):
     held to 1 KiB, each form is a failure named with its bytes, and the exit status says so."""
     path = tmp_path / "launches.jsonl"
     path.write_text("".join(json.dumps(la) + "\n" for la in (HC_MIX, INDEX_SCORES)))
-
-    def run(*extra):
-        return _compile_check(path, *extra)
-
-    fits = run()
+    fits = _compile_check(path)
     assert fits.returncode == 0, fits.stdout[-3000:] + fits.stderr[-3000:]
     # hc_mix with and without early launch; the scores in their three products
     assert "5 distinct launches of 2 kernels compiled for sm_120: 0 failed" in fits.stdout
-    tight = run("--shared-limit=1024")
+    tight = _compile_check(path, "--shared-limit=1024")
     assert tight.returncode == 1
     failed = [line for line in tight.stdout.splitlines() if line.startswith("FAILED")]
     assert len(failed) == 5 and all("more than a block may have (1024 B)" in f for f in failed)
