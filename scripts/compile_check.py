@@ -247,7 +247,8 @@ def compile_cuda(nvrtc: str, arch: int, sass: bool = False) -> int:
             continue  # wgmma: the prefill kernel's option, on sm_90a only (_prefill_key)
         target = f"{arch}a" if WG else f"{arch}"  # (wgmma: the arch-specific target)
         opts = exl3_mma._options(K2, CB, OT, BT, R16, G, NW, PF, rg if PF else 0,
-                                 exl3_mma.PREFILL_MIN_BLOCKS if PF else 0, RS, WG) \
+                                 exl3_mma.PREFILL_MIN_BLOCKS if PF else 0, RS, WG,
+                                 exl3_mma.PREFILL_WG_DEPTH if WG else 1) \
             + [f"--gpu-architecture=compute_{target}"]
         prog = ctypes.c_void_p()
         lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"exl3_mma.cu", 0, None, None)
@@ -288,7 +289,7 @@ def compile_cuda(nvrtc: str, arch: int, sass: bool = False) -> int:
             regs = [a for a, _ in info if a]
             spills = [b for _, b in info if b]
             print(f"exl3_mma K2={K2} CB={CB} OT={OT} BT={BT} R16={R16} G={G} NW={NW} PF={PF} "
-                  f"RS={RS}{f' WG={WG}' if PF else ''}: "
+                  f"RS={RS}{f' WG={WG} WD={exl3_mma.PREFILL_WG_DEPTH if WG else 1}' if PF else ''}: "
                   f"{regs[0]} registers, "
                   f"{spills[0] if spills else 0} bytes spilled{loop}", flush=True)
     print(f"exl3_mma.cu compiled for sm_{arch}: {failures} failed")

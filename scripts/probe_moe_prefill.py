@@ -71,24 +71,29 @@ def kernels(fn) -> dict:
 
 results = {}
 defaults = (X.exl3_mma.ENABLED, X.exl3_mma.PREFILL_TILE_M, X.exl3_mma.PREFILL_MIN_BLOCKS,
-            getattr(X.exl3_mma, "PREFILL_WGMMA", False))
-# (name, CUDA kernels on, prefill tile, programs an SM, wgmma); ONLY=substring to run a subset
-# (session 16 also measured tiles of 32 pairs with 2 and 3 programs an SM: slower than 64)
-variants = [("triton split loop", False, 64, 2, False),
-            ("cuda prefill tm64 minb2", True, 64, 2, False),
-            ("cuda prefill tm64 minb2 wgmma", True, 64, 2, True),
-            ("cuda prefill tm96 minb1", True, 96, 1, False),
-            ("cuda prefill tm128 minb1", True, 128, 1, False),
-            ("cuda prefill tm96 minb1 wgmma", True, 96, 1, True),
-            ("cuda prefill tm128 minb1 wgmma", True, 128, 1, True)]
-for name, cuda, tm, minb, wg in variants:
+            getattr(X.exl3_mma, "PREFILL_WGMMA", False), getattr(X.exl3_mma, "PREFILL_WG_DEPTH", 1))
+# (name, CUDA kernels on, prefill tile, programs an SM, wgmma, tiles decoded before their wgmmas);
+# ONLY=substring to run a subset (session 16 also measured tiles of 32 pairs with 2 and 3 programs
+# an SM: slower than 64; session 45 tiles of 128 with 4 decoded at a time: no faster than 2)
+variants = [("triton split loop", False, 64, 2, False, 1),
+            ("cuda prefill tm64 minb2", True, 64, 2, False, 1),
+            ("cuda prefill tm96 minb1", True, 96, 1, False, 1),
+            ("cuda prefill tm128 minb1", True, 128, 1, False, 1),
+            ("cuda prefill tm64 minb2 wgmma wd1", True, 64, 2, True, 1),
+            ("cuda prefill tm64 minb2 wgmma wd2", True, 64, 2, True, 2),
+            ("cuda prefill tm96 minb1 wgmma wd2", True, 96, 1, True, 2),
+            ("cuda prefill tm128 minb1 wgmma wd1", True, 128, 1, True, 1),
+            ("cuda prefill tm128 minb1 wgmma wd2", True, 128, 1, True, 2)]
+for name, cuda, tm, minb, wg, wd in variants:
     if os.environ.get("ONLY", "") not in name:
         continue
     if wg and not hasattr(X.exl3_mma, "PREFILL_WGMMA"):
         continue  # (a tree from before the wgmma variant)
+    if wd > 1 and not hasattr(X.exl3_mma, "PREFILL_WG_DEPTH"):
+        continue  # (a tree from before the decode depth)
     X.exl3_mma.ENABLED = cuda
     X.exl3_mma.PREFILL_TILE_M, X.exl3_mma.PREFILL_MIN_BLOCKS = tm, minb
-    X.exl3_mma.PREFILL_WGMMA = wg
+    X.exl3_mma.PREFILL_WGMMA, X.exl3_mma.PREFILL_WG_DEPTH = wg, wd
     up = lambda: X.exl3_moe_linear(x, idx, [w1, w3], "mul1", I, torch.bfloat16)
     down = lambda: X.exl3_moe_linear(a, idx, [w2], "3inst", D, torch.bfloat16)
     results[name] = up() + down()
@@ -99,7 +104,7 @@ for name, cuda, tm, minb, wg in variants:
         out[f"{name} gate+up kernels"] = kernels(up)
         print("  ", out[f"{name} gate+up kernels"], flush=True)
 (X.exl3_mma.ENABLED, X.exl3_mma.PREFILL_TILE_M, X.exl3_mma.PREFILL_MIN_BLOCKS,
- X.exl3_mma.PREFILL_WGMMA) = defaults
+ X.exl3_mma.PREFILL_WGMMA, X.exl3_mma.PREFILL_WG_DEPTH) = defaults
 first = next(iter(results.values()))
 same = all(torch.equal(p, q) for r in results.values() for p, q in zip(first, r))
 out["every variant bit-identical"] = same

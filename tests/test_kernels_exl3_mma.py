@@ -239,7 +239,10 @@ def test_the_prefill_kernels_wgmma_form_is_its_own_variant(monkeypatch):
     monkeypatch.setattr(exl3_mma, "PREFILL_WGMMA", True)
     wg = exl3_mma._prefill_key(5, 2, torch.bfloat16, 0)
     assert base != wg
-    assert "-DWG=0" in exl3_mma._options(*base[:-1]) and "-DWG=1" in exl3_mma._options(*wg[:-1])
+    assert {"-DWG=0", "-DWD=1"} <= set(exl3_mma._options(*base[:-1]))
+    assert {"-DWG=1", f"-DWD={exl3_mma.PREFILL_WG_DEPTH}"} <= set(exl3_mma._options(*wg[:-1]))
+    monkeypatch.setattr(exl3_mma, "PREFILL_WG_DEPTH", 4)  # (how many tiles decode at once)
+    assert exl3_mma._prefill_key(5, 2, torch.bfloat16, 0) not in (base, wg)
     assert exl3_mma._arch(base[11]) is None and exl3_mma._arch(wg[11]) == "90a"
     assert exl3_mma._prefill_key(5, 2, torch.bfloat16, 1)[11] == 0
     assert exl3_mma.prefill_shared(5, wg[11]) == exl3_mma.prefill_shared(5) + 1024

@@ -10,8 +10,8 @@
 // OT (out: 0 fp32, 1 bf16, 2 fp16), BT (bias: -1 none, else as OT),
 // R16 (1: up to 16 rows; 0: up to 8 — one n8 group of x' rows),
 // PF (1: the prefill kernel exl3_mma_prefill below, with RG groups of 8 rows and at least MINB
-// programs an SM — its register bound, its MMAs wgmma where WG is 1 (sm_90a), else mma.sync;
-// 0: exl3_mma_linear),
+// programs an SM — its register bound, its MMAs wgmma where WG is 1 (sm_90a; WD tiles decoded
+// before their wgmmas are issued), else mma.sync; 0: exl3_mma_linear),
 // G (1: grouped — the rows of a program are a tile of (token, slot) pairs sharing one expert,
 // from strata.kernels.moe_grouping, for W weight sets at once: exl3.exl3_moe_linear),
 // RS (1: ragged sets — W weights of one input and one k_p but any widths, each on its own
@@ -724,6 +724,9 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
 #if RG > 16
 #error "exl3_mma_prefill: tiles of at most 128 rows"
 #endif
+#if WG && WD != 1 && WD != 2 && WD != 4
+#error "exl3_mma_prefill: WD is 1, 2 or 4"
+#endif
 
 // B fragments of two groups of 8 rows for one k16 step: lanes 8m … 8m + 7 address the 8 rows
 // of matrix m (group 2·qp + m / 2, k half m % 2)
@@ -932,25 +935,33 @@ prefill_block(const unsigned short* __restrict__ xr, const u32* __restrict__ tre
         __syncthreads();                                       // … and every thread's
         const u32* const sw = stage + cur * 8 * WT;
 #if WG
-        // tile i's A in ab[i % 2] while tile i − 1's wgmma may still read the other: its wait
-        // (one group left in flight) comes before that register set is decoded into again
-        u32 ab[2][4];
+        // tiles decoded WD at a time (their chains interleave), then their wgmmas in tile
+        // order; tile i's A in ab[i % 2WD], decoded into again 2WD tiles on, after the wait
+        // that leaves only the last WD groups in flight
+        u32 ab[2 * WD][4];
         const u32 dlo = x_desc_lo(xs + cur * XS_BYTES);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const u32 w[3] = {sw[i * WT + win.wa], sw[i * WT + win.wb], sw[i * WT + win.wc]};
-            decode_tile(w, win.o, xc, ab[i & 1]);
+        for (int i0 = 0; i0 < 8; i0 += WD) {
+#pragma unroll
+            for (int i = i0; i < i0 + WD; ++i) {
+                const u32 w[3] = {sw[i * WT + win.wa], sw[i * WT + win.wb], sw[i * WT + win.wc]};
+                decode_tile(w, win.o, xc, ab[i % (2 * WD)]);
+            }
             wgmma_fence();
-            wgmma<NQ>(acc, ab[i & 1], x_desc(dlo, i));
-            wgmma_commit();
-            if (i < 7) {
-                wgmma_wait<1>();
-                if (i > 0) keep(ab[(i - 1) & 1]);
+#pragma unroll
+            for (int i = i0; i < i0 + WD; ++i) {
+                wgmma<NQ>(acc, ab[i % (2 * WD)], x_desc(dlo, i));
+                wgmma_commit();
+            }
+            if (i0 + WD < 8) {
+                wgmma_wait<WD>();
+#pragma unroll
+                for (int i = i0 - WD; i >= 0 && i < i0; ++i) keep(ab[i % (2 * WD)]);
             }
         }
         wgmma_wait<0>();  // (the k-step's last: its stage is refilled two steps on, D read below)
-        keep(ab[0]);
-        keep(ab[1]);
+#pragma unroll
+        for (int i = 0; i < 2 * WD; ++i) keep(ab[i]);
         settle<NQ>(acc);
 #else
         const u32 xb = xs + cur * XS_BYTES + lrow * 256;

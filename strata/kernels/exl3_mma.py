@@ -63,6 +63,11 @@ PREFILL_MIN_BLOCKS = 2  # programs (of 8 warps) an SM must hold: registers ≤ 6
 # cores) instead of mma.sync: session 40, H100, 32K prefill +5 % over mma.sync, same bits.
 # STRATA_EXL3_WGMMA=0 keeps mma.sync on Hopper too
 PREFILL_WGMMA = os.environ.get("STRATA_EXL3_WGMMA", "1") == "1"
+# With wgmma: tiles decoded before their wgmmas are issued (1, 2 or 4). At 1 a warp waits for
+# each wgmma before decoding the next tile; at 2 two decodes interleave. Session 45, H100: the
+# MoE kernels of a 32K prefill −2.7 % (probe: gate + up −3.7 %, down −11.7 %), same bits; 4 no
+# faster at tiles of 128 and spills at 64
+PREFILL_WG_DEPTH = 2
 _SOURCE = Path(__file__).with_name("exl3_mma.cu")
 _OT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -168,7 +173,7 @@ def why_not(x: torch.Tensor, K2: int, codebook_id: int, n_p: int, out_dtype: tor
     return k if isinstance(k, str) else None
 
 
-# (K2, CB, OT, BT, R16, G, NW, PF, RG, MINB, RS[, WG for the prefill kernel], device index)
+# (K2, CB, OT, BT, R16, G, NW, PF, RG, MINB, RS[, WG, WD for the prefill kernel], device index)
 # → compiled kernel or why not
 _KERNELS: dict = {}
 
@@ -249,14 +254,15 @@ def _prefill_key(K2: int, codebook_id: int, out_dtype: torch.dtype, index: int |
     """exl3_mma_prefill's compiled variant: 8 warps, RG groups of 8 pairs, wgmma or not."""
     wgmma = PREFILL_WGMMA and _device_limits(index)[0] == (9, 0)  # (sm_90a only)
     return (K2, codebook_id, _OT[out_dtype], -1, 0, 1, 8, 1, PREFILL_TILE_M // 8,
-            PREFILL_MIN_BLOCKS, 0, int(wgmma), index)
+            PREFILL_MIN_BLOCKS, 0, int(wgmma), PREFILL_WG_DEPTH if wgmma else 1, index)
 
 
 def _options(K2: int, CB: int, OT: int, BT: int, R16: int, G: int, NW: int, PF: int,
-             RG: int, MINB: int, RS: int, WG: int = 0) -> list[str]:
+             RG: int, MINB: int, RS: int, WG: int = 0, WD: int = 1) -> list[str]:
     return [f"-DK2={K2}", f"-DCB={CB}", f"-DOT={OT}", f"-DBT={BT}", f"-DR16={R16}", f"-DG={G}",
             f"-DNW={NW}", f"-DPF={PF}", f"-DRS={RS}"] \
-        + ([f"-DRG={RG}", f"-DMINB={MINB}", f"-DWG={WG}"] if PF else []) + ["--fmad=false"]
+        + ([f"-DRG={RG}", f"-DMINB={MINB}", f"-DWG={WG}", f"-DWD={WD}"] if PF else []) \
+        + ["--fmad=false"]
 
 
 def _arch(WG: int) -> str | None:

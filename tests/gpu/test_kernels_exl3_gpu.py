@@ -496,26 +496,29 @@ def test_the_mma_kernels_moe_gives_the_triton_kernels_bits(cuda, monkeypatch, K,
     assert all(torch.equal(p, q) for p, q in zip(got, ref))
 
 
-# every K / codebook on tiles of 64 pairs (the default); tiles of 128 (not a default: three
-# cases, each a compile of its own) on both MMA forms
-@pytest.mark.parametrize("K,codebook,wgmma,tile", [
-    (K, cb, wg, 64) for K, cb in [(2, "3inst"), (2.5, "mul1"), (3, "mcg"), (4, "mul1"),
-                                  (6, "mul1")] for wg in (False, True)
-] + [(2, "3inst", False, 128), (2.5, "mul1", True, 128), (3, "mcg", True, 128)],
-    ids=lambda v: {False: "mma_sync", True: "wgmma"}.get(v, None) if isinstance(v, bool)
-    else None)
+# every K / codebook on tiles of 64 pairs (the default), mma.sync and wgmma (its default decode
+# depth); tiles of 128 (not a default: each case a compile of its own) on both MMA forms, and
+# wgmma decoding one tile or four at a time
+@pytest.mark.parametrize("K,codebook,form,tile", [
+    (K, cb, form, 64) for K, cb in [(2, "3inst"), (2.5, "mul1"), (3, "mcg"), (4, "mul1"),
+                                    (6, "mul1")] for form in ("mma_sync", "wgmma")
+] + [(2, "3inst", "mma_sync", 128), (2.5, "mul1", "wgmma", 128), (3, "mcg", "wgmma_wd1", 64),
+     (4, "mul1", "wgmma_wd4", 128)])
 def test_the_prefill_kernel_gives_the_triton_split_loops_bits(cuda, monkeypatch, K, codebook,
-                                                              wgmma, tile):
+                                                              form, tile):
     """exl3_moe_linear above exl3_mma.MAX_PAIRS pairs on the CUDA prefill kernel (tiles of
     PREFILL_TILE_M pairs — 64 at two programs an SM, 128 at one — x' staged in shared memory,
-    each program running all splits of its block; its products on mma.sync or on wgmma)
-    against the Triton split loop, bit for bit: gate + up (two sets, one input per token) and
-    down (one input per pair), fp32 and bf16 outputs, over 8 experts with 20–130 pairs each —
-    full and partial tiles, several for one expert, a tile for each of the kernel's copies
-    (1 … TM / 16 pairs of 8-row groups: wgmma's instructions of 64, 32 and 16 rows in every
-    combination) — and against each pair's own single linear."""
+    each program running all splits of its block; its products on mma.sync or on wgmma, with 1,
+    2 or 4 tiles decoded before their wgmmas) against the Triton split loop, bit for bit: gate +
+    up (two sets, one input per token) and down (one input per pair), fp32 and bf16 outputs,
+    over 8 experts with 20–130 pairs each — full and partial tiles, several for one expert, a
+    tile for each of the kernel's copies (1 … TM / 16 pairs of 8-row groups: wgmma's
+    instructions of 64, 32 and 16 rows in every combination) — and against each pair's own
+    single linear."""
     from strata.kernels import exl3_mma
-    monkeypatch.setattr(exl3_mma, "PREFILL_WGMMA", wgmma)
+    monkeypatch.setattr(exl3_mma, "PREFILL_WGMMA", form != "mma_sync")
+    if "_wd" in form:
+        monkeypatch.setattr(exl3_mma, "PREFILL_WG_DEPTH", int(form[-1]))
     monkeypatch.setattr(exl3_mma, "PREFILL_TILE_M", tile)
     monkeypatch.setattr(exl3_mma, "PREFILL_MIN_BLOCKS", 2 if tile == 64 else 1)
     counts = [130, 112, 96, 80, 64, 48, 32, 20]
