@@ -153,9 +153,11 @@ def test_rope_table_kernel_gives_the_definitions_bits():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("inverse", [False, True])
-def test_rope_kernel_gives_the_definitions_bits(dtype, inverse):
+@pytest.mark.parametrize("small", [256, 0])  # one row a program; kernel.ROWS rows a program
+def test_rope_kernel_gives_the_definitions_bits(dtype, inverse, small, monkeypatch):
     from strata.kernels import rope as kernel
     from strata.model import rope
+    monkeypatch.setattr(kernel, "SMALL", small)
     g = torch.Generator().manual_seed(6)
     inv_freq = 10000.0 ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16)
     cos, sin = rope.rope_cos_sin(inv_freq, torch.tensor([3, 4, 90]))
@@ -171,6 +173,19 @@ def test_rope_kernel_gives_the_definitions_bits(dtype, inverse):
         assert got.dtype == torch.bfloat16 and torch.equal(got, want), shape
         assert torch.equal(rope.apply_rope(x, cos, sin, inverse, out_dtype=torch.bfloat16),
                            want)
+        # in place (the queries): x itself, the copy's bits — through the kernel and torch
+        want = rope.apply_rope(x, cos, sin, inverse)
+        for fn in (kernel.apply_rope, rope.apply_rope):
+            y = x.clone()
+            assert fn(y, cos, sin, inverse, in_place=True) is y and torch.equal(y, want), shape
+    # a layout [T, rows, d] cannot view (two middle dims that do not merge): rotated in a
+    # copy, written back into x
+    x = torch.randn(3, 2, 5, 40, generator=g).to(dtype).permute(0, 2, 1, 3)
+    assert x.reshape(3, -1, 40).data_ptr() != x.data_ptr()
+    want = rope.apply_rope(x, cos, sin, inverse)
+    assert kernel.apply_rope(x, cos, sin, inverse, in_place=True) is x and torch.equal(x, want)
+    with pytest.raises(ValueError, match="in place keeps"):
+        rope.apply_rope(x, cos, sin, inverse, out_dtype=torch.float16, in_place=True)
 
 
 @pytest.mark.parametrize("D", [300, 400])  # K = 1,200 or 1,600: 5 or 7 chunks of ≤ 256

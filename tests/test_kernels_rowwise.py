@@ -74,6 +74,16 @@ def test_planes_product_is_the_split_product():
                                   planes_bmm(planes[:, :, 20:], v)], 1), got)
     chunked = planes_bmm(planes, v, k_chunk=64)  # K = 150 over three chunks, added in order
     torch.testing.assert_close(chunked, got, rtol=1e-5, atol=1e-6)
+    # into slices of one output (attention's pieces), unsplit and over K chunks
+    for k_chunk, want in ((1024, got), (64, chunked)):
+        out = torch.full((3, 70, 40), float("nan"))
+        assert planes_bmm(planes[:, :2], v[:2], k_chunk, out=out[:2]).data_ptr() == out.data_ptr()
+        planes_bmm(planes[:, 2:], v[2:], k_chunk, out=out[2:])
+        assert torch.equal(out, want), k_chunk
+    for bad in (torch.empty(3, 70, 40, dtype=torch.bfloat16), torch.empty(3, 70, 41),
+                torch.empty(3, 40, 70).transpose(1, 2)):
+        with pytest.raises(ValueError, match="out must be a contiguous"):
+            planes_bmm(planes, v, out=bad)
     with pytest.raises(ValueError, match="planes"):
         planes_bmm(planes.float(), v)
     with pytest.raises(ValueError, match="M ≥ 2"):

@@ -246,12 +246,15 @@ def split_planes(x: torch.Tensor) -> torch.Tensor:
     return torch.stack((hi, mid, (rest - mid.float()).bfloat16()))
 
 
-def planes_bmm(planes: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK) -> torch.Tensor:
+def planes_bmm(planes: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """rowwise_bmm(x, w) [B, M, N] fp32 for an fp32 x [B, M, K] given as its exact split
     `planes` [3, B, M, K] bf16 (hi, mid, lo: split_bf16(x), as strata.kernels.attention's
     sink_softmax writes p) against bf16 w [B or 1, N, K] (M ≥ 2): SPLIT's products in its order
     on its tile, so rowwise_bmm's bits, without the split inside the product — attention's p·v
-    at decode took 8.0 µs split in the kernel against 2.9 for bf16 x alone (H200, session 23)."""
+    at decode took 8.0 µs split in the kernel against 2.9 for bf16 x alone (H200, session 23).
+    `out`: a contiguous fp32 [B, M, N] to write into (attention's pieces, each its slice of
+    the chunk's output: no copy of the pieces into one)."""
     if triton is None:
         raise RuntimeError("planes_bmm needs triton")
     if planes.dim() != 4 or planes.shape[0] != 3 or planes.dtype != torch.bfloat16 \
@@ -262,17 +265,23 @@ def planes_bmm(planes: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK) ->
     if M < 2:
         raise ValueError("planes_bmm: rows of M ≥ 2 (the tensor-core tiles)")
     return _bmm(planes[0], w, Product.PLANES, tile_shape(M, Product.SPLIT, B), k_chunk,
-                torch.float32, planes.stride(0))
+                torch.float32, planes.stride(0), out)
 
 
 def _bmm(x: torch.Tensor, w: torch.Tensor, prod: int, tile: tuple[int, int, int],
-         k_chunk: int, out_dtype: torch.dtype, sxp: int = 0) -> torch.Tensor:
-    """One _rowwise_kernel launch (and the chunks' sum where K is split)."""
+         k_chunk: int, out_dtype: torch.dtype, sxp: int = 0,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """One _rowwise_kernel launch (and the chunks' sum where K is split), into `out` if given."""
     B, M, K = x.shape
     Bw, N, Kw = w.shape
     if Kw != K or Bw not in (1, B):
         raise ValueError(f"rowwise_bmm: x {list(x.shape)} and w {list(w.shape)} do not match")
-    out = torch.empty((B, M, N), dtype=out_dtype, device=x.device)
+    if out is None:
+        out = torch.empty((B, M, N), dtype=out_dtype, device=x.device)
+    elif out.shape != (B, M, N) or out.dtype != out_dtype or not out.is_contiguous() \
+            or out.device != x.device:
+        raise ValueError(f"rowwise_bmm: out must be a contiguous {out_dtype} {[B, M, N]} on "
+                         f"{x.device}, got {out.dtype} {list(out.shape)} on {out.device}")
     if B * M == 0 or N == 0:
         return out
     swb = 0 if Bw == 1 else w.stride(0)

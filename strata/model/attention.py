@@ -72,7 +72,8 @@ class Attention:
                                   [None] + [torch.float32] * (len(self.qr_set.linears) - 1))
         q = q.view(ctx.T, self.n_heads, cfg.head_dim)
         cos, sin = ctx.rope(self.ratio)
-        return qr, apply_rope(q, cos, sin), (index_q[0] if index_q else None)
+        # (in place: q is this call's own, and only its tails are read and written)
+        return qr, apply_rope(q, cos, sin, in_place=True), (index_q[0] if index_q else None)
 
     def kv_rows(self, kv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Window KV rows [T, hd] in their stored form (normed, roped; fp8-qdq'd in vendor
@@ -125,13 +126,14 @@ class Attention:
         n = window[0].shape[1] + (0 if sel is None else sel.shape[1])
         per_query = 12 * n * hd + 12 * H * (n + 1)  # rows (torch path: 3 copies); s, p
         step = max(1, ATTN_SCRATCH // per_query)
-        out = []
+        # (each piece written into its slice of one output: no copy of the pieces into one)
+        out = torch.empty((T, H, hd), dtype=torch.float32, device=q.device)
         for i in range(0, T, step):
             j = min(i + step, T)
             rows, mask = gather_rows(kv, ring, tuple(w[i:j] for w in window), cache,
                                      None if sel is None else sel[i:j])
-            out.append(self.attend_heads(q[i:j], rows, mask, None, None))
-        return out[0] if len(out) == 1 else torch.cat(out)
+            self.attend_heads(q[i:j], rows, mask, None, None, out=out[i:j])
+        return out
 
     def publish(self, u: torch.Tensor, ctx: ForwardContext, state: State,
                 projected: list[torch.Tensor] | None = None) -> None:
@@ -151,11 +153,11 @@ class Attention:
             ctx.published_keys.append(self.layer)
 
     def attend_heads(self, q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
-                     comp_rows: torch.Tensor | None,
-                     comp_mask: torch.Tensor | None) -> torch.Tensor:
+                     comp_rows: torch.Tensor | None, comp_mask: torch.Tensor | None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
         """sparse_attention over this object's heads (tensor parallelism wraps it)."""
         return sparse_attention(q, rows, mask, comp_rows, comp_mask, self.attn_sink,
-                                self.cfg.head_dim ** -0.5)
+                                self.cfg.head_dim ** -0.5, out)
 
     def _store_entries(self, latent: torch.Tensor, entries: torch.Tensor,
                        rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext,
@@ -203,11 +205,13 @@ def rows_dtype(kv: torch.Tensor, ring: PositionRing, cache: torch.Tensor | None)
 
 def sparse_attention(q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
                      comp_rows: torch.Tensor | None, comp_mask: torch.Tensor | None,
-                     sink: torch.Tensor, scale: float) -> torch.Tensor:
+                     sink: torch.Tensor, scale: float,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """One softmax per query over its own rows [T, W, hd] (mask [T, W]) and compressed rows
     [T, k, hd] (mask [T, k]); the per-head sink enters only the denominator; K == V.
-    q [T, H, hd] → [T, H, hd] fp32, every product accumulated in fp32 (16-bit q and rows: exact
-    products, on tensor cores on CUDA). Every query is its own batch element."""
+    q [T, H, hd] → [T, H, hd] fp32 (written into `out`, a contiguous fp32 [T, H, hd], if
+    given), every product accumulated in fp32 (16-bit q and rows: exact products, on tensor
+    cores on CUDA). Every query is its own batch element."""
     T, H, _ = q.shape
     if comp_rows is not None:
         dt = torch.promote_types(rows.dtype, comp_rows.dtype)
@@ -220,11 +224,13 @@ def sparse_attention(q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
             # softmax stores the split; the product's bits, in less time: rowwise.planes_bmm)
             from strata.kernels.rowwise import planes_bmm
             return planes_bmm(attn_kernels.sink_softmax(s, mask, sink, scale, planes=True),
-                              rows.transpose(1, 2))
-        return rows_bmm(attn_kernels.sink_softmax(s, mask, sink, scale), rows.transpose(1, 2))
+                              rows.transpose(1, 2), out=out)
+        o = rows_bmm(attn_kernels.sink_softmax(s, mask, sink, scale), rows.transpose(1, 2))
+        return o if out is None else out.copy_(o)
     # (a Python scalar, not torch.tensor(-inf, device=…): that is a host → device upload per
     # layer, which on a GPU waits for the stream)
     s = (s * scale).masked_fill(~mask[:, None, :], float("-inf"))
     s = torch.cat((s, sink.view(1, H, 1).expand(T, H, 1)), dim=-1)
     p = torch.softmax(s, dim=-1)[..., :-1]
-    return rows_bmm(p, rows.transpose(1, 2))
+    o = rows_bmm(p, rows.transpose(1, 2))
+    return o if out is None else out.copy_(o)

@@ -52,16 +52,21 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               inverse: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+               inverse: bool = False, out_dtype: torch.dtype | None = None,
+               in_place: bool = False) -> torch.Tensor:
     """Rotate pairs (2k, 2k+1) of the last 2·cos.shape[-1] channels of x [T, ..., d].
 
     cos/sin are [T, rd/2] and broadcast over the middle dims. `inverse` applies the conjugate
     rotation (used on the attention output). Returns a new tensor of x's dtype, then cast to
-    `out_dtype` if given (on CUDA one launch with the same bits, strata.kernels.rope).
+    `out_dtype` if given (on CUDA one launch with the same bits, strata.kernels.rope) — or,
+    `in_place`, x itself with its tail rotated (the same bits; only the tail is read and
+    written: a prefill chunk's queries are 8× the bytes of their tails).
     """
+    if in_place and out_dtype not in (None, x.dtype):
+        raise ValueError(f"apply_rope: in place keeps x's dtype {x.dtype}, not {out_dtype}")
     from strata.kernels import rope as kernels
     if kernels.available(x):
-        return kernels.apply_rope(x, cos, sin, inverse, out_dtype)
+        return kernels.apply_rope(x, cos, sin, inverse, out_dtype, in_place)
     rd = cos.shape[-1] * 2
     head, tail = x[..., :-rd], x[..., -rd:].float()
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rd // 2,)
@@ -70,6 +75,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         s = -s
     a, b = tail[..., 0::2], tail[..., 1::2]
     rot = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
+    if in_place:
+        x[..., -rd:] = rot.to(x.dtype)
+        return x
     out = torch.cat((head, rot.to(x.dtype)), dim=-1)
     return out if out_dtype is None else out.to(out_dtype)
 

@@ -104,6 +104,13 @@ def test_rope_equals_the_torch_code(cuda, monkeypatch, dtype):
         assert torch.equal(rope.apply_rope(x, cos, sin, inverse, out_dtype=torch.bfloat16),
                            torch_path(monkeypatch, rope.apply_rope, x, cos, sin, inverse,
                                       out_dtype=torch.bfloat16))
+        # in place (the queries): only the tails written, the same bits — a chunk's rows
+        # (8 a program) and a decode step's (one a program)
+        for rows in (x, x[:1]):
+            y = rows.clone()
+            assert rope.apply_rope(y, cos[:len(y)], sin[:len(y)], inverse, in_place=True) is y
+            assert torch.equal(y, torch_path(monkeypatch, rope.apply_rope, rows, cos[:len(y)],
+                                             sin[:len(y)], inverse))
 
 
 def test_a_window_keys_norm_and_rope_in_one_launch(cuda):
