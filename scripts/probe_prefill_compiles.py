@@ -1,8 +1,9 @@
 """Which Triton kernels compile during a long prefill after the benchmark's warm-up.
 
-    TRITON_CACHE_DIR=/tmp/fresh python scripts/probe_prefill_compiles.py [N] [CHUNK]
+    TRITON_CACHE_DIR=/tmp/fresh python scripts/probe_prefill_compiles.py [N] [CHUNK] [LAYERS]
 
-On the 20-layer synthetic V4.1 (one GPU): the warm-up strata.bench.synthetic.bench_prefill
+On the synthetic V4.1's LAYERS (default 0-9,20-29: 20 layers, one H200; 0-4,20-24 fit an
+H100): the warm-up strata.bench.synthetic.bench_prefill
 runs (ranking.compile_split, then a prefill of the same chunk forms), then two timed
 decoder-skipping prefills of N tokens (default 131,072) in chunks of CHUNK (4,096); every 8
 chunks, the kernels that entered Triton's cache directory since the last look (a fresh
@@ -41,7 +42,8 @@ def main() -> None:
     if not cache:
         sys.exit("set TRITON_CACHE_DIR to a fresh directory")
     cfg = v41_flash_config()
-    model, _ = build_synthetic(cfg, "cuda:0", layers=parse_layers("0-9,20-29", 40),
+    layers = sys.argv[3] if len(sys.argv) > 3 else "0-9,20-29"
+    model, _ = build_synthetic(cfg, "cuda:0", layers=parse_layers(layers, 40),
                                fmt="exl3", seed=0)
     prompt = torch.randint(3, 100_000, (n,), generator=torch.Generator().manual_seed(n))
     warm = prefill_warmup_length(n, chunk, model.prefill_reach)

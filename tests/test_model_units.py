@@ -687,6 +687,30 @@ def test_indexer_scores_queries_in_bounded_pieces(tiny_reference, monkeypatch):
     assert sa.keys() == sb.keys() and all(torch.equal(sa[l], sb[l]) for l in sa)
 
 
+def test_indexer_pieces_are_multiples_of_16_queries(tiny_reference, monkeypatch):
+    """Where the scratch allows 16 queries or more a piece, pieces are a multiple of 16 (a
+    budget of 37 rows scores 32 at a time): every piece's slices start 16-byte aligned, so a
+    long prompt meets no new kernel specialisation mid-prefill. The picks are one piece's."""
+    from strata.model import indexer
+    model, cfg = tiny_reference, tiny_reference.cfg
+    tokens = random_tokens(200, seed=8, vocab=cfg.vocab_size)
+    want = model.forward(tokens, model.new_state(256), logits="all")
+    sizes, topk = [], indexer.topk_lowest_index
+
+    def spy(scores, k, ids=None):
+        sizes.append(scores.shape[0])
+        return topk(scores, k, ids)
+
+    monkeypatch.setattr(indexer, "topk_lowest_index", spy)
+    n = indexer.entry_bucket(200 // cfg.ratio(cfg.index_source_layer_ids[0]))
+    monkeypatch.setattr(indexer, "SCORE_SCRATCH", 4 * cfg.index_n_heads * n * 37)
+    logits, ctx = model.forward(tokens, model.new_state(256), logits="all")
+    # (each piece's picks — and a candidate source's blocks — ranked once: 32 at a time, the
+    # last 200 − 6·32 = 8)
+    assert set(sizes) == {32, 200 % 32}, sizes
+    assert torch.equal(logits, want[0]) and torch.equal(ctx.candidates, want[1].candidates)
+
+
 def test_attention_runs_queries_in_bounded_pieces(tiny_reference, monkeypatch):
     """A long forward's queries attend a few at a time (attention.ATTN_SCRATCH bounds the
     gathered rows and scores): logits and every cache row equal one piece's, bit for bit."""
