@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from strata.bench.kernels import event_ms
 from strata.kernels import indexer as K
 from strata.kernels import rope as R
 
@@ -24,18 +25,6 @@ g = torch.Generator(device=dev).manual_seed(0)
 out = {}
 
 
-def ms(fn, reps=5):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 keys = torch.randn(N, D, device=dev, generator=g).bfloat16()
@@ -56,7 +45,7 @@ for qdt, products in ((torch.float32, 3), (torch.bfloat16, 1)):
             print(name, out[name], flush=True)
             continue
         ref = got if ref is None else ref
-        t = ms(lambda: K.index_scores(q, keys, w, visible, 0.01))
+        t = event_ms(lambda: K.index_scores(q, keys, w, visible, 0.01))
         out[name] = {"ms": round(t, 4), "TFLOPS": round(2 * T * H * N * D * products / t / 1e9, 1),
                      "default's bits": bool(torch.equal(got, ref))}
         print(name, out[name], flush=True)

@@ -14,6 +14,7 @@ import os
 import torch
 
 import strata.kernels.exl3 as X
+from strata.bench.kernels import event_ms
 
 dev = "cuda"
 E, T, k, D, I = 384, 4096, 6, 5120, 2304
@@ -29,18 +30,6 @@ def stack(kin: int, nout: int, K: float):
     return tr, suh, svh
 
 
-def ms(fn, reps=5):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 w1, w3, w2 = stack(D, I, 2.5), stack(D, I, 2.5), stack(I, D, 3)
@@ -97,8 +86,8 @@ for name, cuda, tm, minb, wg, wd in variants:
     up = lambda: X.exl3_moe_linear(x, idx, [w1, w3], "mul1", I, torch.bfloat16)
     down = lambda: X.exl3_moe_linear(a, idx, [w2], "3inst", D, torch.bfloat16)
     results[name] = up() + down()
-    out[f"{name} gate+up ms"] = ms(up)
-    out[f"{name} down ms"] = ms(down)
+    out[f"{name} gate+up ms"] = event_ms(up)
+    out[f"{name} down ms"] = event_ms(down)
     print(name, out[f"{name} gate+up ms"], out[f"{name} down ms"], flush=True)
     if os.environ.get("PROFILE"):
         out[f"{name} gate+up kernels"] = kernels(up)

@@ -126,6 +126,22 @@ def _csv(s: str | None, conv, default):
     return tuple(conv(v) for v in s.split(",") if v.strip()) if s else default
 
 
+def event_ms(fn, reps: int = 5) -> float:
+    """Median ms of one eager call of fn on CUDA — its launches included — between two CUDA
+    events, over `reps` calls after a warm-up (the probes' A/B of kernel variants)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
 class Timer:
     """Median time of fn in µs: on CUDA triton.testing.do_bench (L2 flushed between runs) of a
     CUDA-graph replay of fn (GPU time, as the engine's graphed decode sees it; eager if the
