@@ -126,6 +126,18 @@ def gpu_forms(name: str, sig: dict, consts: dict, arch: int = 90) -> list[tuple[
     switched = {k: True for k in _GPU_SWITCHES if consts.get(k) is False}
     if switched:
         forms.append((sig, {**consts, **switched}))
+    if name == "_rowwise_kernel" and consts.get("WIDEN") and consts.get("PRODUCT") in (3, 4):
+        # (kernels/rowwise: the interpreter's fp32 FMA / widened planes stand for the GPU's
+        # tensor-core products — 16-bit pairs, fp32 rows split in three, stored planes — at
+        # their prefill tiles, tile_shape's)
+        gpu = {**consts, "WIDEN": False, "BLOCK_M": 64, "BLOCK_K": 64}
+        if consts["PRODUCT"] == 4:
+            forms.append((sig, {**gpu, "BLOCK_N": 64}))
+        else:
+            forms.append(({**sig, "x_ptr": "*bf16", "w_ptr": "*bf16"},
+                          {**gpu, "PRODUCT": 1, "BLOCK_N": 128}))
+            forms.append(({**sig, "x_ptr": "*fp32", "w_ptr": "*bf16"},
+                          {**gpu, "PRODUCT": 2, "BLOCK_N": 64}))
     if name == "_index_scores_kernel" and consts.get("PRODUCT") == 0:
         # (kernels/indexer.index_scores: 16-bit pairs on tensor cores; fp32 queries against
         # bf16 keys split in three bf16 products)
