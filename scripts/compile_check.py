@@ -300,8 +300,9 @@ def compile_cuda(nvrtc: str, arch: int, sass: bool = False) -> int:
         elif OT == 0 and BT == -1:  # (one line per K, codebook and row class)
             regs = [a for a, _ in info if a]
             spills = [b for _, b in info if b]
+            wd = exl3_mma.PREFILL_WG_DEPTH if WG else 1
             print(f"exl3_mma K2={K2} CB={CB} OT={OT} BT={BT} R16={R16} G={G} NW={NW} PF={PF} "
-                  f"RS={RS}{f' WG={WG} WD={exl3_mma.PREFILL_WG_DEPTH if WG else 1}' if PF else ''}: "
+                  f"RS={RS}{f' WG={WG} WD={wd}' if PF else ''}: "
                   f"{regs[0]} registers, "
                   f"{spills[0] if spills else 0} bytes spilled{loop}", flush=True)
     print(f"exl3_mma.cu compiled for sm_{arch}: {failures} failed")

@@ -25,8 +25,6 @@ g = torch.Generator(device=dev).manual_seed(0)
 out = {}
 
 
-
-
 keys = torch.randn(N, D, device=dev, generator=g).bfloat16()
 w = torch.randn(T, H, device=dev, generator=g)
 visible = (torch.arange(T, device=dev) + 28672 + 1) // 4

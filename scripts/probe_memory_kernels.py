@@ -20,8 +20,6 @@ T = 4096
 g = torch.Generator(device=dev).manual_seed(0)
 
 
-
-
 out = {}
 
 

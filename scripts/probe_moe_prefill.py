@@ -30,8 +30,6 @@ def stack(kin: int, nout: int, K: float):
     return tr, suh, svh
 
 
-
-
 w1, w3, w2 = stack(D, I, 2.5), stack(D, I, 2.5), stack(I, D, 3)
 idx = torch.stack([torch.randperm(E, device=dev, generator=g)[:k] for _ in range(T)])
 x = torch.randn(T, D, device=dev, generator=g).bfloat16()
