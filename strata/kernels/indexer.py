@@ -49,14 +49,14 @@ if triton is not None:
                              BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              PRODUCT: tl.constexpr, GATHER: tl.constexpr):
-        # A tile row is one (query, head): BLOCK_T queries' heads share the keys' tile loads.
-        # A score's q·k is its own chain of MMA steps over the head dimension whatever row of
-        # the tile holds it, and a query's sum over its heads reduces its own BLOCK_H rows:
-        # the same bits for a query alone or in any row of a batch (tests/gpu checks a query
-        # in the second row against alone). GATHER: one query a program, its own entries
-        # (ids at e_ptr [T, M], −1 none) as the tile's keys, every row block holding the query
-        # (the same tile shapes, so the same bits as its scores among all entries; the copies
-        # past the first are not stored).
+        # A tile column is one (query, head): BLOCK_T queries' heads share the keys' tile
+        # loads. A score's q·k is its own chain of MMA steps over the head dimension whatever
+        # column of the tile holds it, and a query's sum over its heads reduces its own
+        # BLOCK_H columns: the same bits for a query alone or in any slot of a batch
+        # (tests/gpu checks a query in the second slot against alone). GATHER: one query a
+        # program, its own entries (ids at e_ptr [T, M], −1 none) as the tile's keys, every
+        # column block holding the query (the same tile shapes, so the same bits as its scores
+        # among all entries; the copies past the first are not stored).
         if GATHER:
             t0 = tl.program_id(0).to(tl.int64)
             cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -71,11 +71,14 @@ if triton is not None:
             live_n = offs_n < N
             r = tl.arange(0, BLOCK_T * BLOCK_H)
             tq = t0 + r // BLOCK_H
-        total = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        # The products transposed — entries the tile's rows, a query's heads BLOCK_H adjacent
+        # columns — so the sum over a query's heads stays in each thread and its quad of lanes
+        # (as rows, a query's 32 heads span two warps: the sum went through shared memory)
+        total = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
         for h0 in range(0, H, BLOCK_H):
             heads = h0 + r % BLOCK_H
             live = (tq < T) & (heads < H)
-            acc = tl.zeros([BLOCK_T * BLOCK_H, BLOCK_N], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_N, BLOCK_T * BLOCK_H], dtype=tl.float32)
             for k0 in range(0, D, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 qk = tl.load(q_ptr + tq[:, None] * sqt + heads[:, None] * sqh
@@ -84,21 +87,21 @@ if triton is not None:
                 kt = tl.load(k_ptr + offs_n[:, None] * skn + offs_k[None, :] * skd,
                              mask=live_n[:, None] & (offs_k[None, :] < D), other=0.0)
                 if PRODUCT == 1:  # 16-bit pairs on tensor cores
-                    acc = tl.dot(qk, tl.trans(kt), acc)
+                    acc = tl.dot(kt, tl.trans(qk), acc)
                 elif PRODUCT == 2:  # fp32 queries as hi + mid + lo in bf16 (exactly): three
                     hi, mid, lo = split_bf16(qk.to(tl.float32))  # tensor-core products
-                    ktt = tl.trans(kt)
-                    acc = tl.dot(hi, ktt, acc)
-                    acc = tl.dot(mid, ktt, acc)
-                    acc = tl.dot(lo, ktt, acc)
+                    acc = tl.dot(kt, tl.trans(hi), acc)
+                    acc = tl.dot(kt, tl.trans(mid), acc)
+                    acc = tl.dot(kt, tl.trans(lo), acc)
                 else:
-                    acc = tl.dot(qk.to(tl.float32), tl.trans(kt.to(tl.float32)), acc,
+                    acc = tl.dot(kt.to(tl.float32), tl.trans(qk.to(tl.float32)), acc,
                                  input_precision="ieee")
             # (w·w_scale rounded to fp32 on its own: torch's w * w_scale)
             wh = tl.load(w_ptr + tq * swt + heads * swh, mask=live, other=0.0) * w_scale
-            part = tl.maximum(acc, 0.0) * wh[:, None]
-            # a query's heads are its BLOCK_H rows: summed apart from the other queries'
-            total += tl.sum(tl.reshape(part, (BLOCK_T, BLOCK_H, BLOCK_N)), axis=1)
+            part = tl.maximum(acc, 0.0) * wh[None, :]
+            # a query's heads are its BLOCK_H columns: summed apart from the other queries'
+            total += tl.sum(tl.reshape(part, (BLOCK_N, BLOCK_T, BLOCK_H)), axis=2)
+        total = tl.trans(total)  # [BLOCK_T, BLOCK_N]: each query's scores a row
         slot = tl.arange(0, BLOCK_T)
         ts = t0 + (0 * slot if GATHER else slot)
         visible = tl.load(vis_ptr + ts, mask=ts < T, other=0)  # entries the query may see
