@@ -78,3 +78,43 @@ def test_gather_rows_is_the_torch_path_bit_for_bit():
             piece = kernel_rows(kv, ring.rows, ring.tags, tuple(w[3:7] for w in window), c,
                                 None if s is None else s[3:7], dt)
             assert torch.equal(piece[0], want[0][3:7]) and torch.equal(piece[1], want[1][3:7])
+
+
+def test_row_table_reads_the_gathered_rows_where_they_lie():
+    """row_table: the rows where they lie (this forward's kv, the ring, the cache — three
+    allocations) as the products' w give gather_rows' copy's results bit for bit: one-hot
+    queries read every element exactly (rowwise_bmm(I, rows) = rowsᵀ), p·v reads them as its
+    transposed operand; the mask is gather_rows'. Sources of mixed dtypes are refused."""
+    import pytest
+
+    from strata.kernels.attention import gather_rows, row_table
+    from strata.kernels.rowwise import planes_bmm, rowwise_bmm, split_planes
+    from strata.runtime.state import PositionRing
+    g = torch.Generator().manual_seed(6)
+    W, S, hd, dt = 8, 12, 64, torch.bfloat16
+    ring = PositionRing(S, (hd,), dt, "cpu", keep=W - 1)
+    ring.rows.copy_(torch.randn(S, hd, generator=g).to(dt))
+    ring.tags.copy_(torch.tensor([12, 13, 2, 15, 16, 17, 18, 19, -1, -1, 10, 11]))
+    kv = torch.randn(10, hd, generator=g).to(dt)
+    window = _window(torch.arange(20, 30), W, S)
+    cache = torch.randn(30, hd, generator=g).to(dt)
+    sel = torch.randint(-1, 30, (10, 5), generator=g)
+    for c, s in ((None, None), (cache, sel)):
+        rows, mask = gather_rows(kv, ring.rows, ring.tags, window, c, s, dt)
+        table, tmask = row_table(kv, ring.rows, ring.tags, window, c, s)
+        assert table.shape == rows.shape and torch.equal(tmask, mask)
+        eye = torch.eye(hd, dtype=dt).expand(rows.shape[0], -1, -1)
+        got = rowwise_bmm(eye, table, out_dtype=torch.float32)
+        assert torch.equal(got, rows.transpose(1, 2).float())
+        p = torch.softmax(torch.randn(rows.shape[0], 3, rows.shape[1], generator=g), -1)
+        planes = split_planes(p)
+        assert torch.equal(planes_bmm(planes, table.transposed()),
+                           planes_bmm(planes, rows.transpose(1, 2)))
+        # a piece of the queries: its own table, the same rows
+        piece, _ = row_table(kv, ring.rows, ring.tags, tuple(w[3:7] for w in window), c,
+                             None if s is None else s[3:7])
+        assert torch.equal(rowwise_bmm(eye[3:7], piece, out_dtype=torch.float32), got[3:7])
+    with pytest.raises(ValueError, match="kv's dtype"):
+        row_table(kv, ring.rows, ring.tags, window, cache.float(), sel)
+    with pytest.raises(ValueError, match="aligned"):  # (rows 63 elements apart)
+        row_table(kv, ring.rows, ring.tags, window, cache.view(-1)[:29 * 63].view(29, 63), sel)

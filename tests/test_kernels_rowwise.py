@@ -90,6 +90,32 @@ def test_planes_product_is_the_split_product():
         planes_bmm(planes[:, :, :1], v)
 
 
+def test_a_row_table_is_its_rows():
+    """RowTable: rows where they lie (two allocations, offsets counted from one, negative
+    ones included) as w give the gathered rows' products bit for bit — q·k (rows along N) and
+    p·v (along K, its transpose), the latter over K chunks too."""
+    from strata.kernels.rowwise import RowTable, planes_bmm, split_planes
+    g = torch.Generator().manual_seed(9)
+    B, n, hd = 3, 150, 48  # (row starts a multiple of 16 elements, as a RowTable's are)
+    a = torch.randn(70, hd, generator=g).bfloat16()
+    b = torch.randn(70, hd, generator=g).bfloat16()
+    a, b = (a, b) if a.data_ptr() > b.data_ptr() else (b, a)  # (b's rows: negative offsets)
+    from_b = torch.rand(B, n, generator=g) < 0.5
+    ia, ib = torch.randint(0, 70, (B, n), generator=g), torch.randint(0, 70, (B, n), generator=g)
+    rows = torch.where(from_b[..., None], b[ib], a[ia])
+    offsets = torch.where(from_b, (b.data_ptr() - a.data_ptr()) // 2 + ib * hd, ia * hd)
+    assert (offsets < 0).any() and (offsets % 16 == 0).all()
+    table = RowTable(a, offsets, hd)
+    assert table.shape == rows.shape and table.transposed().shape == (B, hd, n)
+    q = torch.randn(B, 5, hd, generator=g).bfloat16()
+    assert torch.equal(rowwise_bmm(q, table, out_dtype=torch.float32),
+                       rowwise_bmm(q, rows, out_dtype=torch.float32))
+    planes = split_planes(torch.softmax(torch.randn(B, 5, n, generator=g), -1))
+    for k_chunk in (1024, 64):
+        assert torch.equal(planes_bmm(planes, table.transposed(), k_chunk),
+                           planes_bmm(planes, rows.transpose(1, 2), k_chunk)), k_chunk
+
+
 def test_shape_mismatch():
     with pytest.raises(ValueError, match="do not match"):
         rowwise_bmm(torch.zeros(2, 1, 8), torch.zeros(1, 4, 9))

@@ -28,6 +28,8 @@ on CPU).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 
 try:
@@ -59,17 +61,21 @@ if triton is not None:
         return hi, mid, lo
 
     @triton.jit
-    def _rowwise_kernel(x_ptr, w_ptr, o_ptr, M, N, K, m_blocks, k_chunk,
-                        sxb, sxm, sxk, swb, swn, swk, soc, sob, som, son, sxp,
+    def _rowwise_kernel(x_ptr, w_ptr, o_ptr, tab_ptr, M, N, K, m_blocks, k_chunk,
+                        sxb, sxm, sxk, swb, swn, swk, soc, sob, som, son, sxp, stab,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PRODUCT: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr):
+                        PRODUCT: tl.constexpr, WIDEN: tl.constexpr, TABLE: tl.constexpr,
+                        PDL: tl.constexpr):
         # A tile of BLOCK_M rows × BLOCK_N outputs of one batch element over one K chunk: the
         # w tile is read once for BLOCK_M rows. Every output is the same fixed-order sum over
         # its chunk whatever the tile holds, BLOCK_K slices added in order; a slice's products
         # summed along k on the CUDA cores (ROW, the M = 1 kernel) or through tl.dot (the
         # M ≥ 2 kernel, PRODUCT as in `Product`). PLANES: x is hi, its mid and lo planes sxp
         # and 2·sxp further (WIDEN: each widened to fp32 for IEEE dots — the interpreter's
-        # 16-bit tiles).
+        # 16-bit tiles). TABLE (attention's key rows where they lie — no gathered copy): w's
+        # rows are w_ptr + tab[b, ·] (element offsets, stab a batch element's): 1, along N
+        # (q·k: w[b, n, k] = w_ptr[tab[b, n] + k]); 2, along K (p·v: w[b, n, k] =
+        # w_ptr[tab[b, k] + n]) — the same values as the gathered rows, so the same products.
         wait_then_release(PDL)
         pid = tl.program_id(0)  # b · m_blocks + m_block
         b = (pid // m_blocks).to(tl.int64)  # (offsets past 2³¹ elements: long prefills)
@@ -79,12 +85,24 @@ if triton is not None:
         k_start = chunk * k_chunk
         k_end = tl.minimum(k_start + k_chunk, K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if TABLE == 1:  # (row starts: multiples of 16 elements — RowTable's — so rows load
+            # in 16-byte vectors)
+            w_rows = w_ptr + tl.multiple_of(
+                tl.load(tab_ptr + b * stab + offs_n, mask=offs_n < N, other=0), 16)
         for k0 in range(k_start, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             xk = tl.load(x_ptr + b * sxb + offs_m[:, None] * sxm + offs_k[None, :] * sxk,
                          mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_end), other=0.0)
-            wt = tl.load(w_ptr + b * swb + offs_n[:, None] * swn + offs_k[None, :] * swk,
-                         mask=(offs_n[:, None] < N) & (offs_k[None, :] < k_end), other=0.0)
+            w_mask = (offs_n[:, None] < N) & (offs_k[None, :] < k_end)
+            if TABLE == 1:
+                wt = tl.load(w_rows[:, None] + offs_k[None, :], mask=w_mask, other=0.0)
+            elif TABLE == 2:
+                w_cols = tl.multiple_of(
+                    tl.load(tab_ptr + b * stab + offs_k, mask=offs_k < k_end, other=0), 16)
+                wt = tl.load(w_ptr + w_cols[None, :] + offs_n[:, None], mask=w_mask, other=0.0)
+            else:
+                wt = tl.load(w_ptr + b * swb + offs_n[:, None] * swn + offs_k[None, :] * swk,
+                             mask=w_mask, other=0.0)
             if PRODUCT == 0:  # ROW
                 acc += tl.sum(xk.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :],
                               axis=2)
@@ -223,13 +241,13 @@ def rowwise_rows(x: torch.Tensor, w: torch.Tensor,
     return rowwise_bmm(x.unsqueeze(1), w.unsqueeze(0), out_dtype=out_dtype).squeeze(1)
 
 
-def rowwise_bmm(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
+def rowwise_bmm(x: torch.Tensor, w: "torch.Tensor | RowTable", k_chunk: int = K_CHUNK,
                 out_dtype: torch.dtype | None = None,
                 tile: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """x [B, M, K], w [B or 1, N, K] (any strides) → [B, M, N] in out_dtype (default x's),
-    batch-invariant; fp32 accumulation whatever the operands' dtypes. (`k_chunk`: a multiple
-    of 64; tests lower it to split small shapes. `tile`: a call site's own fixed tile for the
-    tl.dot path, whatever M — rowwise_rows.)"""
+    """x [B, M, K], w [B or 1, N, K] (any strides, or a RowTable) → [B, M, N] in out_dtype
+    (default x's), batch-invariant; fp32 accumulation whatever the operands' dtypes.
+    (`k_chunk`: a multiple of 64; tests lower it to split small shapes. `tile`: a call site's
+    own fixed tile for the tl.dot path, whatever M — rowwise_rows.)"""
     if triton is None:
         raise RuntimeError("rowwise_bmm needs triton")
     B, M, _ = x.shape
@@ -246,7 +264,7 @@ def split_planes(x: torch.Tensor) -> torch.Tensor:
     return torch.stack((hi, mid, (rest - mid.float()).bfloat16()))
 
 
-def planes_bmm(planes: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
+def planes_bmm(planes: torch.Tensor, w: "torch.Tensor | RowTable", k_chunk: int = K_CHUNK,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """rowwise_bmm(x, w) [B, M, N] fp32 for an fp32 x [B, M, K] given as its exact split
     `planes` [3, B, M, K] bf16 (hi, mid, lo: split_bf16(x), as strata.kernels.attention's
@@ -268,8 +286,38 @@ def planes_bmm(planes: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
                 torch.float32, planes.stride(0), out)
 
 
-def _bmm(x: torch.Tensor, w: torch.Tensor, prod: int, tile: tuple[int, int, int],
-         k_chunk: int, out_dtype: torch.dtype, sxp: int = 0,
+@dataclass(frozen=True)
+class RowTable:
+    """A batch's rows of `width` elements where they lie, as the w of rowwise_bmm /
+    planes_bmm: batch element b's i-th row starts `offsets[b, i]` elements from `base`'s first
+    (int64, any sign, a multiple of 16: rows of several tensors of base's dtype, each row
+    contiguous) —
+    attention's key rows without their gathered copy. As w it is [B, n, width] (q·k), or
+    `transposed()` [B, width, n] (p·v)."""
+    base: torch.Tensor
+    offsets: torch.Tensor  # [B, n] int64
+    width: int
+    is_transposed: bool = False
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        B, n = self.offsets.shape
+        return (B, self.width, n) if self.is_transposed else (B, n, self.width)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.base.dtype
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.base.is_cuda
+
+    def transposed(self) -> "RowTable":
+        return replace(self, is_transposed=not self.is_transposed)
+
+
+def _bmm(x: torch.Tensor, w: "torch.Tensor | RowTable", prod: int,
+         tile: tuple[int, int, int], k_chunk: int, out_dtype: torch.dtype, sxp: int = 0,
          out: torch.Tensor | None = None) -> torch.Tensor:
     """One _rowwise_kernel launch (and the chunks' sum where K is split), into `out` if given."""
     B, M, K = x.shape
@@ -284,18 +332,26 @@ def _bmm(x: torch.Tensor, w: torch.Tensor, prod: int, tile: tuple[int, int, int]
                          f"{x.device}, got {out.dtype} {list(out.shape)} on {out.device}")
     if B * M == 0 or N == 0:
         return out
-    swb = 0 if Bw == 1 else w.stride(0)
+    table = isinstance(w, RowTable)
+    if table:  # (the rows' strides are the table's)
+        tab, mode, w = w.offsets, 2 if w.is_transposed else 1, w.base
+        swb = swn = swk = 0
+    else:
+        tab, mode = w, 0
+        swb, swn, swk = (0 if Bw == 1 else w.stride(0)), w.stride(1), w.stride(2)
     bm, bn, bk = tile
     m_blocks = triton.cdiv(M, bm)
     chunks = triton.cdiv(K, k_chunk) if K > k_chunk else 1
     dest = out if chunks == 1 else torch.empty((chunks, B, M, N), dtype=torch.float32,
                                                device=x.device)
-    args = (x, w, dest, M, N, K, m_blocks, k_chunk if chunks > 1 else K,
-            x.stride(0), x.stride(1), x.stride(2), swb, w.stride(1), w.stride(2),
-            dest.stride(0) if chunks > 1 else 0, *dest.stride()[-3:], sxp)
+    args = (x, w, dest, tab, M, N, K, m_blocks, k_chunk if chunks > 1 else K,
+            x.stride(0), x.stride(1), x.stride(2), swb, swn, swk,
+            dest.stride(0) if chunks > 1 else 0, *dest.stride()[-3:], sxp,
+            tab.stride(0) if table else 0)
     grid = (B * m_blocks, triton.cdiv(N, bn), chunks)
     _rowwise_kernel[grid](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRODUCT=prod,
-                          WIDEN=not x.is_cuda, num_warps=TILE_WARPS, **pdl.args(x.device))
+                          WIDEN=not x.is_cuda, TABLE=mode, num_warps=TILE_WARPS,
+                          **pdl.args(x.device))
     if chunks > 1:
         n = B * M * N
         _chunk_sum_kernel[(triton.cdiv(n, 1024),)](dest, out, n, chunks, BLOCK=1024,

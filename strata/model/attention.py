@@ -177,7 +177,7 @@ def gather_rows(kv: torch.Tensor, ring: PositionRing, window: tuple[torch.Tensor
                 cache: torch.Tensor | None,
                 sel: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Some queries' key rows [T, W (+ k), hd] in their stored dtype (rows_dtype) and their
-    mask. Each query's window is exactly its W most recent positions (ForwardContext.window:
+    mask — on CUDA, where every source holds one dtype, as a RowTable of where they lie. Each query's window is exactly its W most recent positions (ForwardContext.window:
     kpos, existing, in_chunk, row, slot), from the ring (earlier forwards; visible if its tag
     still holds that position) or this forward's kv, in position order — a fixed-length key
     set per query keeps the result independent of the chunk it came in — then come its
@@ -185,6 +185,9 @@ def gather_rows(kv: torch.Tensor, ring: PositionRing, window: tuple[torch.Tensor
     the same bits)."""
     from strata.kernels import attention as attn_kernels
     if attn_kernels.available(kv):
+        if attn_kernels.row_table_applies(kv, ring.rows, cache):
+            # (one dtype: the rows where they lie, read there by the products — no copy)
+            return attn_kernels.row_table(kv, ring.rows, ring.tags, window, cache, sel)
         return attn_kernels.gather_rows(kv, ring.rows, ring.tags, window, cache, sel,
                                         rows_dtype(kv, ring, cache))
     kpos, existing, in_chunk, row, slot = window
@@ -207,8 +210,9 @@ def sparse_attention(q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
                      comp_rows: torch.Tensor | None, comp_mask: torch.Tensor | None,
                      sink: torch.Tensor, scale: float,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """One softmax per query over its own rows [T, W, hd] (mask [T, W]) and compressed rows
-    [T, k, hd] (mask [T, k]); the per-head sink enters only the denominator; K == V.
+    """One softmax per query over its own rows [T, W, hd] (mask [T, W]; on CUDA also a
+    RowTable) and compressed rows [T, k, hd] (mask [T, k]); the per-head sink enters only the
+    denominator; K == V.
     q [T, H, hd] → [T, H, hd] fp32 (written into `out`, a contiguous fp32 [T, H, hd], if
     given), every product accumulated in fp32 (16-bit q and rows: exact products, on tensor
     cores on CUDA). Every query is its own batch element."""
@@ -219,18 +223,20 @@ def sparse_attention(q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
         mask = torch.cat((mask, comp_mask), dim=1)
     s = rows_bmm(q, rows, torch.float32)  # [T, H, n]
     from strata.kernels import attention as attn_kernels
+    from strata.kernels.rowwise import RowTable
+    values = rows.transposed() if isinstance(rows, RowTable) else rows.transpose(1, 2)
     if attn_kernels.available(s):  # (the steps below in one launch)
         if rows.dtype == torch.bfloat16:  # (p·v: fp32 p split into three bf16 products — the
             # softmax stores the split; the product's bits, in less time: rowwise.planes_bmm)
             from strata.kernels.rowwise import planes_bmm
             return planes_bmm(attn_kernels.sink_softmax(s, mask, sink, scale, planes=True),
-                              rows.transpose(1, 2), out=out)
-        o = rows_bmm(attn_kernels.sink_softmax(s, mask, sink, scale), rows.transpose(1, 2))
+                              values, out=out)
+        o = rows_bmm(attn_kernels.sink_softmax(s, mask, sink, scale), values)
         return o if out is None else out.copy_(o)
     # (a Python scalar, not torch.tensor(-inf, device=…): that is a host → device upload per
     # layer, which on a GPU waits for the stream)
     s = (s * scale).masked_fill(~mask[:, None, :], float("-inf"))
     s = torch.cat((s, sink.view(1, H, 1).expand(T, H, 1)), dim=-1)
     p = torch.softmax(s, dim=-1)[..., :-1]
-    o = rows_bmm(p, rows.transpose(1, 2))
+    o = rows_bmm(p, values)
     return o if out is None else out.copy_(o)

@@ -316,7 +316,11 @@ def test_attention_sink_softmax_near_the_torch_code(cuda, monkeypatch):
 def test_attention_rows_gathered_in_one_launch_equal_the_torch_code(cuda, monkeypatch):
     """A 300-query chunk's key rows at V4.1's shapes (window 128 over a 256-slot ring, 512
     compressed picks, rows of 512 in bf16): the one-launch gather equals the torch path bit
-    for bit, rows and mask."""
+    for bit, rows and mask; the model's rows on CUDA — a RowTable of where they lie, every
+    source bf16 — read through the products (one-hot queries: each element exactly) are those
+    rows, and sparse attention over them gives the gathered rows' bits."""
+    from strata.kernels import attention as attn_kernels
+    from strata.kernels.rowwise import RowTable, rowwise_bmm
     from strata.model import attention as A
     from strata.model.context import ForwardContext
     from strata.runtime.state import PositionRing
@@ -334,9 +338,18 @@ def test_attention_rows_gathered_in_one_launch_equal_the_torch_code(cuda, monkey
     kv = torch.randn(T, hd, generator=g).to(cuda, torch.bfloat16)
     cache = torch.randn(600, hd, generator=g).to(cuda, torch.bfloat16)
     sel = torch.randint(-1, 600, (T, k), generator=g).to(cuda)
-    got = A.gather_rows(kv, ring, window, cache, sel)
     want = torch_path(monkeypatch, A.gather_rows, kv, ring, window, cache, sel)
+    got = attn_kernels.gather_rows(kv, ring.rows, ring.tags, window, cache, sel, torch.bfloat16)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    table, mask = A.gather_rows(kv, ring, window, cache, sel)
+    assert isinstance(table, RowTable) and torch.equal(mask, want[1])
+    eye = torch.eye(hd, dtype=torch.bfloat16, device=cuda).expand(T, -1, -1)
+    assert torch.equal(rowwise_bmm(eye, table, out_dtype=torch.float32),
+                       want[0].transpose(1, 2).float())
+    q = torch.randn(T, 64, hd, generator=g).to(cuda, torch.bfloat16)
+    sink = torch.randn(64, generator=g).to(cuda)
+    assert torch.equal(A.sparse_attention(q, table, mask, None, None, sink, hd ** -0.5),
+                       A.sparse_attention(q, want[0], want[1], None, None, sink, hd ** -0.5))
 
 
 @pytest.mark.parametrize("dtype, key_dtype", [(torch.float32, torch.float32),
