@@ -177,7 +177,8 @@ def gather_rows(kv: torch.Tensor, ring: PositionRing, window: tuple[torch.Tensor
                 cache: torch.Tensor | None,
                 sel: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Some queries' key rows [T, W (+ k), hd] in their stored dtype (rows_dtype) and their
-    mask — on CUDA, where every source holds one dtype, as a RowTable of where they lie. Each query's window is exactly its W most recent positions (ForwardContext.window:
+    mask — on CUDA, where every source holds one dtype, as a RowTable of where they lie.
+    Each query's window is exactly its W most recent positions (ForwardContext.window:
     kpos, existing, in_chunk, row, slot), from the ring (earlier forwards; visible if its tag
     still holds that position) or this forward's kv, in position order — a fixed-length key
     set per query keeps the result independent of the chunk it came in — then come its
