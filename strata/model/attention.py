@@ -132,7 +132,7 @@ class Attention:
             j = min(i + step, T)
             rows, mask = gather_rows(kv, ring, tuple(w[i:j] for w in window), cache,
                                      None if sel is None else sel[i:j])
-            self.attend_heads(q[i:j], rows, mask, None, None, out=out[i:j])
+            self.attend_heads(q[i:j], rows, mask, out=out[i:j])
         return out
 
     def publish(self, u: torch.Tensor, ctx: ForwardContext, state: State,
@@ -153,11 +153,9 @@ class Attention:
             ctx.published_keys.append(self.layer)
 
     def attend_heads(self, q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
-                     comp_rows: torch.Tensor | None, comp_mask: torch.Tensor | None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
         """sparse_attention over this object's heads (tensor parallelism wraps it)."""
-        return sparse_attention(q, rows, mask, comp_rows, comp_mask, self.attn_sink,
-                                self.cfg.head_dim ** -0.5, out)
+        return sparse_attention(q, rows, mask, self.attn_sink, self.cfg.head_dim ** -0.5, out)
 
     def _store_entries(self, latent: torch.Tensor, entries: torch.Tensor,
                        rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext,
@@ -208,20 +206,15 @@ def rows_dtype(kv: torch.Tensor, ring: PositionRing, cache: torch.Tensor | None)
 
 
 def sparse_attention(q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
-                     comp_rows: torch.Tensor | None, comp_mask: torch.Tensor | None,
                      sink: torch.Tensor, scale: float,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """One softmax per query over its own rows [T, W, hd] (mask [T, W]; on CUDA also a
-    RowTable) and compressed rows [T, k, hd] (mask [T, k]); the per-head sink enters only the
-    denominator; K == V.
+    """One softmax per query over its own rows [T, n, hd] — its window's, then its selected
+    compressed entries' (gather_rows; on CUDA also a RowTable) — with mask [T, n]; the
+    per-head sink enters only the denominator; K == V.
     q [T, H, hd] → [T, H, hd] fp32 (written into `out`, a contiguous fp32 [T, H, hd], if
     given), every product accumulated in fp32 (16-bit q and rows: exact products, on tensor
     cores on CUDA). Every query is its own batch element."""
     T, H, _ = q.shape
-    if comp_rows is not None:
-        dt = torch.promote_types(rows.dtype, comp_rows.dtype)
-        rows = torch.cat((rows.to(dt), comp_rows.to(dt)), dim=1)
-        mask = torch.cat((mask, comp_mask), dim=1)
     s = rows_bmm(q, rows, torch.float32)  # [T, H, n]
     from strata.kernels import attention as attn_kernels
     from strata.kernels.rowwise import RowTable

@@ -55,7 +55,7 @@ class DSparkStage(Block):
         rows = torch.cat((ring.rows.to(dt), kv.to(dt)), dim=0)
         mask = torch.cat((valid, torch.ones(ctx.T, dtype=torch.bool, device=u.device)))
         T = ctx.T
-        o = sparse_attention(q.to(dt), rows.expand(T, -1, -1), mask.expand(T, -1), None, None,
+        o = sparse_attention(q.to(dt), rows.expand(T, -1, -1), mask.expand(T, -1),
                              attn.attn_sink, cfg.head_dim ** -0.5)
         return attn.output(o, ctx)
 

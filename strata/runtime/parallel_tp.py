@@ -242,7 +242,7 @@ class GatheredInput:
     __call__ = forward
 
 
-def _padded_attend(attn, heads: range, q: torch.Tensor, rows, mask, comp_rows, comp_mask,
+def _padded_attend(attn, heads: range, q: torch.Tensor, rows, mask,
                    out: torch.Tensor | None = None):
     """The per-head attention products with the single-device head count (CPU bmm kernels
     choose by M); the other ranks' heads are zero queries whose rows are dropped."""
@@ -251,7 +251,7 @@ def _padded_attend(attn, heads: range, q: torch.Tensor, rows, mask, comp_rows, c
     qp[:, heads.start:heads.stop] = q
     sink = attn.attn_sink.new_zeros(H)
     sink[heads.start:heads.stop] = attn.attn_sink
-    o = sparse_attention(qp, rows, mask, comp_rows, comp_mask, sink, attn.cfg.head_dim ** -0.5)
+    o = sparse_attention(qp, rows, mask, sink, attn.cfg.head_dim ** -0.5)
     o = o[:, heads.start:heads.stop]
     return o if out is None else out.copy_(o)
 
@@ -364,6 +364,6 @@ def apply_tp(model: Model, comm: Comm, plan: TPPlan) -> None:
 
 
 def _bind_padded(attn, heads: range):
-    def attend(q, rows, mask, comp_rows, comp_mask, out=None):
-        return _padded_attend(attn, heads, q, rows, mask, comp_rows, comp_mask, out)
+    def attend(q, rows, mask, out=None):
+        return _padded_attend(attn, heads, q, rows, mask, out)
     return attend

@@ -292,19 +292,18 @@ def test_a_forward_hashing_engram_ids_on_the_device_gives_the_host_hashs_logits(
 
 
 def test_attention_sink_softmax_near_the_torch_code(cuda, monkeypatch):
-    """sparse_attention at V4.1's shapes (64 heads, 128 window + 512 compressed rows of 512)
-    with the sink softmax in one launch: the torch steps' output to fp32 rounding, and each
-    query's output alone equal to it in a batch."""
+    """sparse_attention at V4.1's shapes (64 heads, 128 window + 512 compressed rows of 512,
+    fp32) with the sink softmax in one launch: the torch steps' output to fp32 rounding, and
+    each query's output alone equal to it in a batch."""
     from strata.model.attention import sparse_attention
     g = torch.Generator().manual_seed(4)
     T, H, W, k, hd = 9, 64, 128, 512, 512
     q = torch.randn(T, H, hd, generator=g).to(cuda)
-    rows = torch.randn(T, W, hd, generator=g).to(cuda)
-    comp = torch.randn(T, k, hd, generator=g).to(cuda)
-    mask = (torch.rand(T, W, generator=g) > 0.2).to(cuda)
-    comp_mask = (torch.rand(T, k, generator=g) > 0.5).to(cuda)
+    rows = torch.randn(T, W + k, hd, generator=g).to(cuda)
+    mask = torch.cat((torch.rand(T, W, generator=g) > 0.2,  # (the window's rows, then the
+                      torch.rand(T, k, generator=g) > 0.5), dim=1).to(cuda)  # compressed)
     sink = torch.randn(H, generator=g).to(cuda)
-    args = (q, rows, mask, comp, comp_mask, sink, hd ** -0.5)
+    args = (q, rows, mask, sink, hd ** -0.5)
     got = sparse_attention(*args)
     torch.testing.assert_close(got, torch_path(monkeypatch, sparse_attention, *args),
                                rtol=1e-4, atol=1e-5)
@@ -348,8 +347,8 @@ def test_attention_rows_gathered_in_one_launch_equal_the_torch_code(cuda, monkey
                        want[0].transpose(1, 2).float())
     q = torch.randn(T, 64, hd, generator=g).to(cuda, torch.bfloat16)
     sink = torch.randn(64, generator=g).to(cuda)
-    assert torch.equal(A.sparse_attention(q, table, mask, None, None, sink, hd ** -0.5),
-                       A.sparse_attention(q, want[0], want[1], None, None, sink, hd ** -0.5))
+    assert torch.equal(A.sparse_attention(q, table, mask, sink, hd ** -0.5),
+                       A.sparse_attention(q, want[0], want[1], sink, hd ** -0.5))
 
 
 @pytest.mark.parametrize("dtype, key_dtype", [(torch.float32, torch.float32),
