@@ -131,7 +131,7 @@ class Indexer:
         keys = state.index_k[key_src][:n]  # (stored dtype; the products accumulate in fp32)
         q = (self.wq_b(qr, nx, torch.float32) if q is None else q).view(ctx.T, nh, ihd)
         cos, sin = ctx.rope(r)
-        q = apply_rope(q, cos, sin)  # (not in place: a caller's q is its own)
+        q = apply_rope(q, cos, sin)  # (into a copy: select must not change the caller's q)
         if nx.quantize:
             # fp4 values are exact in the cache's dtype: the products are exact either way,
             # and 16-bit operands run on tensor cores
