@@ -17,7 +17,8 @@ import strata.kernels.exl3 as X
 from strata.bench.kernels import event_ms
 
 dev = "cuda"
-E, T, k, D, I = 384, 4096, 6, 5120, 2304
+E, k, D, I = 384, 6, 5120, 2304
+T = int(os.environ.get("TOKENS", 4096))  # a prefill chunk's tokens
 g = torch.Generator(device=dev).manual_seed(0)
 
 
@@ -96,5 +97,5 @@ first = next(iter(results.values()))
 same = all(torch.equal(p, q) for r in results.values() for p, q in zip(first, r))
 out["every variant bit-identical"] = same
 print("bit-identical:", same, flush=True)
-json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp"), "probe_moe_prefill.json"), "w"),
+json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp"), f"probe_moe_prefill_{T}.json"), "w"),
           indent=1)

@@ -31,7 +31,7 @@ def test_hc_mix_matches_the_products_and_rows_stand_alone(dtype):
     """The mixing products and the sum of squares in one pass (K past one chunk, the stream in
     its stored dtype): the torch values to fp32 rounding, and each row's bits the same alone
     (a decode step) as among a prefill's rows, wherever it sits in a program's rows."""
-    H, D, T = 4, 300, 37
+    H, D, T = 4, 300, 70  # (a prefill's programs take 64 rows, a decode row's 16)
     w = weights(H, D, 11)
     g = torch.Generator().manual_seed(12)
     h = torch.randn(T, H, D, generator=g).to(dtype)
@@ -39,7 +39,7 @@ def test_hc_mix_matches_the_products_and_rows_stand_alone(dtype):
     x = h.float().flatten(1)
     torch.testing.assert_close(m, x @ w.fn.T, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sq, (x * x).sum(-1), rtol=1e-5, atol=0)
-    for i in (0, 17, 36):
+    for i in (0, 17, 69):
         mi, sqi = K.hc_mix(h[i:i + 1], w.fn)
         assert torch.equal(mi, m[i:i + 1]) and torch.equal(sqi, sq[i:i + 1])
     with pytest.raises(ValueError, match="does not match"):
@@ -71,8 +71,11 @@ def test_hc_coeffs_match_the_definition_and_rows_are_independent(H):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_collapse_and_update_give_the_definitions_bits(dtype):
-    T, H, D = 3, 4, 700  # D not a multiple of BLOCK_D
+@pytest.mark.parametrize("T, H", [(3, 4), (20, 4), (20, 3)])
+def test_collapse_and_update_give_the_definitions_bits(dtype, T, H):
+    """(hc_update's programs take BLOCK_D / H columns for a decode's few rows, BLOCK_D for
+    more; H 3: the copies padded to 4)"""
+    D = 700  # not a multiple of BLOCK_D
     g = torch.Generator().manual_seed(1)
     h = torch.randn(T, H, D, generator=g).to(dtype)
     pre = torch.rand(T, H, generator=g)

@@ -36,7 +36,8 @@ except ImportError:  # CPU-only installs: strata.model.mhc's torch code is used
     triton = None
 
 COEFF_WARPS = 4  # hc_coeffs: one row a program, its chunk partials spread over the warps
-BLOCK_D = 512  # hidden columns per program in collapse / hc_update
+BLOCK_D = 512  # hidden columns per program in collapse / hc_update (session 47: 512 the
+# fastest of 512–4,096 for hc_update at a 4,096-row chunk)
 # hc_mix rows per program: 16 since its products run on tensor cores (session 16 probe,
 # hc_mixed_coeffs by graph replay: 12.1 µs a decode row against 16.0 at 32, 254 µs a
 # 4,096-row chunk against 335; with fp32 FMAs, session 9, 32 had halved the chunk's time).
@@ -45,8 +46,11 @@ BLOCK_D = 512  # hidden columns per program in collapse / hc_update
 # (session 9), 24 µs at 512 (session 10); the coefficients kernel loads a row's 80 partials
 # as one tile (one memory latency; in order, chunk by chunk, a block of 16 rows took ~7.6
 # µs a decode call: session 20). The partition is K's alone, so rows never depend on the
-# batch.
+# batch — nor on the rows a program takes: a call of more than MIX_ROWS rows (a prefill chunk)
+# takes MIX_ROWS_WIDE, each program reading fn's chunk once for 4× the rows (session 47, H100,
+# 4,096 rows: 0.150 ms against 0.342 at 16, the same bits; 32 rows 0.397, 128 rows 0.153).
 MIX_ROWS = 16
+MIX_ROWS_WIDE = 64
 MIX_K = 64     # K per tl.dot step
 MIX_CHUNK = 256  # K per program; the chunks' partials are summed in order
 
@@ -176,23 +180,30 @@ if triton is not None:
 
     @triton.jit
     def _hc_update_kernel(y_ptr, r_ptr, post_ptr, comb_ptr, out_ptr, D, sy_row, sr_row,
-                          sr_copy, so_row, so_copy, H: tl.constexpr, BD: tl.constexpr,
-                          PDL: tl.constexpr):
+                          sr_copy, so_row, so_copy, H: tl.constexpr, HP: tl.constexpr,
+                          BD: tl.constexpr, PDL: tl.constexpr):
+        # All H output copies of a row's block from one read of each residual copy (a
+        # program per output copy read every residual copy H times: 1.3 TB/s at a prefill
+        # chunk, session 47). Output j's chain is as it was: comb[0, j]·r0, + comb[i, j]·ri
+        # in copy order, + post[j]·y, rounded once.
         wait_then_release(PDL)
         t = tl.program_id(0).to(tl.int64)
-        j = tl.program_id(1)
-        d = tl.program_id(2) * BD + tl.arange(0, BD)
+        d = tl.program_id(1) * BD + tl.arange(0, BD)
         dmask = d < D
+        j = tl.arange(0, HP)  # the output copies, a row of acc each
+        jmask = j < H
         rrow = r_ptr + t * sr_row
         cb = comb_ptr + t * (H * H) + j  # comb[t, i, j] at i·H + j
-        acc = tl.load(cb) * tl.load(rrow + d, mask=dmask, other=0.0).to(tl.float32)
+        acc = (tl.load(cb, mask=jmask, other=0.0)[:, None]
+               * tl.load(rrow + d, mask=dmask, other=0.0).to(tl.float32)[None, :])
         for i in tl.static_range(1, H):
-            acc = acc + tl.load(cb + i * H) * tl.load(
-                rrow + i * sr_copy + d, mask=dmask, other=0.0).to(tl.float32)
+            acc = acc + (tl.load(cb + i * H, mask=jmask, other=0.0)[:, None]
+                         * tl.load(rrow + i * sr_copy + d, mask=dmask,
+                                   other=0.0).to(tl.float32)[None, :])
         yv = tl.load(y_ptr + t * sy_row + d, mask=dmask, other=0.0).to(tl.float32)
-        acc = acc + tl.load(post_ptr + t * H + j) * yv
-        tl.store(out_ptr + t * so_row + j * so_copy + d, _round_out(acc, out_ptr.dtype.element_ty),
-                 mask=dmask)
+        acc = acc + tl.load(post_ptr + t * H + j, mask=jmask, other=0.0)[:, None] * yv[None, :]
+        tl.store(out_ptr + t * so_row + j[:, None] * so_copy + d[None, :],
+                 _round_out(acc, out_ptr.dtype.element_ty), mask=jmask[:, None] & dmask[None, :])
 
 
 def _contig(t: torch.Tensor) -> torch.Tensor:
@@ -245,9 +256,10 @@ def _mix_partials(h: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
     chunks = triton.cdiv(K, MIX_CHUNK)
     part = torch.empty((chunks, T, N + 1), dtype=torch.float32, device=h.device)
     if T:
-        _hc_mix_kernel[(triton.cdiv(T, MIX_ROWS), chunks)](
+        rows = MIX_ROWS if T <= MIX_ROWS else MIX_ROWS_WIDE
+        _hc_mix_kernel[(triton.cdiv(T, rows), chunks)](
             x, fn, part, T, N, K, x.stride(0), fn.stride(0), part.stride(0), part.stride(1),
-            BT=MIX_ROWS, BN=max(16, triton.next_power_of_2(N)), BK=MIX_K, CHUNK=MIX_CHUNK,
+            BT=rows, BN=max(16, triton.next_power_of_2(N)), BK=MIX_K, CHUNK=MIX_CHUNK,
             SPLIT=mix_split(h), num_warps=4, **pdl.args(h.device))
     return part
 
@@ -315,9 +327,14 @@ def hc_update(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
     y = _contig(y)
     out = torch.empty((T, H, D), dtype=residual.dtype, device=residual.device)
     if T:
-        _hc_update_kernel[(T, H, triton.cdiv(D, BLOCK_D))](
+        HP = triton.next_power_of_2(H)
+        # A program writes all H copies: for a decode step's or window's few rows, BLOCK_D / H
+        # columns keep a program's outputs and the programs' count as they were with a
+        # program per copy (BLOCK_D there measured 1.2 % slower decoding, session 47)
+        bd = BLOCK_D if T > MIX_ROWS else max(16, BLOCK_D // HP)
+        _hc_update_kernel[(T, triton.cdiv(D, bd))](
             y, residual, _contig(post.float()), _contig(comb.float()), out, D, y.stride(0),
             residual.stride(0), residual.stride(1), out.stride(0), out.stride(1),
-            H=H, BD=BLOCK_D, num_warps=4, enable_fp_fusion=False,
+            H=H, HP=HP, BD=bd, num_warps=4, enable_fp_fusion=False,
             **pdl.args(y.device))
     return out

@@ -63,9 +63,9 @@ def test_hc_coeffs_near_the_torch_code_and_row_invariant(cuda, monkeypatch):
 
 def test_hc_mix_of_a_bf16_stream_on_tensor_cores(cuda):
     """hc_mix for a bf16 stream: fn split exactly into three bf16, each product exact in fp32
-    — within fp32 rounding of the float64 sums; one decode row has its bits in a prefill's
-    batch (a row crossing the 32-row blocks included)."""
-    T, H, D = 45, 4, 5120
+    — within fp32 rounding of the float64 sums; one decode row (a program of 16 rows) has its
+    bits in a prefill's batch (programs of 64 rows; a row past the first block included)."""
+    T, H, D = 70, 4, 5120
     g = torch.Generator().manual_seed(12)
     fn = (torch.randn(24, H * D, generator=g) * (H * D) ** -0.5).to(cuda)
     h = (torch.randn(T, H, D, generator=g) * 3).to(cuda, torch.bfloat16)
@@ -74,7 +74,7 @@ def test_hc_mix_of_a_bf16_stream_on_tensor_cores(cuda):
     x = h.double().reshape(T, -1)
     torch.testing.assert_close(m.double(), x @ fn.double().T, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sq.double(), (x * x).sum(-1), rtol=1e-6, atol=0)
-    for t in (0, 33, 44):
+    for t in (0, 33, 69):
         one = K.hc_mix(h[t:t + 1], fn)
         assert torch.equal(one[0][0], m[t]) and torch.equal(one[1][0], sq[t])
 
