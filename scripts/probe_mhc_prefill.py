@@ -1,10 +1,11 @@
 """mHC's two prefill-sized kernels at a 4,096-row chunk (V4.1: 4 copies of 5,120, 24 mixes):
 hc_update (elementwise, bandwidth-bound; all 4 output copies a program since session 47, when
 a program per copy ran 0.289 ms at 1.3 TB/s on an H100) for columns a program (BD) and
-warps, and hc_mix's partials for rows a program (BT) and warps — ms a call (CUDA events, median of 5, 2 weight
-sets alternating), GB/s counting the bytes each must move, and whether each variant gives the
-default's bits (neither the row block nor BD is part of any value's order of operations).
-On the device: source scripts/device_env.sh && python scripts/probe_mhc_prefill.py"""
+warps, and hc_mix's partials for rows a program (BT) and warps — ms a call (CUDA events,
+median of 5, 2 weight sets alternating), GB/s counting the bytes each must move, and whether
+each variant gives the default's bits (neither the row block nor BD is part of any value's
+order of operations). On the device: source scripts/device_env.sh && python
+scripts/probe_mhc_prefill.py"""
 import json
 import os
 

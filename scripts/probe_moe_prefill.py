@@ -97,5 +97,5 @@ first = next(iter(results.values()))
 same = all(torch.equal(p, q) for r in results.values() for p, q in zip(first, r))
 out["every variant bit-identical"] = same
 print("bit-identical:", same, flush=True)
-json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp"), f"probe_moe_prefill_{T}.json"), "w"),
-          indent=1)
+json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp"), f"probe_moe_prefill_{T}.json"),
+                    "w"), indent=1)

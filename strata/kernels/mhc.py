@@ -36,8 +36,10 @@ except ImportError:  # CPU-only installs: strata.model.mhc's torch code is used
     triton = None
 
 COEFF_WARPS = 4  # hc_coeffs: one row a program, its chunk partials spread over the warps
-BLOCK_D = 512  # hidden columns per program in collapse / hc_update (session 47: 512 the
-# fastest of 512–4,096 for hc_update at a 4,096-row chunk)
+# hidden columns per program in collapse / hc_update (session 47, hc_update at a 4,096-row
+# chunk: a program per copy, H100, 512 the fastest of 512–4,096; all copies a program, H200,
+# 1,024 0.152 ms against 0.192 — not taken without a model A/B)
+BLOCK_D = 512
 # hc_mix rows per program: 16 since its products run on tensor cores (session 16 probe,
 # hc_mixed_coeffs by graph replay: 12.1 µs a decode row against 16.0 at 32, 254 µs a
 # 4,096-row chunk against 335; with fp32 FMAs, session 9, 32 had halved the chunk's time).
