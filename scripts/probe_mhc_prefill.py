@@ -1,16 +1,16 @@
-"""mHC's two prefill-sized kernels at a 4,096-row chunk (V4.1: 4 copies of 5,120, 24 mixes):
-hc_update (elementwise, bandwidth-bound; all 4 output copies a program since session 47, when
-a program per copy ran 0.289 ms at 1.3 TB/s on an H100) for columns a program (BD) and
-warps, and hc_mix's partials for rows a program (BT) and warps — ms a call (CUDA events,
-median of 5, 2 weight sets alternating), GB/s counting the bytes each must move, and whether
-each variant gives the default's bits (neither the row block nor BD is part of any value's
-order of operations). On the device: source scripts/device_env.sh && python
+"""mHC's two prefill-sized kernels at a 4,096-row chunk (V4.1: 4 copies of 5,120, 24 mixes),
+through the model's own calls with the module's tile constants varied: hc_update for columns a
+program (mhc.BLOCK_D; all 4 output copies a program since session 47, when a program per copy
+ran 0.289 ms at 1.3 TB/s on an H100) and hc_mix's partials for rows a program above 16
+(mhc.MIX_ROWS_WIDE) — ms a call (CUDA events, median of 5, 2 weight sets alternating), GB/s
+counting the bytes each must move, and whether each variant gives the default's bits (neither
+is part of any value's order of operations). Session 47's runs also launched 8 warps a program
+(slower at every size). On the device: source scripts/device_env.sh && python
 scripts/probe_mhc_prefill.py"""
 import json
 import os
 
 import torch
-import triton
 
 from strata.bench.kernels import event_ms
 from strata.kernels import mhc
@@ -29,36 +29,33 @@ for _ in range(2):
     sets.append((h, y, post, comb, fn))
 
 
-def update(bd: int, warps: int, s):
+def update(s):
     h, y, post, comb, _ = s
-    o = torch.empty_like(h)
-    mhc._hc_update_kernel[(T, triton.cdiv(D, bd))](
-        y, h, post, comb, o, D, y.stride(0), h.stride(0), h.stride(1), o.stride(0), o.stride(1),
-        H=H, HP=H, BD=bd, num_warps=warps, enable_fp_fusion=False, PDL=False)
-    return o
+    return mhc.hc_update(y, h, post, comb)
 
 
-def mix(bt: int, warps: int, s):
-    h, fn = s[0], s[4]
-    x = h.reshape(T, -1)
-    chunks = triton.cdiv(H * D, mhc.MIX_CHUNK)
-    part = torch.empty((chunks, T, N + 1), dtype=torch.float32, device=dev)
-    mhc._hc_mix_kernel[(triton.cdiv(T, bt), chunks)](
-        x, fn, part, T, N, H * D, x.stride(0), fn.stride(0), part.stride(0), part.stride(1),
-        BT=bt, BN=32, BK=mhc.MIX_K, CHUNK=mhc.MIX_CHUNK, SPLIT=True, num_warps=warps, PDL=False)
-    return part
+def mix(s):
+    return mhc._mix_partials(s[0], s[4])
 
 
-def timed(fn, nbytes: float, name: str, ref):
+def timed(fn, name: str, const: str, values, nbytes: float) -> None:
+    """fn under each value of mhc.<const>, against the default's bits."""
+    default = getattr(mhc, const)
+    ref = fn(sets[0])
     i = [0]
 
     def call():
         i[0] ^= 1
         return fn(sets[i[0]])
-    ms = event_ms(call)
-    same = torch.equal(fn(sets[0]), ref)
-    out[name] = {"ms": round(ms, 4), "GB/s": round(nbytes / ms / 1e6), "same bits": same}
-    print(f"{name:28s} {ms:8.4f} ms {nbytes / ms / 1e6:7.0f} GB/s  same bits: {same}", flush=True)
+    for v in values:
+        setattr(mhc, const, v)
+        ms = event_ms(call)
+        same = torch.equal(fn(sets[0]), ref)
+        key = f"{name} {const} {v}"
+        out[key] = {"ms": round(ms, 4), "GB/s": round(nbytes / ms / 1e6), "same bits": same}
+        print(f"{key:30s} {ms:8.4f} ms {nbytes / ms / 1e6:7.0f} GB/s  same bits: {same}",
+              flush=True)
+    setattr(mhc, const, default)
 
 
 a = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
@@ -66,13 +63,7 @@ b = torch.empty_like(a)
 ms = event_ms(lambda: b.copy_(a))
 out["copy GB/s"] = round(2 * a.numel() / ms / 1e6)
 print(f"copy (256 MiB, read + write): {out['copy GB/s']} GB/s", flush=True)
-up_bytes = 2 * (T * H * D * 2) + T * D * 2
-ref = update(mhc.BLOCK_D, 4, sets[0])
-for bd, w in [(256, 4), (512, 4), (512, 8), (1024, 4), (1024, 8), (2048, 8)]:
-    timed(lambda s, bd=bd, w=w: update(bd, w, s), up_bytes, f"hc_update BD {bd} warps {w}", ref)
-mix_bytes = T * H * D * 2
-ref = mix(mhc.MIX_ROWS, 4, sets[0])
-for bt, w in [(16, 4), (32, 4), (64, 4), (64, 8), (128, 8)]:
-    timed(lambda s, bt=bt, w=w: mix(bt, w, s), mix_bytes, f"hc_mix BT {bt} warps {w}", ref)
+timed(update, "hc_update", "BLOCK_D", (256, 512, 1024, 2048), 2 * (T * H * D * 2) + T * D * 2)
+timed(mix, "hc_mix", "MIX_ROWS_WIDE", (16, 32, 64, 128), T * H * D * 2)
 json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp"), "probe_mhc_prefill.json"), "w"),
           indent=1)

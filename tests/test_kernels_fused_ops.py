@@ -31,7 +31,7 @@ def test_hc_mix_matches_the_products_and_rows_stand_alone(dtype):
     """The mixing products and the sum of squares in one pass (K past one chunk, the stream in
     its stored dtype): the torch values to fp32 rounding, and each row's bits the same alone
     (a decode step) as among a prefill's rows, wherever it sits in a program's rows."""
-    H, D, T = 4, 300, 70  # (a prefill's programs take 64 rows, a decode row's 16)
+    H, D, T = 4, 300, 70  # (the IEEE products: 16 rows a program at every size)
     w = weights(H, D, 11)
     g = torch.Generator().manual_seed(12)
     h = torch.randn(T, H, D, generator=g).to(dtype)

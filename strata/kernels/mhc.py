@@ -48,9 +48,11 @@ BLOCK_D = 512
 # (session 9), 24 µs at 512 (session 10); the coefficients kernel loads a row's 80 partials
 # as one tile (one memory latency; in order, chunk by chunk, a block of 16 rows took ~7.6
 # µs a decode call: session 20). The partition is K's alone, so rows never depend on the
-# batch — nor on the rows a program takes: a call of more than MIX_ROWS rows (a prefill chunk)
-# takes MIX_ROWS_WIDE, each program reading fn's chunk once for 4× the rows (session 47, H100,
-# 4,096 rows: 0.150 ms against 0.342 at 16, the same bits; 32 rows 0.397, 128 rows 0.153).
+# batch. A call of more than MIX_ROWS rows (a prefill chunk) on tensor cores (mix_split) takes
+# MIX_ROWS_WIDE, each program reading fn's chunk once for 4× the rows (session 47, H100, 4,096
+# rows: 0.150 ms against 0.342 at 16; 32 rows 0.397, 128 rows 0.153) — every row the same bits
+# at 16, 32, 64 and 128 rows a program there. The IEEE fp32 products (an fp32 stream) keep
+# MIX_ROWS: wider tiles were not measured for them.
 MIX_ROWS = 16
 MIX_ROWS_WIDE = 64
 MIX_K = 64     # K per tl.dot step
@@ -258,11 +260,12 @@ def _mix_partials(h: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
     chunks = triton.cdiv(K, MIX_CHUNK)
     part = torch.empty((chunks, T, N + 1), dtype=torch.float32, device=h.device)
     if T:
-        rows = MIX_ROWS if T <= MIX_ROWS else MIX_ROWS_WIDE
+        split = mix_split(h)
+        rows = MIX_ROWS_WIDE if split and T > MIX_ROWS else MIX_ROWS
         _hc_mix_kernel[(triton.cdiv(T, rows), chunks)](
             x, fn, part, T, N, K, x.stride(0), fn.stride(0), part.stride(0), part.stride(1),
             BT=rows, BN=max(16, triton.next_power_of_2(N)), BK=MIX_K, CHUNK=MIX_CHUNK,
-            SPLIT=mix_split(h), num_warps=4, **pdl.args(h.device))
+            SPLIT=split, num_warps=4, **pdl.args(h.device))
     return part
 
 
