@@ -151,7 +151,7 @@ def cmd_prefill(layers: str, tokens: int, chunk: int) -> None:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         print(f"chunk {len(times)} at {s.state.position} rows {a[0].numel()} "
-              f"decoder={k.get('decoder', True)}: {times[-1]:.2f} s", flush=True)
+              f"decoder_from={k.get('decoder_from')}: {times[-1]:.2f} s", flush=True)
         return out
     model.forward = timed
     t0 = time.perf_counter()

@@ -105,16 +105,19 @@ def test_across_the_window_and_forced_rejections(group, tiny_reference):
 
 
 def test_decoder_skipping_prefill(group, tiny_reference):
-    """Session(decoder_skip=True) over the group: the rows more than prefill_reach (896 here)
-    before the end run the encoder only on every rank (the carry then holds what the running
-    layers read, the kv-source entries go on to the ranks that keep them); the last logits and
-    the continuation equal a full prefill on one device."""
+    """Session(decoder_skip=True) over the group: the decoder layers run only the rows near
+    the end (prefill_reach, 764 here: the first decoder layer from row 236 of 1,000, each
+    later one 127 rows later), in 200-row chunks — the first of the encoder only, the second
+    of both — so the carry between ranks holds the rows its last layer ran and the taps of
+    the rows each target layer ran, and the kv-source entries go on to the ranks that keep
+    them; the last logits and the DSpark continuation equal a full prefill on one device."""
     prompt = random_tokens(1000, seed=21)
     assert group.decoder_start == tiny_reference.decoder_start == 3
-    assert group.prefill_reach == tiny_reference.prefill_reach < len(prompt)
-    full = Session(tiny_reference, 1100)
+    assert group.prefill_reach == tiny_reference.prefill_reach == 764
+    spec = SpecConfig(length=3)
+    full = Session(tiny_reference, 1100, speculative=spec)
     want = full.prefill(prompt)
-    skip = Session(group, 1100, decoder_skip=True)
+    skip = Session(group, 1100, prefill_chunk=200, speculative=spec, decoder_skip=True)
     got = skip.prefill(prompt)
     assert torch.equal(got, want)
     run = dict(max_tokens=5, stop_ids=frozenset())

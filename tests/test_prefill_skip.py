@@ -1,5 +1,5 @@
-"""The exact prefill that skips the decoder layers for rows far from the prompt's end
-(Model.forward(decoder=False), Session(decoder_skip=True)): same logits, same continuation."""
+"""The exact prefill that runs the decoder layers only on the rows near the prompt's end
+(Model.forward(decoder_from=…), Session(decoder_skip=True)): same logits, same continuation."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +14,14 @@ def test_reach_of_the_fixture(tiny_reference):
     m = tiny_reference
     assert m.decoder_start == m.cfg.candidate_source_layer_id == 3
     ring = m.new_state(8).ring_size
-    assert m.prefill_reach == (m.cfg.n_layers - 3) * m.cfg.sliding_window + ring
+    W = m.cfg.sliding_window
+    assert m.prefill_reach == ring + (m.cfg.n_layers - 3 - 1) * (W - 1)
+    # each decoder layer W − 1 rows later, the last one the ring's rows
+    end, frm = 5000, 5000 - m.prefill_reach
+    assert [m.rows_from(l, 4000, 1000, frm) for l in range(m.cfg.n_layers)] == \
+        [0, 0, 0] + [max(0, frm + i * (W - 1) - 4000) for i in range(5)]
+    assert m.rows_from(m.cfg.n_layers - 1, 0, end, frm) == end - ring
+    assert m.rows_from(4, 0, 100, None) == 0
 
 
 def test_truncating_after_a_skipping_prefill_continues_exactly(tiny_reference):
@@ -78,37 +85,57 @@ def test_engine_reuse_over_a_skipped_prefill_equals_cold(tiny_reference):
         eng.stop()
 
 
-def test_decoder_false_needs_no_logits(tiny_reference):
-    s = tiny_reference.new_state(16)
-    with pytest.raises(ValueError, match="decoder=False"):
-        tiny_reference.forward(torch.arange(3, 7), s, logits="last", decoder=False)
+def test_logits_of_rows_the_decoder_skips_are_refused(tiny_reference):
+    """A forward asked for logits of rows its last layer does not run fails before it runs."""
+    m = tiny_reference
+    s = m.new_state(16)
+    # decoder_from 0: the last layer's first row is far past these 4
+    assert m.rows_from(m.cfg.n_layers - 1, 0, 4, 0) == 4
+    for logits in ("last", "all"):
+        with pytest.raises(ValueError, match="decoder_from=0 skips"):
+            m.forward(torch.arange(3, 7), s, logits=logits, decoder_from=0)
+    assert s.position == 0
+    m.forward(torch.arange(3, 7), s, logits="none", decoder_from=0)
+    assert s.position == 4
 
 
 @pytest.mark.parametrize("mode", ["plain", "dspark"])
-def test_skipping_prefill_is_exact(tiny_model, mode):
-    """A prompt of 2.3 reaches: the skipped prefill gives bit-identical last logits, then the
-    same tokens and the same logits at every later step (plain and DSpark decoding)."""
+@pytest.mark.parametrize("reaches", [2.4, 0.5])
+def test_skipping_prefill_is_exact(tiny_model, mode, reaches):
+    """A prompt of 2.4 reaches (chunks of encoder rows only, then one of both kinds, then
+    decoder rows) or of half a reach (its later decoder layers skip its first rows): the
+    skipped prefill gives bit-identical last logits, then the same tokens and the same logits
+    at every later step (plain and DSpark decoding)."""
     model = tiny_model
-    n = model.prefill_reach * 2 + 300
+    n = int(model.prefill_reach * reaches)
     prompt = random_tokens(n, seed=7)
     spec = SpecConfig(length=3) if mode == "dspark" else None
     full = Session(model, n + 16, prefill_chunk=256, speculative=spec)
     fast = Session(model, n + 16, prefill_chunk=256, speculative=spec, decoder_skip=True)
 
-    last = model.layers[-1]
-    rows = []
-    orig = type(last).forward
-    last.forward = lambda h, *a, **k: (rows.append(h.shape[0]), orig(last, h, *a, **k))[1]
+    rows = {b.layer: [] for b in model.layers}  # rows each layer's forward ran
+    for b in model.layers:
+        b.forward = (lambda b, orig: lambda h, *a, **k: (
+            rows[b.layer].append(h.shape[0]), orig(h, *a, **k))[1])(b, b.forward)
     try:
         want = full.prefill(prompt)
-        rows_full = sum(rows)
-        rows.clear()
+        rows_full = {l: sum(r) for l, r in rows.items()}
+        for r in rows.values():
+            r.clear()
         got = fast.prefill(prompt)
-        rows_fast = sum(rows)
+        rows_fast = {l: sum(r) for l, r in rows.items()}
     finally:
-        del last.forward
+        for b in model.layers:
+            del b.forward
     assert torch.equal(got, want)
-    assert rows_full == n and rows_fast == model.prefill_reach  # the decoder really skipped
+    # The decoder really skipped: each decoder layer W − 1 rows fewer than the one before,
+    # down to the ring's rows; the encoder ran every row.
+    ds, W = model.decoder_start, model.cfg.sliding_window
+    assert set(rows_full.values()) == {n}
+    assert rows_fast == {l: n if l < ds else min(n, model.prefill_reach - (l - ds) * (W - 1))
+                         for l in rows}
+    assert rows_fast[model.cfg.n_layers - 1] == min(n, model.new_state(8).ring_size)
+    assert sum(rows_fast.values()) < sum(rows_full.values())
 
     # The continuation: same picks and logits, forward by forward.
     run = dict(max_tokens=10, stop_ids=frozenset(), mode=mode)

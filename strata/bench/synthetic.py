@@ -734,8 +734,9 @@ def prefill_breakdown(model, context: int, chunk: int, decoder: bool, seed: int,
     def run():
         for _ in range(chunks):
             s.state.begin()
+            # (decoder False: the decoder skip from past the chunk — its encoder alone)
             model.forward(piece, s.state, logits="last" if decoder else "none",
-                          decoder=decoder)
+                          decoder_from=None if decoder else s.state.position + chunk)
             s.state.rollback()
     run()  # (the chunk's shapes compiled before the profile)
     out = step_breakdown(run, chunks, s.state.device, plain_run=run, python_run=run)

@@ -42,14 +42,50 @@ class ForwardContext:
     # the candidate source's kept blocks [T, ≤ candidate_topk_blocks] (ascending, −1 = none)
     candidates: torch.Tensor | None = None
     published_keys: list[int] = field(default_factory=list)  # kv sources with new keys
-    main_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # DSpark taps [T, D]
+    # DSpark taps: layer -> [n, D], the forward's last n rows (those the layer ran: all T but in
+    # a decoder-skipping prefill)
+    main_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
     # A layer split's kv-source entries passed through this rank for later ones (by carry name)
     relay: dict[str, torch.Tensor] = field(default_factory=dict)
+    # A decoder-skipping prefill (Model.forward): the position from which the first decoder
+    # layer runs its rows in full, each later one W − 1 rows later (Model.rows_from); None:
+    # every layer runs every row.
+    decoder_from: int | None = None
+    # A context of some of a forward's rows (`rows`): the whole forward's context and where
+    # these rows begin in it; None and 0 for the whole forward's own.
+    root: ForwardContext | None = None
+    offset: int = 0
     _derived: dict[tuple, object] = field(default_factory=dict)  # see `derived`
 
     @property
     def T(self) -> int:
         return self.positions.numel()
+
+    @property
+    def whole(self) -> ForwardContext:
+        """The whole forward's context (this one, unless it holds only some of the rows)."""
+        return self if self.root is None else self.root
+
+    def rows(self, lo: int, hi: int) -> ForwardContext:
+        """The context of this context's rows lo..hi−1, for the layers that run only those
+        (a decoder-skipping prefill's decoder layers, Model.run_layers): their positions,
+        token ids, Engram ids and the selections made so far, sliced; what the forward
+        publishes to its end (the DSpark taps, the kv sources with new keys, a layer split's
+        relayed entries) shared with the whole; what a forward derives, derived anew."""
+        if (lo, hi) == (0, self.T):
+            return self
+        ids = self.engram_id_map() if self.cfg.engram_layer_ids else {}
+        return ForwardContext(
+            self.cfg, self.numerics, self.start + lo, self.positions[lo:hi],
+            tokens=None if self.tokens is None else self.tokens[lo:hi],
+            device_tokens=None if self.device_tokens is None else self.device_tokens[lo:hi],
+            engram_ids={l: v[lo:hi] for l, v in ids.items()},
+            engram_records={l: v[lo:hi] for l, v in self.engram_records.items()},
+            sel={l: v[lo:hi] for l, v in self.sel.items()},
+            candidates=None if self.candidates is None else self.candidates[lo:hi],
+            published_keys=self.published_keys, main_hidden=self.main_hidden,
+            relay=self.relay, decoder_from=self.decoder_from, root=self.whole,
+            offset=self.offset + lo)
 
     def reset_derived(self) -> None:
         """Forget what a forward derived (RoPE tables, selections, candidate blocks, DSpark
@@ -67,10 +103,14 @@ class ForwardContext:
         """An Engram layer's row ids [T, n_ids]: uploaded with the inputs (hashed on the host),
         or hashed on the device — every layer's at the first ask, in one launch (derived:
         a graphed region hashes inside it)."""
+        return self.engram_id_map()[layer]
+
+    def engram_id_map(self) -> dict[int, torch.Tensor]:
+        """Every Engram layer's row ids (engram_ids_of)."""
         if self.engram_hasher is None:
-            return self.engram_ids[layer]
+            return self.engram_ids
         return self.derived(("engram_ids",), lambda: self.engram_hasher.device_ids(
-            self.engram_history, self.device_tokens))[layer]
+            self.engram_history, self.device_tokens))
 
     def derived(self, key: tuple, make: Callable[[], D]) -> D:
         """What every layer of this forward derives alike from its inputs (RoPE tables, the

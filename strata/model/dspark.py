@@ -85,8 +85,15 @@ class DSparkHead:
         self.context_kv = LinearSet([stage.attn.wkv for stage in self.stages])
 
     def main_hidden(self, ctx: ForwardContext) -> torch.Tensor:
-        """[T, n_targets·D]: the forward's taps, concatenated in target-layer order."""
-        return torch.cat([ctx.main_hidden[l] for l in self.cfg.dspark_target_layer_ids], dim=-1)
+        """[n, n_targets·D]: the forward's taps, concatenated in target-layer order, for its
+        last n rows — all T, but in a decoder-skipping prefill, whose target layers run only
+        its last rows (Model.rows_from): the rows every one of them ran, or none."""
+        taps = [ctx.main_hidden.get(l) for l in self.cfg.dspark_target_layer_ids]
+        n = min(0 if t is None else t.shape[0] for t in taps)
+        if n == 0:
+            return torch.empty((0, len(taps) * self.cfg.hidden_size), dtype=torch.float32,
+                               device=ctx.positions.device)
+        return torch.cat([t[t.shape[0] - n:] for t in taps], dim=-1)
 
     def commit_context(self, main_hidden: torch.Tensor, start: int, state: State,
                        nx: Numerics) -> None:

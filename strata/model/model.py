@@ -191,34 +191,67 @@ class Model:
 
     @property
     def prefill_reach(self) -> int:
-        """Rows before a prefill's end that the decoder layers must run for an exact result:
-        a decoder row reads only the W rows before it at its own layer (plus the source's
-        compressed entries, published for every row), so a row is exact at every decoder
-        layer once (decoder layers)·W full rows precede it. Adding a whole window ring's rows
-        makes every row a ring can still hold exact, so any later truncation the rings allow
-        (State.can_truncate) continues exactly, and the DSpark windows are exact too."""
+        """Rows before a prefill's end from which its decoder layers run (rows_from): the
+        last decoder layer runs the last R rows (R: a window ring's rows), each layer before
+        it W − 1 rows more, so a reach of R + (decoder layers − 1)·(W − 1).
+
+        Why that is exact: a decoder row reads only its own layer's W most recent rows (plus
+        the source's compressed entries, which the first decoder layer publishes for every
+        row). The first decoder layer's input, the encoder's output, is exact at every row,
+        so its rows from the reach on are exact in its window ring and exact in its output
+        from W − 1 rows later, where the next layer starts, and so on. Every layer thus holds
+        exact rows in the R slots of its ring — what a full prefill leaves there — so any
+        truncation the rings allow (State.can_truncate) continues exactly, and the DSpark
+        windows, made of the last layers' inputs, are exact too."""
         from strata.runtime.placement import ring_rows
-        W = self.cfg.sliding_window
-        return (self.cfg.n_layers - self.decoder_start) * W + ring_rows(self.cfg)
+        n_dec = self.cfg.n_layers - self.decoder_start
+        return ring_rows(self.cfg) + (n_dec - 1) * (self.cfg.sliding_window - 1)
+
+    def rows_from(self, layer: int, start: int, T: int, decoder_from: int | None) -> int:
+        """The first of a forward's T rows (at positions start..) that `layer` runs in full
+        (T: none of them). Every row, except in a decoder-skipping prefill (decoder_from,
+        see forward): decoder layer decoder_start + i runs the rows from position
+        decoder_from + i·(W − 1) on (prefill_reach says why that is exact)."""
+        ds = self.decoder_start
+        if decoder_from is None or ds is None or layer < ds:
+            return 0
+        first = decoder_from + (layer - ds) * (self.cfg.sliding_window - 1)
+        return min(T, max(0, first - start))
+
+    def check_decoder_from(self, start: int, T: int, logits: str,
+                           decoder_from: int | None) -> None:
+        """A decoder-skipping forward's arguments checked: the model must have an encoder-
+        decoder split, and the rows the logits need must run the last layer."""
+        if decoder_from is None:
+            return
+        if self.decoder_start is None:
+            raise ValueError("decoder_from needs a model with an encoder-decoder split "
+                             "(Model.decoder_start)")
+        first = self.rows_from(self.cfg.n_layers - 1, start, T, decoder_from)
+        need = {"all": 0, "last": T - 1, "none": T}[logits]
+        if first > need:
+            raise ValueError(f"logits={logits!r} needs rows that decoder_from={decoder_from} "
+                             f"skips: the last layer runs positions from {start + first} on "
+                             f"(this forward: {start}..{start + T - 1})")
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, state: State, logits: str = "all",
                 numerics: Numerics | None = None,
-                decoder: bool = True) -> tuple[torch.Tensor | None, ForwardContext]:
+                decoder_from: int | None = None) -> tuple[torch.Tensor | None, ForwardContext]:
         """Consume tokens [T] at positions state.position.. ; logits 'all' | 'last' | 'none'.
 
-        decoder=False (prefill rows at least `prefill_reach` before the prompt's end, logits
-        'none'): the encoder layers run in full, the first decoder layer only publishes the
-        compressed entries and index keys every later row reads, and the other decoder layers
-        are skipped — what follows is bit-identical to running them (tests/test_prefill_skip.py).
+        decoder_from (a decoder-skipping prefill: the prompt's end minus prefill_reach, the
+        same for each of its forwards): the encoder layers run every row; decoder layer
+        decoder_start + i only the rows from position decoder_from + i·(W − 1) on (rows_from),
+        the first decoder layer publishing the compressed entries and index keys of the rows
+        before them, which every later row reads — what follows is bit-identical to running
+        every row (tests/test_prefill_skip.py).
 
         Returns (logits [T or 1, V] fp32 or None, the forward's context with DSpark taps).
         """
         nx = numerics or self.numerics
         tokens = self.check_forward(tokens, state, logits)
-        if not decoder and (logits != "none" or self.decoder_start is None):
-            raise ValueError("decoder=False needs logits='none' and a model with an "
-                             "encoder-decoder split (Model.decoder_start)")
+        self.check_decoder_from(state.position, tokens.numel(), logits, decoder_from)
         # A forward that fails part-way must not leave half-written rings behind: without a
         # caller's snapshot, it journals its own writes and undoes them on error.
         own_journal = state.journal is None
@@ -226,7 +259,7 @@ class Model:
             state.begin()
         try:
             with made_current(self.device):
-                out = self._forward(tokens, state, logits, nx, decoder)
+                out = self._forward(tokens, state, logits, nx, decoder_from)
         except BaseException:
             if own_journal:
                 state.rollback()
@@ -271,15 +304,17 @@ class Model:
         return tokens
 
     def _forward(self, tokens: torch.Tensor, state: State, logits: str, nx: Numerics,
-                 decoder: bool = True, route=None) -> tuple[torch.Tensor | None, ForwardContext]:
+                 decoder_from: int | None = None,
+                 route=None) -> tuple[torch.Tensor | None, ForwardContext]:
         """The forward's pieces in order; `route` (default: this model) says where the
         stream comes from and goes to — a multi-device rank's executor receives and sends it."""
         route = route or self
         with scope("embed"):
             ctx = self.new_context(tokens.cpu(), state, nx)
-        h, pre = route.enter(ctx.device_tokens, ctx, state, decoder)
-        h, pre = self.run_layers(h, pre, ctx, state, decoder)
-        out = route.leave(h, pre, ctx, state, logits, decoder)
+        ctx.decoder_from = decoder_from
+        h, pre, rows = route.enter(ctx.device_tokens, ctx, state)
+        h, pre, rows = self.run_layers(h, pre, rows, state)
+        out = route.leave(h, pre, rows, state, logits)
         self.end_forward(ctx, state)
         return out, ctx
 
@@ -287,16 +322,18 @@ class Model:
     # (runtime/parallel.py: embed on the first, a contiguous layer range on each, the head on
     # the first again; the stream h, the lagged pre and the context cross between them.)
     # A route's two ends (Model._forward): a whole model embeds the tokens and computes the
-    # logits; a rank of a group receives and sends the stream instead (its executor).
-    def enter(self, tokens: torch.Tensor, ctx: ForwardContext, state: State,
-              decoder: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    # logits; a rank of a group receives and sends the stream instead (its executor). The
+    # stream's rows are those of a context (ForwardContext.rows: fewer than the forward's in
+    # a decoder-skipping prefill's decoder layers), which each end takes or gives with it.
+    def enter(self, tokens: torch.Tensor, ctx: ForwardContext,
+              state: State) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
         with scope("embed"):
-            return self.embed_stream(tokens, ctx.numerics)
+            return (*self.embed_stream(tokens, ctx.numerics), ctx)
 
-    def leave(self, h: torch.Tensor, pre: torch.Tensor, ctx: ForwardContext, state: State,
-              logits: str, decoder: bool = True) -> torch.Tensor | None:
+    def leave(self, h: torch.Tensor, pre: torch.Tensor, rows: ForwardContext, state: State,
+              logits: str) -> torch.Tensor | None:
         with scope("head"):
-            return self.logits(h, pre, logits, ctx.numerics)
+            return self.logits(h, pre, logits, rows.numerics)
 
     def new_context(self, tokens: torch.Tensor, state: State, nx: Numerics,
                     inputs: torch.Tensor | None = None,
@@ -365,19 +402,24 @@ class Model:
         pre[:, 0].fill_(1.0)
         return h, pre
 
-    def run_layers(self, h: torch.Tensor, pre: torch.Tensor, ctx: ForwardContext,
-                   state: State, decoder: bool = True,
-                   blocks: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The held blocks (or `blocks`, consecutive ones of them) in order: (h, pre) in,
-        (h, last block's FFN pre) out.
-        decoder=False: stop at the first decoder layer after it publishes (see forward)."""
+    def run_layers(self, h: torch.Tensor, pre: torch.Tensor, rows: ForwardContext,
+                   state: State, blocks: list | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        """The held blocks (or `blocks`, consecutive ones of them) in order: (h, pre) of the
+        context `rows`'s rows in, (h, last block's FFN pre, their context) out. In a
+        decoder-skipping prefill each decoder layer drops the rows it does not run
+        (rows_from; the first decoder layer publishes theirs first): the rows out are then
+        the forward's last few, or none."""
+        whole = rows.whole
         for block in self.layers if blocks is None else blocks:
-            if not decoder and block.layer >= self.decoder_start:
+            k = self.rows_from(block.layer, whole.start, whole.T, whole.decoder_from) - rows.offset
+            if k > 0:
                 if block.layer == self.decoder_start:
-                    block.publish(h, pre, ctx, state)
-                continue
-            h, pre = block.forward(h, pre, ctx, state)
-        return h, pre
+                    block.publish(h[:k], pre[:k], rows.rows(0, k), state)
+                h, pre, rows = h[k:], pre[k:], rows.rows(k, rows.T)
+            if rows.T:
+                h, pre = block.forward(h, pre, rows, state)
+        return h, pre, rows
 
     def end_forward(self, ctx: ForwardContext, state: State) -> None:
         """Record the forward's tokens in the state (the caller commits or rolls back)."""

@@ -23,8 +23,9 @@ holding records of 7 words (op, state id, a, b, c, d, e) and, for FORWARD, the t
 when they fit (else one more broadcast). State operations (NEW/FREE/CLONE_STATE, BEGIN, COMMIT,
 ROLLBACK(to), TRUNCATE(to), BOOKMARK, RESTORE, DROP_BOOKMARK) return nothing, so rank 0 applies
 them to its own State first (an invalid one raises there and is never sent), queues them, and
-sends the queue with the next FORWARD(state, T, logits mode, numerics, start, decoder | graphs
-<< 1 — graphs: every rank replays its CUDA graph of this forward): one broadcast per forward
+sends the queue with the next FORWARD(state, T, logits mode, numerics, start, graphs | skip
+<< 1 | (decoder_from − start) << 2 — graphs: every rank replays its CUDA graph of this
+forward; skip: a decoder-skipping prefill, Model.forward): one broadcast per forward
 whatever the speculative step did around it. A follower checks that its
 State is at `start` before running, so diverged states fail loudly. STATS gathers per-rank
 timings; SHUTDOWN ends the followers.
@@ -233,14 +234,14 @@ class TPExecutor:
     def __init__(self, model: Model, comm: Comm) -> None:
         self.m, self.comm = model, comm
 
-    def forward(self, tokens, state, logits, nx, decoder=True):
-        return self.m._forward(tokens, state, logits, nx, decoder, route=self)
+    def forward(self, tokens, state, logits, nx, decoder_from=None):
+        return self.m._forward(tokens, state, logits, nx, decoder_from, route=self)
 
-    def enter(self, tokens, ctx, state, decoder=True):
-        return self.m.enter(tokens, ctx, state, decoder)
+    def enter(self, tokens, ctx, state):
+        return self.m.enter(tokens, ctx, state)
 
-    def leave(self, h, pre, ctx, state, logits, decoder=True):
-        return self.m.leave(h, pre, ctx, state, logits) if self.comm.rank == 0 else None
+    def leave(self, h, pre, rows, state, logits):
+        return self.m.leave(h, pre, rows, state, logits) if self.comm.rank == 0 else None
 
 
 def load_part(spec: ParallelSpec, cfg: ModelConfig, comm: Comm,
@@ -312,13 +313,13 @@ class Follower:
                     else:
                         tokens = comm.broadcast(torch.empty(a, dtype=torch.long, device=dev), 0)
                         host = None
-                    self._forward(sid, tokens, LOGITS[b], _nx_of(c), d, bool(e & 1),
-                                  bool(e & 2), host)
+                    self._forward(sid, tokens, LOGITS[b], _nx_of(c), d,
+                                  d + (e >> 2) if e & 2 else None, bool(e & 1), host)
                 else:
                     self._control(Op(op), sid, a)
 
     def _forward(self, sid: int, tokens: torch.Tensor, logits: str, nx: Numerics,
-                 start: int, decoder: bool, graphs: bool = False,
+                 start: int, decoder_from: int | None, graphs: bool = False,
                  host: torch.Tensor | None = None) -> None:
         state = self.states[sid]
         if state.position != start:
@@ -341,7 +342,7 @@ class Follower:
             state.begin()
         with torch.no_grad():  # (the host's copy where it came inline: no read back)
             self.executor.forward(host if host is not None else tokens, state, logits, nx,
-                                  decoder)
+                                  decoder_from)
         if own:
             state.commit()
         st = self.comm.stats
@@ -578,6 +579,8 @@ class ParallelModel:
     # The encoder-decoder shape comes from the config alone (Model's definitions).
     decoder_start = Model.decoder_start
     prefill_reach = Model.prefill_reach
+    rows_from = Model.rows_from
+    check_decoder_from = Model.check_decoder_from
 
     def graphed(self, state: State) -> "GraphedGroup":
         """Forwards on `state` replayed from CUDA graphs on every rank, kept on the state
@@ -589,16 +592,13 @@ class ParallelModel:
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, state: State, logits: str = "all",
-                numerics: Numerics | None = None, decoder: bool = True,
+                numerics: Numerics | None = None, decoder_from: int | None = None,
                 graphed: GraphedForward | None = None):
         """Model.forward over the group: (logits on rank 0, the forward's context);
-        decoder=False as in Model.forward (the decoder-skipping prefill). `graphed` (rank 0's
+        decoder_from as in Model.forward (the decoder-skipping prefill). `graphed` (rank 0's
         GraphedForward of `state`): where it can run, every rank replays its graph of the
         forward (captured together, collectives or hand-offs included)."""
         nx = numerics or self.numerics
-        if not decoder and (logits != "none" or self.decoder_start is None):
-            raise ValueError("decoder=False needs logits='none' and a model with an "
-                             "encoder-decoder split (Model.decoder_start)")
         if not isinstance(state, ParallelState) or state._driver is not self.driver:
             raise ValueError("this state was not made by this parallel model's new_state()")
         if self.mode == "layer" and nx.vendor_stale_index_k:
@@ -607,11 +607,14 @@ class ParallelModel:
         self.comm.check()
         host = tokens.detach().reshape(-1).cpu()
         tokens = self.local.check_forward(tokens, state, logits)
-        graphs = (graphed is not None and decoder and numerics is None
+        self.check_decoder_from(state.position, tokens.numel(), logits, decoder_from)
+        graphs = (graphed is not None and decoder_from is None and numerics is None
                   and graphed.usable())
         t0 = time.perf_counter()
         self.driver.send((int(Op.FORWARD), state.sid, tokens.numel(), LOGITS.index(logits),
-                          _nx_code(nx), state.position, int(decoder) | graphs << 1),
+                          _nx_code(nx), state.position,
+                          int(graphs) | (decoder_from is not None) << 1
+                          | (0 if decoder_from is None else decoder_from - state.position) << 2),
                          host.tolist())
         if graphs:
             # No journal of its own: a replay does not fail part-way (a lost peer breaks
@@ -624,7 +627,7 @@ class ParallelModel:
         if own:
             State.begin(state)  # this rank's own; the followers open theirs the same way
         try:
-            out = self.executor.forward(tokens, state, logits, nx, decoder)
+            out = self.executor.forward(tokens, state, logits, nx, decoder_from)
             self.comm.wait_device()  # (a dead peer raises here, not hangs the caller later)
         except BaseException as e:
             if own:

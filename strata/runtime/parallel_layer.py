@@ -10,12 +10,14 @@ forward can be captured in a CUDA graph (the executor is the route of Model._for
 `enter` receives the stream, its `leave` sends it on).
 
 What crosses a boundary after rank r (the carry):
-- h [T, H, D] (the 4-copy hyper-connection stream) and pre [T, H] (the lagged collapse weights
-  of the last FFN, spec §2.2);
+- h [n, H, D] (the 4-copy hyper-connection stream) and pre [n, H] (the lagged collapse weights
+  of the last FFN, spec §2.2) of the rows rank r's last layer ran: all T, but the last few in
+  a decoder-skipping prefill's decoder layers (Model.rows_from);
 - the forward's shared context that layers past the boundary read: the latest published top-k
   (`sel` of the most recent index source before the boundary, read by later reuse layers), the
   candidate-block mask (layer 20's, read by reindex layers), and the DSpark taps
-  (`main_hidden`) produced by ranks > 0, which go on to rank 0 where the draft head lives;
+  (`main_hidden`, each of its layer's rows) produced by ranks > 0, which go on to rank 0
+  where the draft head lives;
 - the compressed-KV and index-key entries this forward wrote for kv-source layers that later
   ranks read (layers 2/8/14/20 feed the layers after them, which may live on the next rank):
   the compressor's m entries from the group of the forward's first row (⌈T/r⌉, or T at ratio 1;
@@ -89,127 +91,134 @@ class LayerExecutor:
             out |= reads
         return out
 
-    def _runs(self, layer: int, decoder: bool) -> bool:
-        """Whether a layer's full forward runs (decoder=False: the encoder's only)."""
-        return decoder or layer < self.m.decoder_start
+    def _rows(self, layer: int, ctx: ForwardContext) -> int:
+        """How many of the forward's (last) rows a layer runs: all but in a decoder-skipping
+        prefill (Model.rows_from)."""
+        return ctx.T - self.m.rows_from(layer, ctx.start, ctx.T, ctx.decoder_from)
 
-    def _carry_layout(self, r: int, T: int, start: int, nx: Numerics,
-                      decoder: bool = True) -> Layout:
+    def _carry_layout(self, r: int, ctx: ForwardContext) -> Layout:
         """The message rank r sends to rank r+1 (what the layers after it that run read; the
-        kv-source entries go on either way: later ranks keep them for later forwards). Its
-        shape depends on T and the candidate source's entry bucket only, never on the position
-        within the bucket: a rank's forward can be captured in a CUDA graph."""
-        cfg = self.cfg
+        kv-source entries go on either way: later ranks keep them for later forwards), for
+        the forward of `ctx` (the whole). Its shape depends on T, the candidate source's
+        entry bucket and the decoder skip's rows only, never on the position within the
+        bucket: a rank's forward can be captured in a CUDA graph. The stream and the
+        selections are of the rows rank r's last layer ran (its last n)."""
+        cfg, T, start = self.cfg, ctx.T, ctx.start
         hi = self.ranges[r].stop
-        later = [l for l in range(hi, cfg.n_layers) if self._runs(l, decoder)]
-        pieces = self._stream(T, nx)
+        n = self._rows(hi - 1, ctx)
+        later = [l for l in range(hi, cfg.n_layers) if self._rows(l, ctx)]
+        pieces = self._stream(n, ctx.numerics)
         done = [s for s in cfg.index_source_layer_ids if s < hi]
         if done and any(cfg.ratio(l) > 0 and cfg.index_source_of(l) == done[-1] for l in later):
-            pieces.append((f"sel.{done[-1]}", (T, cfg.index_topk), torch.int64))
+            pieces.append((f"sel.{done[-1]}", (n, cfg.index_topk), torch.int64))
         c = cfg.candidate_source_layer_id
         if cfg.candidates_enabled and c < hi and any(cfg.is_reindex(l) for l in later):
             nb = -(-entry_bucket((start + T) // cfg.ratio(c)) // cfg.candidate_block_size)
-            pieces.append(("cand", (T, min(cfg.candidate_topk_blocks, nb)), torch.int64))
+            pieces.append(("cand", (n, min(cfg.candidate_topk_blocks, nb)), torch.int64))
         for s in sorted(self._needed_after(r)):
             if s < hi:
                 m = entries_written(cfg.ratio(s), T)
                 pieces.append((f"kv.{s}", (m, cfg.head_dim), self.kv_dtype))
                 if cfg.is_index_source(s):
                     pieces.append((f"ik.{s}", (m, cfg.index_head_dim), self.kv_dtype))
-        pieces += self._taps(T, hi, decoder)
+        pieces += self._taps(ctx, hi)
         return Layout(pieces)
 
-    def _final_layout(self, T: int, logits: str, nx: Numerics, decoder: bool = True) -> Layout:
+    def _final_layout(self, ctx: ForwardContext, logits: str) -> Layout:
         """The message the last rank sends back to rank 0."""
-        n = {"all": T, "last": 1, "none": 0}[logits]
-        return Layout(self._stream(n, nx) + self._taps(T, self.cfg.n_layers, decoder))
+        n = {"all": ctx.T, "last": 1, "none": 0}[logits]
+        return Layout(self._stream(n, ctx.numerics) + self._taps(ctx, self.cfg.n_layers))
 
     def _stream(self, n: int, nx: Numerics):
         H, D = self.cfg.hc_mult, self.cfg.hidden_size
         return [("h", (n, H, D), nx.act_dtype), ("pre", (n, H), torch.float32)]
 
-    def _taps(self, T: int, hi: int, decoder: bool = True):
-        return [(f"tap.{l}", (T, self.cfg.hidden_size), torch.float32)
-                for l in self.cfg.dspark_target_layer_ids
-                if self.taps_from <= l < hi and self._runs(l, decoder)]
+    def _taps(self, ctx: ForwardContext, hi: int):
+        """The DSpark taps made past rank 0 before layer hi (each of its layer's rows)."""
+        taps = [(l, self._rows(l, ctx)) for l in self.cfg.dspark_target_layer_ids
+                if self.taps_from <= l < hi]
+        return [(f"tap.{l}", (n, self.cfg.hidden_size), torch.float32) for l, n in taps if n]
 
     # ---- one forward: Model._forward with this rank's ends of the stream ----------------------
     def forward(self, tokens: torch.Tensor, state: State, logits: str, nx: Numerics,
-                decoder: bool = True) -> tuple[torch.Tensor | None, ForwardContext]:
-        return self.m._forward(tokens, state, logits, nx, decoder, route=self)
+                decoder_from: int | None = None) -> tuple[torch.Tensor | None, ForwardContext]:
+        return self.m._forward(tokens, state, logits, nx, decoder_from, route=self)
 
-    def enter(self, tokens: torch.Tensor, ctx: ForwardContext, state: State,
-              decoder: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rank 0 embeds the tokens; every other rank receives the carry from the one before."""
+    def enter(self, tokens: torch.Tensor, ctx: ForwardContext,
+              state: State) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        """Rank 0 embeds the tokens; every other rank receives the carry from the one before
+        (the rows the rank before ran, and their context)."""
         m, r = self.m, self.rank
         if r == 0:
-            return m.enter(tokens, ctx, state, decoder)
-        lay = self._carry_layout(r - 1, ctx.T, ctx.start, ctx.numerics, decoder)
+            return m.enter(tokens, ctx, state)
+        lay = self._carry_layout(r - 1, ctx)
         got = lay.views(self.comm.recv(torch.empty(lay.nbytes, dtype=torch.uint8,
                                                    device=m.device), r - 1))
-        self._unpack_context(got, ctx, state)
-        return got["h"], got["pre"]
+        rows = ctx.rows(ctx.T - got["h"].shape[0], ctx.T)
+        self._unpack_context(got, rows, state)
+        return got["h"], got["pre"], rows
 
-    def leave(self, h: torch.Tensor, pre: torch.Tensor, ctx: ForwardContext, state: State,
-              logits: str, decoder: bool = True) -> torch.Tensor | None:
+    def leave(self, h: torch.Tensor, pre: torch.Tensor, rows: ForwardContext, state: State,
+              logits: str) -> torch.Tensor | None:
         """Every rank but the last sends the carry on; the last sends rank 0 the rows the
         logits need and the taps; rank 0 receives them and computes the logits."""
-        m, r, comm, nx = self.m, self.rank, self.comm, ctx.numerics
+        m, r, comm, ctx = self.m, self.rank, self.comm, rows.whole
         if r < self.last:
-            self._send_carry(r, h, pre, ctx, state, decoder)
+            self._send_carry(r, h, pre, rows, state)
         elif r != 0:
-            lay = self._final_layout(ctx.T, logits, nx, decoder)
-            rows = {"all": slice(0, ctx.T), "last": slice(ctx.T - 1, ctx.T),
-                    "none": slice(0, 0)}[logits]
-            vals = {"h": h[rows], "pre": pre[rows],
-                    **{f"tap.{l}": ctx.main_hidden[l] for l in self.cfg.dspark_target_layer_ids
-                       if l >= self.taps_from and self._runs(l, decoder)}}
+            lay = self._final_layout(ctx, logits)
+            n = h.shape[0]  # (every row for 'all': Model.check_decoder_from)
+            take = {"all": slice(0, n), "last": slice(n - 1, n), "none": slice(0, 0)}[logits]
+            vals = {"h": h[take], "pre": pre[take],
+                    **{name: ctx.main_hidden[int(name[4:])] for name, _, _ in lay.pieces
+                       if name.startswith("tap.")}}
             comm.send(lay.pack(vals, m.device), 0)
         if r != 0:
             return None
-        lay = self._final_layout(ctx.T, logits, nx, decoder)
+        lay = self._final_layout(ctx, logits)
         got = lay.views(comm.recv(torch.empty(lay.nbytes, dtype=torch.uint8, device=m.device),
                                   self.last))
         for name, t in got.items():
             if name.startswith("tap."):
                 ctx.main_hidden[int(name[4:])] = t
-        return m.leave(got["h"], got["pre"], ctx, state, logits, decoder)
+        return m.leave(got["h"], got["pre"], rows, state, logits)
 
-    def _unpack_context(self, got: dict[str, torch.Tensor], ctx: ForwardContext,
+    def _unpack_context(self, got: dict[str, torch.Tensor], rows: ForwardContext,
                         state: State) -> None:
+        """The carry into `rows` (the stream's rows: their selections) and the state (the
+        kv-source entries, at the whole forward's entries)."""
         for name, t in got.items():
             kind, _, key = name.partition(".")
             if kind == "sel":
-                ctx.sel[int(key)] = t
+                rows.sel[int(key)] = t
             elif kind == "cand":
-                ctx.candidates = t
+                rows.candidates = t
             elif kind == "tap":
-                ctx.main_hidden[int(key)] = t
+                rows.main_hidden[int(key)] = t
             elif kind in ("kv", "ik"):
                 s = int(key)
                 cache = (state.comp_kv if kind == "kv" else state.index_k).get(s)
                 if cache is None:  # a source only later ranks read: pass it on
-                    ctx.relay[name] = t
+                    rows.relay[name] = t
                 else:
-                    cache[forward_entries(ctx, self.cfg.ratio(s))] = t
+                    cache[forward_entries(rows.whole, self.cfg.ratio(s))] = t
 
-    def _send_carry(self, r: int, h, pre, ctx: ForwardContext, state: State,
-                    decoder: bool) -> None:
-        lay = self._carry_layout(r, ctx.T, ctx.start, ctx.numerics, decoder)
+    def _send_carry(self, r: int, h, pre, rows: ForwardContext, state: State) -> None:
+        lay = self._carry_layout(r, rows.whole)
         vals = {"h": h, "pre": pre}
         for name, _, _ in lay.pieces:
             kind, _, key = name.partition(".")
             if kind == "sel":
-                vals[name] = ctx.sel[int(key)]
+                vals[name] = rows.sel[int(key)]
             elif kind == "cand":
-                vals[name] = ctx.candidates
+                vals[name] = rows.candidates
             elif kind == "tap":
-                vals[name] = ctx.main_hidden[int(key)]
+                vals[name] = rows.main_hidden[int(key)]
             elif kind in ("kv", "ik"):
-                if name in ctx.relay:
-                    vals[name] = ctx.relay[name]
+                if name in rows.relay:
+                    vals[name] = rows.relay[name]
                 else:
                     s = int(key)
                     cache = state.comp_kv[s] if kind == "kv" else state.index_k[s]
-                    vals[name] = cache[forward_entries(ctx, self.cfg.ratio(s))]
+                    vals[name] = cache[forward_entries(rows.whole, self.cfg.ratio(s))]
         self.comm.send(lay.pack(vals, self.m.device), r + 1)

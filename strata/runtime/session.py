@@ -54,10 +54,8 @@ class Session:
         `costs` = (seconds per verify window of 1.. rows, seconds per draft) for the adaptive
         length (strata.runtime.speculative.measure_costs).
         `state`: continue an existing state (the server's prefix reuse) instead of a new one.
-        `decoder_skip`: prefill long prompts with Model.forward(decoder=False) for the rows far
-        from the end (exact; its decoder window rings then hold only the prompt's last
-        rows, so a later truncation into the skipped part must not be continued — the
-        server's prefix reuse does not use it yet).
+        `decoder_skip`: prefill with the decoder layers run only on the rows near the
+        prompt's end (prefill; exact, and its window rings hold what a full prefill's would).
         `graphs`: decode steps, verify windows and DSpark drafts replay CUDA graphs
         (runtime/graphs.py; the same tokens)."""
         if prefill_chunk < 1:
@@ -79,38 +77,39 @@ class Session:
         return self.state.position
 
     def prefill(self, tokens: torch.Tensor, rows_after: int = 0) -> torch.Tensor | None:
-        """Consume tokens in chunks; return the last row's logits [V] fp32 (None when all of
-        them were skipped rows).
+        """Consume tokens in chunks; return the last row's logits [V] fp32 (None when the
+        decoder skip does not run that row: it is `rows_after` or more rows from the end).
 
-        With `decoder_skip`, the rows more than `model.prefill_reach` before the prompt's end
-        run the encoder layers only (Model.forward(decoder=False)): the same logits and the
-        same state for everything that follows, at about half the work of a long prompt.
-        `rows_after`: prompt tokens that later calls will prefill (a caller feeding a prompt
-        in pieces), so the reach is counted from the prompt's real end.
+        With `decoder_skip`, the decoder layers run only the rows near the prompt's end
+        (Model.forward's decoder_from, the prompt's end minus `model.prefill_reach`): the
+        same logits and the same state for everything that follows, at about half the work
+        of a long prompt. `rows_after`: prompt tokens that later calls will prefill (a caller
+        feeding a prompt in pieces), so the reach is counted from the prompt's real end.
 
-        Truncating into the skipped rows later is refused by State.can_truncate (their
-        decoder window rows are missing, and a reach of full rows has overwritten every ring
-        slot since), so prefix reuse falls back to a bookmark there, exactly as it should."""
+        Truncating into the rows the decoder skipped is refused by State.can_truncate (its
+        window rings do not hold them), so prefix reuse falls back to a bookmark there,
+        exactly as it should."""
         tokens = tokens.view(-1)
         n = tokens.numel()
         self.state.check_room(n)
-        skip_to = 0
-        if self.decoder_skip and getattr(self.model, "decoder_start", None) is not None:
-            skip_to = min(n, max(0, n + rows_after - self.model.prefill_reach))
+        model, decoder_from = self.model, None
+        if self.decoder_skip and getattr(model, "decoder_start", None) is not None:
+            decoder_from = self.state.position + n + rows_after - model.prefill_reach
         last = None
-        for lo, hi, full in ((0, skip_to, False), (skip_to, n, True)):
-            for i in range(lo, hi, self.prefill_chunk):
-                chunk = tokens[i:min(i + self.prefill_chunk, hi)]
-                want = "last" if full and i + self.prefill_chunk >= hi else "none"
-                start = self.state.position
-                if full:
-                    last, ctx = self.model.forward(chunk, self.state, logits=want)
-                else:
-                    self.model.forward(chunk, self.state, logits="none", decoder=False)
-                # The draft windows keep the last W rows, all of which ran in full.
-                if full and self.speculative is not None:
-                    self.model.dspark.commit_context(self.model.dspark.main_hidden(ctx), start,
-                                                     self.state, self.model.numerics)
+        for i in range(0, n, self.prefill_chunk):
+            chunk = tokens[i:i + self.prefill_chunk]
+            start, T = self.state.position, chunk.numel()
+            runs_last = decoder_from is None or \
+                model.rows_from(model.cfg.n_layers - 1, start, T, decoder_from) < T
+            want = "last" if i + T == n and runs_last else "none"
+            last, ctx = model.forward(chunk, self.state, logits=want, decoder_from=decoder_from)
+            # The draft windows: the rows whose taps every target layer made (all of them
+            # but in the decoder skip, which keeps more than a window's).
+            if self.speculative is not None:
+                hidden = model.dspark.main_hidden(ctx)
+                if hidden.shape[0]:
+                    model.dspark.commit_context(hidden, start + T - hidden.shape[0],
+                                                self.state, model.numerics)
         return None if last is None else last[0]
 
     def generate(self, prompt: torch.Tensor | list[int], max_tokens: int,

@@ -133,10 +133,11 @@ class StaticStep:
             def run() -> None:
                 if i == 0:
                     self.ctx.reset_derived()
-                    self._h, self._pre = self.route.enter(self.ctx.device_tokens, self.ctx,
-                                                          self.state)
-                self._h, self._pre = model.run_layers(self._h, self._pre, self.ctx,
-                                                      self.state, blocks=group)
+                    self._h, self._pre, _ = self.route.enter(self.ctx.device_tokens,
+                                                             self.ctx, self.state)
+                # (a step runs every row: its stream's context is the step's own)
+                self._h, self._pre, _ = model.run_layers(self._h, self._pre, self.ctx,
+                                                         self.state, blocks=group)
                 if i == len(groups) - 1:
                     self.logits = self.route.leave(self._h, self._pre, self.ctx, self.state,
                                                    self.mode)
