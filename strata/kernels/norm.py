@@ -33,7 +33,7 @@ def available(t: torch.Tensor) -> bool:
 if triton is not None:
     from strata.kernels import pdl
     from strata.kernels.mhc import _round_out
-    from strata.kernels.pdl import wait_then_release
+    from strata.kernels.pdl import prefetch_l2, wait_then_release
 
     @triton.jit
     def _row_values(xrow, pre_row, k, K, s_copy, H: tl.constexpr, DT: tl.constexpr):
@@ -67,7 +67,12 @@ if triton is not None:
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, pre_ptr, cos_ptr, sin_ptr, sx_row, so_row,
                          s_copy, eps, K: tl.constexpr, HAS_W: tl.constexpr, BK: tl.constexpr,
-                         H: tl.constexpr, RD2: tl.constexpr, PDL: tl.constexpr):
+                         H: tl.constexpr, RD2: tl.constexpr, WL: tl.constexpr,
+                         PDL: tl.constexpr):
+        if HAS_W:  # the weight's 128-byte lines (WL ≥ their count), asked for before the wait
+            nbytes: tl.constexpr = K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+            line = tl.minimum(tl.arange(0, WL), (nbytes - 1) // 128)
+            prefetch_l2(w_ptr.to(tl.pointer_type(tl.int8)) + line * 128, PDL)
         wait_then_release(PDL)
         r = tl.program_id(0).to(tl.int64)
         xrow = x_ptr + r * sx_row
@@ -149,4 +154,5 @@ def _launch(x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor,
                            BK=min(BLOCK, triton.next_power_of_2(K)),
                            H=0 if pre is None else pre.shape[1],
                            RD2=0 if rope is None else rope[0].shape[-1],
+                           WL=triton.next_power_of_2(triton.cdiv(K * w.element_size(), 128)),
                            num_warps=4, enable_fp_fusion=False, **pdl.args(out.device))

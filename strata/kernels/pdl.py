@@ -54,6 +54,17 @@ if triton is not None:
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
+
+    @triton.jit
+    def prefetch_l2(ptrs, PDL: tl.constexpr):
+        """Ask L2 for the lines at ptrs (a block of pointers, one a line) — before
+        `wait_then_release`, for an operand no kernel of the step writes (a weight): an
+        early-launched kernel then fetches it while the kernel before it still runs, not after
+        its wait. Changes no value. Without an early launch (PDL False: the interpreter, or
+        PDL off) nothing is asked."""
+        if PDL:
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l",
+                                      [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 else:
     HAS_GDC = False
 
