@@ -354,6 +354,36 @@ def test_moe_per_pair_inputs_and_trim():
         assert torch.equal(ref[0].view(torch.int16), y[t, s].view(torch.int16))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_moe_down_projection_of_a_swiglu_input(monkeypatch, dtype):
+    """The down projection with its SwiGLU made in the rotation (exl3.SwiGLU): the bits of
+    moe_ops.swiglu's rows (clamped gates and ups, routing weights) through the same grouped
+    linear — trimmed input (k_in 100 of 128: zero-extended), and in token chunks too."""
+    from strata.kernels import moe_ops
+    E = 3
+    tr = trellis_of(8, 8, 2.5, seed=60, E=E)
+    suh, svh = scales(128, 61, E, 0.2), scales(128, 62, E)
+    idx = torch.tensor([[2, 0], [2, 1], [1, 0]])
+    g = torch.Generator().manual_seed(63)
+    gate = (torch.randn(3, 2, 100, generator=g) * 6).to(dtype)  # (past the limit: clamped)
+    up = (torch.randn(3, 2, 100, generator=g) * 6).to(dtype)
+    weight = torch.rand(3, 2, generator=g)
+    limit = 7.0
+    a = moe_ops.swiglu(gate, up, limit, dtype, weight)
+    assert (gate > limit).any() and (up.abs() > limit).any()
+    (want,) = X.exl3_moe_linear(a, idx, [(tr, suh, svh)], "mul1", out_dtype=dtype)
+    (got,) = X.exl3_moe_linear(gate, idx, [(tr, suh, svh)], "mul1", out_dtype=dtype,
+                               swiglu=X.SwiGLU(up, weight, limit))
+    assert torch.equal(bits(got), bits(want))
+    monkeypatch.setattr(X, "MOE_MAX_PAIRS", 2)  # chunks of one token
+    (chunked,) = X.exl3_moe_linear(gate, idx, [(tr, suh, svh)], "mul1", out_dtype=dtype,
+                                   swiglu=X.SwiGLU(up, weight, limit))
+    assert torch.equal(bits(chunked), bits(want))
+    with pytest.raises(ValueError, match="SwiGLU input"):
+        X.exl3_moe_linear(gate, idx, [(tr, suh, svh)], "mul1",
+                          swiglu=X.SwiGLU(up[:2], weight, limit))
+
+
 def test_dot_order_guard(monkeypatch):
     """The exactness guard's rule (the lowering itself is checked on the GPU): on Hopper only
     wgmma passes; elsewhere the first kernel's lowering binds every later one on that GPU."""

@@ -205,6 +205,8 @@ def _check_shapes(trellis: torch.Tensor, codebook: str) -> tuple[int, int, int]:
 
 
 if triton is not None:
+    from strata.kernels.moe_ops import swiglu_values
+
     # ---------------------------------------------------------------- trellis decode (device)
 
     @triton.jit
@@ -534,14 +536,17 @@ if triton is not None:
     @triton.jit
     def _rotate_in_kernel(x_ptr, suh_ptr, out_ptr, eidx_ptr,
                           R, x_per, k_in, sx_row, ssuh_e, ssuh_set, so_set, so_row, inv,
+                          up_ptr, rw_ptr, sup_row, limit,
                           HAS_EIDX: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr,
-                          FRAG: tl.constexpr):
+                          FRAG: tl.constexpr, SWIGLU: tl.constexpr):
         """out[set, r, blk] = fp16(H128(fp16(x[r // x_per]·suh[set, e(r)])) · 1/√128)
         (x_per: rows of out per row of x — a token's k expert pairs read its one x row).
-        FRAG: each 128-block stored in the CUDA decode kernel's fragment order
-        (exl3_mma.fragment_order). PDL: it waits for the kernel before it (it may itself be
-        launched early), then lets the kernel after it start (which waits for this one's end
-        before reading out)."""
+        SWIGLU: x is the gate, and the row rotated is moe_ops.swiglu_values(x, up, rw[r],
+        limit) in x's dtype (up_ptr: the up projection, rows sup_row apart; rw_ptr: a
+        routing weight per row) — the SwiGLU kernel's bits without its launch. FRAG: each
+        128-block stored in the CUDA decode kernel's fragment order (exl3_mma.fragment_order).
+        PDL: it waits for the kernel before it (it may itself be launched early), then lets
+        the kernel after it start (which waits for this one's end before reading out)."""
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
@@ -550,8 +555,14 @@ if triton is not None:
         wset = tl.program_id(2).to(tl.int64)
         rmask = rows < R
         xr = rows // x_per
+        cmask = rmask[:, None] & (cols < k_in)[None, :]
         x = tl.load(x_ptr + xr.to(tl.int64)[:, None] * sx_row + cols[None, :],
-                    mask=rmask[:, None] & (cols < k_in)[None, :], other=0.0).to(tl.float32)
+                    mask=cmask, other=0.0).to(tl.float32)
+        if SWIGLU:  # (columns past k_in: swiglu(0, 0) = 0, the zero extension's value)
+            up = tl.load(up_ptr + xr.to(tl.int64)[:, None] * sup_row + cols[None, :],
+                         mask=cmask, other=0.0).to(tl.float32)
+            rw = tl.load(rw_ptr + xr, mask=rmask, other=0.0)[:, None]
+            x = swiglu_values(x, up, rw, limit, x_ptr.dtype.element_ty).to(tl.float32)
         suh_row = suh_ptr + wset * ssuh_set
         if HAS_EIDX:
             e = tl.load(eidx_ptr + rows, mask=rmask, other=0)
@@ -808,8 +819,9 @@ def rotate_in(x: torch.Tensor, suh: torch.Tensor, fragment_order: bool = False) 
         return out
     grid = (triton.cdiv(M, ROT_ROWS), kp // 128, 1)
     _rotate_in_kernel[grid](x, suh, out, x, M, 1, k_in, x.stride(0), 0, 0, 0, kp, INV_SQRT128,
-                            HAS_EIDX=False, BR=ROT_ROWS, FRAG=fragment_order, num_warps=4,
-                            enable_fp_fusion=False, **_rotate_launch(x.device))
+                            x, x, 0, 0.0, HAS_EIDX=False, BR=ROT_ROWS, FRAG=fragment_order,
+                            SWIGLU=False, num_warps=4, enable_fp_fusion=False,
+                            **_rotate_launch(x.device))
     return out
 
 
@@ -1149,8 +1161,8 @@ def exl3_linear_set(x: torch.Tensor, weights: Sequence[SetWeight],
     cnt = _counters(dev, plan.counters)
     _rotate_in_kernel[(triton.cdiv(M, ROT_ROWS), kp // 128, W)](
         x2, plan.suh, xr, x2, M, 1, k_in, x2.stride(0), 0, plan.ssuh_set, xr.stride(0), kp,
-        INV_SQRT128, HAS_EIDX=False, BR=ROT_ROWS, FRAG=True, num_warps=4,
-        enable_fp_fusion=False, **_rotate_launch(dev))
+        INV_SQRT128, x2, x2, 0, 0.0, HAS_EIDX=False, BR=ROT_ROWS, FRAG=True, SWIGLU=False,
+        num_warps=4, enable_fp_fusion=False, **_rotate_launch(dev))
     exl3_mma.linear_set(xr, plan.table, plan.programs, CODEBOOK_IDS[codebook],
                         k2_of(weights[0].trellis), out, part, cnt, kp // 128, INV_SQRT128,
                         early=bool(_pdl(dev)))
@@ -1205,12 +1217,25 @@ def _stack_sets(weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor
                  strides[2])
 
 
+@dataclass(frozen=True)
+class SwiGLU:
+    """A down projection's input made where its rotation reads it (exl3_moe_linear's
+    `swiglu`): x, the call's input, is the gate [T, k, I]; `up` the up projection, of x's
+    shape and dtype; `weight` [T, k] each pair's routing weight. The rows multiplied are
+    moe_ops.swiglu(x, up, limit, x.dtype, weight)'s — the same bits, without its launch
+    and its [T, k, I] buffer."""
+    up: torch.Tensor
+    weight: torch.Tensor
+    limit: float
+
+
 def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
                     weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                     codebook: str, out_features: int | None = None,
                     out_dtype: torch.dtype = torch.float32,
                     routing: Routing | None = None,
-                    target_programs: int | None = None) -> list[torch.Tensor]:
+                    target_programs: int | None = None,
+                    swiglu: SwiGLU | None = None) -> list[torch.Tensor]:
     """EXL3 expert linears for a step's (token, slot) pairs, grouped by expert.
 
     Contract (for the MoE wiring, strata.model.moe):
@@ -1232,6 +1257,8 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     target_programs: the split schedule's target (split_schedule; default TARGET_PROGRAMS, a
        lone linear's); the same for a weight on every call, grouped or alone
        (GROUPED_TARGET_PROGRAMS for the routed experts and wo_a's groups).
+    swiglu: x [T, k, I] is a gate, the input its SwiGLU with these (SwiGLU), computed in the
+       rotation.
     Returns W tensors [T, k, out_features]: y[w][t, s] = x_t·W_{w, idx[t,s]} — no routing
     weight, activation or slot sum is applied here.
 
@@ -1265,11 +1292,21 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     T, k = idx.shape
     if x.shape[0] != T or (x.dim() == 3 and x.shape[1] != k) or x.dim() not in (2, 3):
         raise ValueError(f"exl3_moe_linear: x {list(x.shape)} does not match idx {[T, k]}")
+    if swiglu is not None and (x.dim() != 3 or swiglu.up.shape != x.shape
+                               or swiglu.up.dtype != x.dtype
+                               or tuple(swiglu.weight.shape) != (T, k)):
+        raise ValueError(f"exl3_moe_linear: a SwiGLU input needs the gate [T, k, I] and an up "
+                         f"projection of its shape and dtype, weights [T, k]: gate "
+                         f"{list(x.shape)} {x.dtype}, up {list(swiglu.up.shape)} "
+                         f"{swiglu.up.dtype}, weights {list(swiglu.weight.shape)}")
     n_out = n_p if out_features is None else out_features
     chunk = max(1, MOE_MAX_PAIRS // max(k, 1))
     if T > chunk:  # bounded buffers; rows are batch-invariant, so chunking changes no bit
         parts = [exl3_moe_linear(x[t:t + chunk], idx[t:t + chunk], weights, codebook,
-                                 out_features, out_dtype, target_programs=target_programs)
+                                 out_features, out_dtype, target_programs=target_programs,
+                                 swiglu=None if swiglu is None else SwiGLU(
+                                     swiglu.up[t:t + chunk], swiglu.weight[t:t + chunk],
+                                     swiglu.limit))
                  for t in range(0, T, chunk)]
         return [torch.cat([p[w] for p in parts]) for w in range(W)]
     P = T * k
@@ -1301,6 +1338,10 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     else:
         xin, x_per = _contig_rows(x.reshape(P, x.shape[-1])), 1
     k_in = xin.shape[1]
+    up = rw = xin
+    if swiglu is not None:  # (x is [T, k, I]: one row per pair, as xin)
+        up = _contig_rows(swiglu.up.reshape(P, k_in))
+        rw = swiglu.weight.reshape(-1).float().contiguous()
     # 1. x' per (set, pair) with the pair's expert's suh
     xr = torch.empty((W, P, kp), dtype=torch.float16, device=dev)
     # 2.'s buffers first: the grouped kernel directly follows this one (early launch)
@@ -1314,8 +1355,9 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     _rotate_in_kernel[(triton.cdiv(P, ROT_ROWS), kp // 128, W)](
         xin, sets.suh, xr, eidx, P, x_per, k_in, xin.stride(0),
         sets.suh.stride(0), sets.ssuh_set, xr.stride(0), xr.stride(1), INV_SQRT128,
-        HAS_EIDX=True, BR=ROT_ROWS, FRAG=mma, num_warps=4, enable_fp_fusion=False,
-        **_rotate_launch(dev))
+        up, rw, up.stride(0), 0.0 if swiglu is None else float(swiglu.limit),
+        HAS_EIDX=True, BR=ROT_ROWS, FRAG=mma, SWIGLU=swiglu is not None, num_warps=4,
+        enable_fp_fusion=False, **_rotate_launch(dev))
     if mma:  # 2. the CUDA kernel over tiles of ≤ MOE_TILE_M pairs: decode's few pairs
         exl3_mma.moe(xr, sets.trellis, sets.str_set, sets.svh, sets.ssvh_set, cb, K2, out, part,
                      cnt, per, groups.tile_rows, groups.tile_expert, INV_SQRT128, bool(pdl))

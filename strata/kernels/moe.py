@@ -121,12 +121,11 @@ def exl3_moe_slots(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
                    nx) -> torch.Tensor:
     """ExpertStack.slots for EXL3 experts through strata.kernels.exl3.exl3_moe_linear (gate
     and up in one grouped launch when they share shape and codebook), the SwiGLU with clamps
-    and routing weight (elementwise: batch-invariant) and the grouped down projection: [T, k,
-    D] in the activation dtype. Per pair the numerics of Exl3Linear's kernel forward (no
+    and routing weight (elementwise: batch-invariant; made in the down projection's rotation,
+    exl3.SwiGLU) and the grouped down projection: [T, k, D] in the activation dtype. Per pair the numerics of Exl3Linear's kernel forward (no
     fp8 point: EXL3 linears take unquantized activations) under the experts' own split
     schedule (exl3.GROUPED_TARGET_PROGRAMS: another summation order than a lone linear's)."""
-    from strata.kernels.exl3 import GROUPED_TARGET_PROGRAMS, exl3_moe_linear
-    from strata.model.moe import swiglu_to
+    from strata.kernels.exl3 import GROUPED_TARGET_PROGRAMS, SwiGLU, exl3_moe_linear
     T, k = idx.shape
     dt = nx.act_dtype
     D = w2.out_features
@@ -143,8 +142,9 @@ def exl3_moe_slots(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
                                **sched)
         (v,) = exl3_moe_linear(xin, idx, [w3.set], w3.codebook, w3.out_features, dt, routing,
                                **sched)
-    a = swiglu_to(g, v, limit, dt, weight)  # [T, k, I]
-    (y,) = exl3_moe_linear(a, idx, [w2.set], w2.codebook, D, dt, routing, **sched)
+    # (the SwiGLU with the routing weight made as the down projection's rotation reads it)
+    (y,) = exl3_moe_linear(g, idx, [w2.set], w2.codebook, D, dt, routing, **sched,
+                           swiglu=SwiGLU(v, weight, limit))
     return y
 
 

@@ -73,19 +73,26 @@ if triton is not None:
         tl.store(w_ptr + t * K + slot, ws, mask=slot < K)
 
     @triton.jit
+    def swiglu_values(g, v, w, limit, DT: tl.constexpr):
+        """silu(min(g, limit))·clamp(v, ±limit)·w (w: a row's routing weight, or 1.0 for
+        none) from g, v in fp32, rounded to DT — `swiglu`'s values, and the down projection's
+        input where its rotation computes it (strata.kernels.exl3, SwiGLU)."""
+        g = tl.minimum(g, limit)
+        v = tl.minimum(tl.maximum(v, -limit), limit)
+        return _round_out(g / (1.0 + tl.exp(-g)) * v * w, DT)
+
+    @triton.jit
     def _swiglu_kernel(g_ptr, v_ptr, w_ptr, o_ptr, N, sg, sv, so, limit,
                        HAS_W: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
         wait_then_release(PDL)
         r = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
         m = cols < N
-        g = tl.minimum(tl.load(g_ptr + r * sg + cols, mask=m, other=0.0).to(tl.float32), limit)
+        g = tl.load(g_ptr + r * sg + cols, mask=m, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + r * sv + cols, mask=m, other=0.0).to(tl.float32)
-        v = tl.minimum(tl.maximum(v, -limit), limit)
-        a = g / (1.0 + tl.exp(-g)) * v
-        if HAS_W:
-            a = a * tl.load(w_ptr + r)
-        tl.store(o_ptr + r * so + cols, _round_out(a, o_ptr.dtype.element_ty), mask=m)
+        w = tl.load(w_ptr + r) if HAS_W else 1.0
+        tl.store(o_ptr + r * so + cols, swiglu_values(g, v, w, limit, o_ptr.dtype.element_ty),
+                 mask=m)
 
     @triton.jit
     def _slot_sum_kernel(y_ptr, b_ptr, o_ptr, D, sy_t, sy_s, K: tl.constexpr,

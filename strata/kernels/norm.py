@@ -24,6 +24,7 @@ except ImportError:  # CPU-only installs: the torch definition is used
     triton = None
 
 BLOCK = 1024
+NUM_WARPS = 4  # (scripts/probe_norm.py varies both)
 
 
 def available(t: torch.Tensor) -> bool:
@@ -155,4 +156,5 @@ def _launch(x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor,
                            H=0 if pre is None else pre.shape[1],
                            RD2=0 if rope is None else rope[0].shape[-1],
                            WL=triton.next_power_of_2(triton.cdiv(K * w.element_size(), 128)),
-                           num_warps=4, enable_fp_fusion=False, **pdl.args(out.device))
+                           num_warps=NUM_WARPS, enable_fp_fusion=False,
+                           **pdl.args(out.device))
