@@ -3,7 +3,8 @@
 5,120], the weight), the query latent's norm ([1, 1,280]), the window key's norm + RoPE ([1,
 512]) and a prefill chunk's collapse ([4,096, 4, 5,120]). Each variant's time a call, µs, as a
 graphed decode step sees it: 64 calls captured in one CUDA graph (early launch on, as in the
-model), replayed, the replay's time / 64 (median of 7); and whether it gives the default's bits
+model), replayed (strata.bench.kernels.replay_us; session 48's figures took the median of 7
+replays instead of the mean of 20); and whether it gives the default's bits
 (the final sum's tree follows the layout, so a variant may not). On the device: source
 scripts/device_env.sh && python scripts/probe_norm.py"""
 import json
@@ -11,6 +12,7 @@ import os
 
 import torch
 
+from strata.bench.kernels import replay_us
 from strata.kernels import norm
 
 dev = "cuda"
@@ -40,38 +42,13 @@ CASES = {
 }
 
 
-def graphed_us(fn, calls: int = 64, reps: int = 7) -> float:
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / calls)
-    return sorted(times)[len(times) // 2]
-
-
 out = {}
 refs = {name: fn() for name, fn in CASES.items()}
 for block, warps in ((1024, 4), (1024, 8), (2048, 8), (1024, 16), (2048, 16), (8192, 16),
                      (512, 4), (512, 8)):
     norm.BLOCK, norm.NUM_WARPS = block, warps
     for name, fn in CASES.items():
-        us = graphed_us(fn, calls=64 if "4096" not in name else 8)
+        us = replay_us([fn] * (64 if "4096" not in name else 8))
         same = torch.equal(fn(), refs[name])
         key = f"{name} BLOCK {block} warps {warps}"
         out[key] = {"us": round(us, 2), "same bits": same}

@@ -122,9 +122,10 @@ def exl3_moe_slots(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
     """ExpertStack.slots for EXL3 experts through strata.kernels.exl3.exl3_moe_linear (gate
     and up in one grouped launch when they share shape and codebook), the SwiGLU with clamps
     and routing weight (elementwise: batch-invariant; made in the down projection's rotation,
-    exl3.SwiGLU) and the grouped down projection: [T, k, D] in the activation dtype. Per pair the numerics of Exl3Linear's kernel forward (no
-    fp8 point: EXL3 linears take unquantized activations) under the experts' own split
-    schedule (exl3.GROUPED_TARGET_PROGRAMS: another summation order than a lone linear's)."""
+    exl3.SwiGLU) and the grouped down projection: [T, k, D] in the activation dtype. Per
+    pair the numerics of Exl3Linear's kernel forward (no fp8 point: EXL3 linears take
+    unquantized activations) under the experts' own split schedule
+    (exl3.GROUPED_TARGET_PROGRAMS: another summation order than a lone linear's)."""
     from strata.kernels.exl3 import GROUPED_TARGET_PROGRAMS, SwiGLU, exl3_moe_linear
     T, k = idx.shape
     dt = nx.act_dtype
