@@ -24,6 +24,37 @@ def test_reach_of_the_fixture(tiny_reference):
     assert m.rows_from(4, 0, 100, None) == 0
 
 
+def test_a_context_of_some_rows(tiny_reference):
+    """ForwardContext.rows: the rows' inputs and selections sliced, nested slices relative to
+    the slice, what the forward publishes to its end shared with the whole, and what it
+    derives made anew."""
+    m = tiny_reference
+    s = m.new_state(16)
+    ctx = m.new_context(torch.arange(3, 11), s, m.numerics)
+    ctx.decoder_from = 5
+    ctx.sel[2] = torch.arange(16).view(8, 2)
+    ctx.candidates = torch.arange(8).view(8, 1)
+    ctx.rope(1)  # (derived: not carried into a slice)
+    part = ctx.rows(3, 8)
+    assert (part.start, part.T, part.offset, part.whole) == (3, 5, 3, ctx)
+    assert part.positions.tolist() == [3, 4, 5, 6, 7]
+    assert part.tokens.tolist() == part.device_tokens.tolist() == [6, 7, 8, 9, 10]
+    for layer in m.cfg.engram_layer_ids:
+        assert torch.equal(part.engram_ids_of(layer), ctx.engram_ids_of(layer)[3:])
+    assert part.sel[2].tolist() == ctx.sel[2][3:].tolist()
+    assert part.candidates.view(-1).tolist() == [3, 4, 5, 6, 7]
+    assert part.decoder_from == 5 and not part._derived
+    inner = part.rows(2, 5)
+    assert (inner.start, inner.offset, inner.whole) == (5, 5, ctx)
+    assert inner.positions.tolist() == [5, 6, 7] and inner.sel[2].tolist() == [[10, 11],
+                                                                                 [12, 13],
+                                                                                 [14, 15]]
+    inner.main_hidden[7] = torch.zeros(3, 4)
+    inner.published_keys.append(3)
+    assert 7 in ctx.main_hidden and ctx.published_keys == [3]
+    assert ctx.rows(0, 8) is ctx
+
+
 def test_truncating_after_a_skipping_prefill_continues_exactly(tiny_reference):
     """Every position the rings allow truncating to (State.can_truncate) continues exactly as
     after a full prefill: the reach covers every row a ring can still hold."""
