@@ -77,8 +77,9 @@ class Session:
         return self.state.position
 
     def prefill(self, tokens: torch.Tensor, rows_after: int = 0) -> torch.Tensor | None:
-        """Consume tokens in chunks; return the last row's logits [V] fp32 (None when the
-        decoder skip does not run that row: it is `rows_after` or more rows from the end).
+        """Consume tokens in chunks; return the last row's logits [V] fp32 (None where the
+        decoder skip's last layer does not run that row: a window ring's rows or more before
+        the prompt's end, `rows_after` counted).
 
         With `decoder_skip`, the decoder layers run only the rows near the prompt's end
         (Model.forward's decoder_from, the prompt's end minus `model.prefill_reach`): the
