@@ -711,6 +711,55 @@ def test_linear_groups_run_as_one_grouped_launch(kernels_on_cpu, monkeypatch):
     assert other.target_programs is None
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_an_inverse_rope_in_the_input_rotation(kernels_on_cpu, monkeypatch, dtype):
+    """Attention's output rotated back inside wo_a's input rotation (InverseRope): the bits
+    of apply_rope(o, cos, sin, inverse=True, out_dtype) — the torch definition here — and
+    then the linear, in rotate_in (both layouts), exl3_linear's fused and GEMM paths, the
+    grouped launch (and its token chunks) and LinearGroups' every path; the torch reference
+    applies it first; cos/sin that do not fit the rows are refused."""
+    from strata.model.rope import InverseRope
+    from strata.quant.groups import LinearGroups
+    T, G, hd, rd2 = 5, 3, 64, 8  # (4 heads a group, each with a 16-channel rotated tail)
+    nx = Numerics("vendor", dtype)
+    gen = torch.Generator().manual_seed(300)
+    o = torch.randn(T, G, 4 * hd, generator=gen) * 3
+    ang = torch.arange(T, dtype=torch.float64)[:, None] * 0.7 ** torch.arange(rd2)[None, :]
+    rope = InverseRope(torch.cos(ang).float(), torch.sin(ang).float(), hd, dtype)
+    flat = rope.apply(o)  # (the torch definition on the CPU)
+    assert not torch.equal(flat.float(), o.to(dtype).float())  # (the tails did turn)
+    lins = [Exl3Linear(trellis_of(16, 8, 3, seed=310 + g), scales(256, 320 + g, scale=0.2),
+                       scales(128, 330 + g), "3inst", out_features=120, in_features=256)
+            for g in range(G)]
+    for frag in (False, True):
+        assert torch.equal(bits(X.rotate_in(o[:, 1], lins[1].suh, frag, rope=rope)),
+                           bits(X.rotate_in(flat[:, 1], lins[1].suh, frag)))
+    for path in ("fused", "gemm"):
+        want = X.exl3_linear(flat[:, 2], lins[2].trellis, lins[2].suh, lins[2].svh, "3inst",
+                             120, out_dtype=dtype, path=path)
+        got = X.exl3_linear(o[:, 2], lins[2].trellis, lins[2].suh, lins[2].svh, "3inst",
+                            120, out_dtype=dtype, path=path, rope=rope)  # (rows G·256 apart)
+        assert torch.equal(bits(got), bits(want))
+    groups = LinearGroups(lins)
+    want = groups(flat, nx)
+    assert torch.equal(bits(groups(o[:2], nx, InverseRope(rope.cos[:2], rope.sin[:2], hd,
+                                                           dtype))), bits(want[:2]))
+    monkeypatch.setattr(X, "MOE_MAX_PAIRS", G)  # the grouped launch in chunks of one token
+    assert torch.equal(bits(groups(o, nx, rope)), bits(want))
+    monkeypatch.setattr(X, "FUSED_MAX_ROWS", 4)  # a prefill-sized call: a GEMM per group
+    assert groups._grouped_exl3(o) is None
+    assert torch.equal(bits(groups(o, nx, rope)), bits(want))
+    other = Exl3Linear(trellis_of(16, 8, 3, seed=340), scales(256, 341, scale=0.2),
+                       scales(128, 342), "mcg", out_features=120, in_features=256)
+    mixed = LinearGroups(lins[:2] + [other])  # (not one shape: rotated back first)
+    assert torch.equal(bits(mixed(o, nx, rope)), bits(mixed(flat, nx)))
+    monkeypatch.setattr(qexl3, "KERNELS", "never")  # the reference
+    assert torch.equal(bits(lins[0](o[:, 0], nx, rope=rope)), bits(lins[0](flat[:, 0], nx)))
+    with pytest.raises(ValueError, match="inverse RoPE"):
+        X.rotate_in(o[:, 0], lins[0].suh, rope=InverseRope(rope.cos[:2], rope.sin[:2], hd,
+                                                           dtype))
+
+
 def test_a_linear_set_runs_as_one_grouped_launch(kernels_on_cpu, monkeypatch):
     """Linears of one shape on one input (the shared expert's w1 and w3): a decode-sized call
     runs them as one grouped launch — each a weight set of one expert — giving each linear's
