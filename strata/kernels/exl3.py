@@ -89,8 +89,7 @@ import math
 import os
 import re
 from collections import OrderedDict
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -1361,7 +1360,7 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
                                  swiglu=None if swiglu is None else SwiGLU(
                                      swiglu.up[t:t + chunk], swiglu.weight[t:t + chunk],
                                      swiglu.limit),
-                                 rope=None if rope is None else dataclasses.replace(
+                                 rope=None if rope is None else replace(
                                      rope, cos=rope.cos[t:t + chunk],
                                      sin=rope.sin[t:t + chunk]))
                  for t in range(0, T, chunk)]
