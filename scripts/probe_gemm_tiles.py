@@ -4,8 +4,7 @@ cuBLAS (torch.mm, fp16) as the tensor cores' ceiling. Every configuration's outp
 bit for bit with the default's: a tile shape changes which program computes an element, not
 its k16 chain or its split sums, so the bits must not move. BASE_EXL3=file.py: also time
 that version of strata/kernels/exl3.py's GEMM (e.g. `git show REV:strata/kernels/exl3.py`) at
-the default tiles, its bits compared too; DEFAULT_ONLY=1: no other tiles; FORMS=1: also the
-candidate loop forms (TMA loads, a loop per split) at the default tiles.
+the default tiles, its bits compared too; DEFAULT_ONLY=1: no other tiles.
 Results: bench/results/kernels.md. On the device:
     source scripts/device_env.sh && python scripts/probe_gemm_tiles.py [OUT.json]"""
 import importlib.util
@@ -15,7 +14,6 @@ import sys
 
 import torch
 import triton
-import triton.language as tl
 from triton.testing import do_bench
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -32,12 +30,6 @@ CONFIGS = [(X.GEMM_BLOCK_M, X.GEMM_BLOCK_N, X.GEMM_NUM_WARPS, X.GEMM_NUM_STAGES)
            (128, 64, 4, 4)]
 if os.environ.get("DEFAULT_ONLY") == "1":
     CONFIGS = CONFIGS[:1]
-# Candidate loop forms at the default tiles (session 49), each the default's arithmetic: the
-# operands through TMA (host tensor descriptors) in one loop over the k-steps ("tma"), or a loop
-# per split ("tma split loop"); the loop per split on the kernel's own loads ("split loop",
-# main's form before session 43)
-if os.environ.get("FORMS") == "1":
-    CONFIGS += ["tma", "tma split loop", "split loop"]
 BASE = None
 if os.environ.get("BASE_EXL3"):
     spec = importlib.util.spec_from_file_location("exl3_base", os.environ["BASE_EXL3"])
@@ -46,70 +38,23 @@ if os.environ.get("BASE_EXL3"):
     CONFIGS.append("base")
 
 
-@triton.jit(do_not_specialize=["per_split"])
-def _gemm_forms_kernel(x_ptr, w_ptr, x_desc, w_desc, y_ptr, M, k_steps, per_split, sx_row,
-                       sw_row, sy_row, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       TMA: tl.constexpr, SPLIT_LOOP: tl.constexpr):
-    """exl3._gemm_kernel's arithmetic (each split's chain from zero, added to the total in
-    order) in the candidate forms: TMA loads, a loop per split."""
-    mb = tl.program_id(0)
-    nb = tl.program_id(1)
-    lanes = tl.arange(0, BM)
-    rows = mb * BM + lanes
-    rmask = rows < M
-    offs_k = tl.arange(0, BK)
-    a_off = tl.where(rmask, lanes, 0)[:, None] * sx_row + offs_k[None, :]
-    b_off = offs_k[:, None] * sw_row + (nb * BN + tl.arange(0, BN))[None, :]
-    a_base = x_ptr + (mb * BM).to(tl.int64) * sx_row
-    total = tl.zeros([BM, BN], dtype=tl.float32)
-    if SPLIT_LOOP:
-        for k0 in range(0, k_steps, per_split):
-            part = tl.zeros([BM, BN], dtype=tl.float32)
-            for ks in range(k0, tl.minimum(k0 + per_split, k_steps)):
-                if TMA:
-                    a = x_desc.load([mb * BM, ks * BK])
-                    b = w_desc.load([ks * BK, nb * BN])
-                else:
-                    a = tl.load(a_base + ks * BK + a_off, mask=rmask[:, None], other=0.0)
-                    b = tl.load(w_ptr + ks * BK * sw_row + b_off)
-                part = tl.dot(a, b, part)
-            total = total + part
-    else:
-        part = tl.zeros([BM, BN], dtype=tl.float32)
-        for ks in range(0, k_steps):
-            a = x_desc.load([mb * BM, ks * BK])
-            b = w_desc.load([ks * BK, nb * BN])
-            part = tl.dot(a, b, part)
-            if (ks + 1) % per_split == 0 or ks + 1 == k_steps:
-                total = total + part
-                part = tl.zeros([BM, BN], dtype=tl.float32)
-    tl.store(y_ptr + rows.to(tl.int64)[:, None] * sy_row + (nb * BN + tl.arange(0, BN))[None, :],
-             total, mask=rmask[:, None])
-
-
-def gemm_form(xr, w, y, per, form):
-    bm, bn, nw, ns = CONFIGS[0]
-    tma = form.startswith("tma")
-    xd = TensorDescriptor.from_tensor(xr, [bm, X.BLOCK_K]) if tma else xr
-    wd = TensorDescriptor.from_tensor(w, [X.BLOCK_K, bn]) if tma else w
-    grid = (triton.cdiv(xr.shape[0], bm), w.shape[1] // bn)
-    return _gemm_forms_kernel[grid](xr, w, xd, wd, y, xr.shape[0], xr.shape[1] // X.BLOCK_K,
-                                    per, xr.stride(0), w.stride(0), y.stride(0), BM=bm, BN=bn,
-                                    BK=X.BLOCK_K, TMA=tma, SPLIT_LOOP=form.endswith("loop"),
-                                    num_warps=nw, num_stages=ns)
-
-
 def gemm(xr, w, y, per, cfg):
     K = X
-    if isinstance(cfg, str) and cfg != "base":
-        return gemm_form(xr, w, y, per, cfg)
     if cfg == "base":
         K, cfg = BASE, CONFIGS[0]
     bm, bn, nw, ns = cfg
     grid = (triton.cdiv(xr.shape[0], bm), w.shape[1] // bn)
-    return K._gemm_kernel[grid](xr, w, y, xr.shape[0], xr.shape[1] // X.BLOCK_K, per,
+    if K is BASE and "x_desc" not in K._gemm_kernel.arg_names:  # (before session 49)
+        return K._gemm_kernel[grid](xr, w, y, xr.shape[0], xr.shape[1] // X.BLOCK_K, per,
+                                    xr.stride(0), w.stride(0), y.stride(0), BM=bm, BN=bn,
+                                    BK=X.BLOCK_K, JOIN_B=X._join_b(xr), num_warps=nw,
+                                    num_stages=ns)
+    tma = X._gemm_tma(xr)
+    xd = TensorDescriptor.from_tensor(xr, [bm, X.BLOCK_K]) if tma else xr
+    wd = TensorDescriptor.from_tensor(w, [X.BLOCK_K, bn]) if tma else w
+    return K._gemm_kernel[grid](xr, w, xd, wd, y, xr.shape[0], xr.shape[1] // X.BLOCK_K, per,
                                 xr.stride(0), w.stride(0), y.stride(0), BM=bm, BN=bn,
-                                BK=X.BLOCK_K, JOIN_B=X._join_b(xr), num_warps=nw,
+                                BK=X.BLOCK_K, JOIN_B=X._join_b(xr), TMA=tma, num_warps=nw,
                                 num_stages=ns)
 
 

@@ -93,6 +93,17 @@ def test_fused_equals_gemm_and_the_product(K, codebook):
     assert bool(((fused.double() - ref).abs() <= bound).all())
 
 
+def test_gemm_operands_through_tma_are_the_same_matrices(monkeypatch):
+    """The GEMM's TMA form (GEMM_TMA: tensor descriptors, Hopper's) against its loads: the
+    same bits, a partial row tile included (TMA reads the rows past M as zeros)."""
+    tr = trellis_of(8, 16, 2, seed=11)
+    xr = torch.randn(131, 128, generator=torch.Generator().manual_seed(12)).half()
+    assert X._gemm_tma(xr)
+    tma = X.exl3_matmul(xr, tr, "mul1", "gemm")
+    monkeypatch.setattr(X, "GEMM_TMA", False)
+    assert torch.equal(bits(X.exl3_matmul(xr, tr, "mul1", "gemm")), bits(tma))
+
+
 def test_gemm_joined_operand_is_the_same_matrix(monkeypatch):
     """The GEMM's JOIN_B form (GPUs without wgmma: Ŵ's column pairs joined so the dot operand
     gets the decode's layout) multiplies by the same Ŵ: same bits as the plain load here."""
@@ -425,11 +436,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from strata.kernels import exl3 as X
 def gemm(arch):
-    sig = {n: "constexpr" if n in ("BM", "BN", "BK", "JOIN_B") else "*fp16" if n in
-           ("x_ptr", "w_ptr") else "*fp32" if n == "y_ptr" else "i32"
+    sig = {n: "constexpr" if n in ("BM", "BN", "BK", "JOIN_B", "TMA") else "*fp16" if n in
+           ("x_ptr", "w_ptr", "x_desc", "w_desc") else "*fp32" if n == "y_ptr" else "i32"
            for n in X._gemm_kernel.arg_names}
     c = triton.compile(ASTSource(fn=X._gemm_kernel, signature=sig, constexprs=dict(
-        BM=X.GEMM_BLOCK_M, BN=X.GEMM_BLOCK_N, BK=X.BLOCK_K, JOIN_B=True)),
+        BM=X.GEMM_BLOCK_M, BN=X.GEMM_BLOCK_N, BK=X.BLOCK_K, JOIN_B=True, TMA=False)),
         target=GPUTarget("cuda", arch, 32), options=dict(num_warps=X.GEMM_NUM_WARPS,
         num_stages=X.GEMM_NUM_STAGES))
     return X.dot_lowering(c)
@@ -472,11 +483,13 @@ from triton.compiler import ASTSource
 from strata.kernels import exl3 as X
 fixed = set(X._gemm_kernel.do_not_specialize)
 names = X._gemm_kernel.arg_names
-consts = dict(BM=X.GEMM_BLOCK_M, BN=X.GEMM_BLOCK_N, BK=X.BLOCK_K, JOIN_B=False)
+consts = dict(BM=X.GEMM_BLOCK_M, BN=X.GEMM_BLOCK_N, BK=X.BLOCK_K, JOIN_B=False, TMA=True)
 if "per_split" not in fixed and names.index("per_split") not in fixed:
     consts["per_split"] = 1  # (what the launcher makes of a 1)
-sig = {n: "constexpr" if n in consts else "*fp16" if n in ("x_ptr", "w_ptr") else
-       "*fp32" if n == "y_ptr" else "i32" for n in names}
+desc = {"x_desc": f"tensordesc<fp16[{X.GEMM_BLOCK_M}, {X.BLOCK_K}]>",
+        "w_desc": f"tensordesc<fp16[{X.BLOCK_K}, {X.GEMM_BLOCK_N}]>"}
+sig = {n: "constexpr" if n in consts else desc[n] if n in desc else "*fp16" if n in
+       ("x_ptr", "w_ptr") else "*fp32" if n == "y_ptr" else "i32" for n in names}
 attrs = {(names.index(n),): [["tt.divisibility", 16]]
          for n in ("x_ptr", "w_ptr", "y_ptr", "sx_row", "sw_row", "sy_row")}
 c = triton.compile(ASTSource(fn=X._gemm_kernel, signature=sig, constexprs=consts, attrs=attrs),
