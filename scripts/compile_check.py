@@ -38,6 +38,8 @@ def record_launches(path: str) -> None:
     """Append a JSON line per interpreted kernel launch to `path` (set up once per process)."""
     import torch
     from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import mangle_type
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     original = InterpretedFunction.run
 
@@ -74,6 +76,8 @@ def record_launches(path: str) -> None:
                     aligned.append(name)
             elif isinstance(v, float):
                 sig[name] = "fp32"
+            elif isinstance(v, TensorDescriptor):  # (a host TMA descriptor: dtype and block)
+                sig[name] = mangle_type(v)
             else:
                 raise TypeError(f"{fn.__name__}: argument {name} of type {type(v)}")
         opts = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
@@ -120,8 +124,12 @@ _GPU_SWITCHES = ("ASM", "ON_GPU", "LIBDEVICE")
 def gpu_forms(name: str, sig: dict, consts: dict, arch: int = 90) -> list[tuple[dict, dict]]:
     """(signature, constexprs) of what a GPU of compute capability `arch` launches in place of
     a recorded interpreted launch — the launch itself first."""
-    if "JOIN_B" in consts:  # (the EXL3 GEMM joins Ŵ where tl.dot is mma.sync: off sm_90)
+    if "JOIN_B" in consts:  # (the EXL3 GEMM joins Ŵ where tl.dot is mma.sync: off sm_90,
+        # where its operands come through pointers, not TMA's descriptors)
         consts = {**consts, "JOIN_B": arch != 90}
+        if consts.get("TMA") and arch != 90:
+            consts["TMA"] = False
+            sig = {k: "*fp16" if str(v).startswith("tensordesc") else v for k, v in sig.items()}
     forms = [(sig, consts)]
     switched = {k: True for k in _GPU_SWITCHES if consts.get(k) is False}
     if switched:

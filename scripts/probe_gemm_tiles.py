@@ -15,6 +15,7 @@ import sys
 import torch
 import triton
 from triton.testing import do_bench
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from strata.kernels import exl3 as X
 
@@ -43,9 +44,17 @@ def gemm(xr, w, y, per, cfg):
         K, cfg = BASE, CONFIGS[0]
     bm, bn, nw, ns = cfg
     grid = (triton.cdiv(xr.shape[0], bm), w.shape[1] // bn)
-    return K._gemm_kernel[grid](xr, w, y, xr.shape[0], xr.shape[1] // X.BLOCK_K, per,
+    if K is BASE and "x_desc" not in K._gemm_kernel.arg_names:  # (before session 49)
+        return K._gemm_kernel[grid](xr, w, y, xr.shape[0], xr.shape[1] // X.BLOCK_K, per,
+                                    xr.stride(0), w.stride(0), y.stride(0), BM=bm, BN=bn,
+                                    BK=X.BLOCK_K, JOIN_B=X._join_b(xr), num_warps=nw,
+                                    num_stages=ns)
+    tma = X._gemm_tma(xr)
+    xd = TensorDescriptor.from_tensor(xr, [bm, X.BLOCK_K]) if tma else xr
+    wd = TensorDescriptor.from_tensor(w, [X.BLOCK_K, bn]) if tma else w
+    return K._gemm_kernel[grid](xr, w, xd, wd, y, xr.shape[0], xr.shape[1] // X.BLOCK_K, per,
                                 xr.stride(0), w.stride(0), y.stride(0), BM=bm, BN=bn,
-                                BK=X.BLOCK_K, JOIN_B=X._join_b(xr), num_warps=nw,
+                                BK=X.BLOCK_K, JOIN_B=X._join_b(xr), TMA=tma, num_warps=nw,
                                 num_stages=ns)
 
 

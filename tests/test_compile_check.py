@@ -41,8 +41,13 @@ def test_each_launch_is_also_compiled_as_the_gpu_runs_it():
     assert forms == [(fused_sig, {"ASM": False, "BM": 64}),
                      (fused_sig, {"ASM": True, "BM": 64})]
     assert gpu_forms("_pool_kernel", {}, {"LIBDEVICE": True}) == [({}, {"LIBDEVICE": True})]
+    desc = {"x_desc": "tensordesc<fp16[128, 128]>", "y_ptr": "*fp32"}
     for arch, joined in ((90, False), (120, True), (89, True)):  # (interpreted: never joined)
         assert gpu_forms("_gemm_kernel", {}, {"JOIN_B": False}, arch) == [({}, {"JOIN_B": joined})]
+        # (interpreted: through TMA, which only sm_90 keeps)
+        assert gpu_forms("_gemm_kernel", desc, {"JOIN_B": False, "TMA": True}, arch) == [(
+            desc if arch == 90 else {"x_desc": "*fp16", "y_ptr": "*fp32"},
+            {"JOIN_B": joined, "TMA": arch == 90})]
     sig, consts = INDEX_SCORES["sig"], INDEX_SCORES["constexprs"]
     forms = gpu_forms("_index_scores_kernel", sig, consts)
     assert [c["PRODUCT"] for _, c in forms] == [0, 1, 2]
@@ -82,8 +87,9 @@ def test_aligned_arguments_compile_as_a_launch_specialises_them(tmp_path):
     (cp.async, the software pipeline) and it takes more shared memory than compiled without —
     what session 42's reading (one stage) missed."""
     consts = {"BM": exl3.GEMM_BLOCK_M, "BN": exl3.GEMM_BLOCK_N, "BK": exl3.BLOCK_K,
-              "JOIN_B": True}
-    types = {"x_ptr": "*fp16", "w_ptr": "*fp16", "y_ptr": "*fp32"}
+              "JOIN_B": True, "TMA": False}
+    types = {"x_ptr": "*fp16", "w_ptr": "*fp16", "x_desc": "*fp16", "w_desc": "*fp16",
+             "y_ptr": "*fp32"}
     options = {"num_warps": exl3.GEMM_NUM_WARPS, "num_stages": exl3.GEMM_NUM_STAGES}
     shared = []
     for aligned in ((), ("x_ptr", "w_ptr", "y_ptr", "sx_row", "sw_row", "sy_row")):

@@ -93,6 +93,17 @@ def test_fused_equals_gemm_and_the_product(K, codebook):
     assert bool(((fused.double() - ref).abs() <= bound).all())
 
 
+def test_gemm_operands_through_tma_are_the_same_matrices(monkeypatch):
+    """The GEMM's TMA form (GEMM_TMA: tensor descriptors, Hopper's) against its loads: the
+    same bits, a partial row tile included (TMA reads the rows past M as zeros)."""
+    tr = trellis_of(8, 16, 2, seed=11)
+    xr = torch.randn(131, 128, generator=torch.Generator().manual_seed(12)).half()
+    assert X._gemm_tma(xr)
+    tma = X.exl3_matmul(xr, tr, "mul1", "gemm")
+    monkeypatch.setattr(X, "GEMM_TMA", False)
+    assert torch.equal(bits(X.exl3_matmul(xr, tr, "mul1", "gemm")), bits(tma))
+
+
 def test_gemm_joined_operand_is_the_same_matrix(monkeypatch):
     """The GEMM's JOIN_B form (GPUs without wgmma: Ŵ's column pairs joined so the dot operand
     gets the decode's layout) multiplies by the same Ŵ: same bits as the plain load here."""
@@ -425,11 +436,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from strata.kernels import exl3 as X
 def gemm(arch):
-    sig = {n: "constexpr" if n in ("BM", "BN", "BK", "JOIN_B") else "*fp16" if n in
-           ("x_ptr", "w_ptr") else "*fp32" if n == "y_ptr" else "i32"
+    sig = {n: "constexpr" if n in ("BM", "BN", "BK", "JOIN_B", "TMA") else "*fp16" if n in
+           ("x_ptr", "w_ptr", "x_desc", "w_desc") else "*fp32" if n == "y_ptr" else "i32"
            for n in X._gemm_kernel.arg_names}
     c = triton.compile(ASTSource(fn=X._gemm_kernel, signature=sig, constexprs=dict(
-        BM=X.GEMM_BLOCK_M, BN=X.GEMM_BLOCK_N, BK=X.BLOCK_K, JOIN_B=True)),
+        BM=X.GEMM_BLOCK_M, BN=X.GEMM_BLOCK_N, BK=X.BLOCK_K, JOIN_B=True, TMA=False)),
         target=GPUTarget("cuda", arch, 32), options=dict(num_warps=X.GEMM_NUM_WARPS,
         num_stages=X.GEMM_NUM_STAGES))
     return X.dot_lowering(c)
@@ -472,11 +483,13 @@ from triton.compiler import ASTSource
 from strata.kernels import exl3 as X
 fixed = set(X._gemm_kernel.do_not_specialize)
 names = X._gemm_kernel.arg_names
-consts = dict(BM=X.GEMM_BLOCK_M, BN=X.GEMM_BLOCK_N, BK=X.BLOCK_K, JOIN_B=False)
+consts = dict(BM=X.GEMM_BLOCK_M, BN=X.GEMM_BLOCK_N, BK=X.BLOCK_K, JOIN_B=False, TMA=True)
 if "per_split" not in fixed and names.index("per_split") not in fixed:
     consts["per_split"] = 1  # (what the launcher makes of a 1)
-sig = {n: "constexpr" if n in consts else "*fp16" if n in ("x_ptr", "w_ptr") else
-       "*fp32" if n == "y_ptr" else "i32" for n in names}
+desc = {"x_desc": f"tensordesc<fp16[{X.GEMM_BLOCK_M}, {X.BLOCK_K}]>",
+        "w_desc": f"tensordesc<fp16[{X.BLOCK_K}, {X.GEMM_BLOCK_N}]>"}
+sig = {n: "constexpr" if n in consts else desc[n] if n in desc else "*fp16" if n in
+       ("x_ptr", "w_ptr") else "*fp32" if n == "y_ptr" else "i32" for n in names}
 attrs = {(names.index(n),): [["tt.divisibility", 16]]
          for n in ("x_ptr", "w_ptr", "y_ptr", "sx_row", "sw_row", "sy_row")}
 c = triton.compile(ASTSource(fn=X._gemm_kernel, signature=sig, constexprs=consts, attrs=attrs),
@@ -709,6 +722,55 @@ def test_linear_groups_run_as_one_grouped_launch(kernels_on_cpu, monkeypatch):
     mixed = LinearGroups(lins[:2] + [other])
     assert mixed(x[:2], nx).shape == (2, G * 120) and mixed._stack is None
     assert other.target_programs is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_an_inverse_rope_in_the_input_rotation(kernels_on_cpu, monkeypatch, dtype):
+    """Attention's output rotated back inside wo_a's input rotation (InverseRope): the bits
+    of apply_rope(o, cos, sin, inverse=True, out_dtype) — the torch definition here — and
+    then the linear, in rotate_in (both layouts), exl3_linear's fused and GEMM paths, the
+    grouped launch (and its token chunks) and LinearGroups' every path; the torch reference
+    applies it first; cos/sin that do not fit the rows are refused."""
+    from strata.model.rope import InverseRope
+    from strata.quant.groups import LinearGroups
+    T, G, hd, rd2 = 5, 3, 64, 8  # (4 heads a group, each with a 16-channel rotated tail)
+    nx = Numerics("vendor", dtype)
+    gen = torch.Generator().manual_seed(300)
+    o = torch.randn(T, G, 4 * hd, generator=gen) * 3
+    ang = torch.arange(T, dtype=torch.float64)[:, None] * 0.7 ** torch.arange(rd2)[None, :]
+    rope = InverseRope(torch.cos(ang).float(), torch.sin(ang).float(), hd, dtype)
+    flat = rope.apply(o)  # (the torch definition on the CPU)
+    assert not torch.equal(flat.float(), o.to(dtype).float())  # (the tails did turn)
+    lins = [Exl3Linear(trellis_of(16, 8, 3, seed=310 + g), scales(256, 320 + g, scale=0.2),
+                       scales(128, 330 + g), "3inst", out_features=120, in_features=256)
+            for g in range(G)]
+    for frag in (False, True):
+        assert torch.equal(bits(X.rotate_in(o[:, 1], lins[1].suh, frag, rope=rope)),
+                           bits(X.rotate_in(flat[:, 1], lins[1].suh, frag)))
+    for path in ("fused", "gemm"):
+        want = X.exl3_linear(flat[:, 2], lins[2].trellis, lins[2].suh, lins[2].svh, "3inst",
+                             120, out_dtype=dtype, path=path)
+        got = X.exl3_linear(o[:, 2], lins[2].trellis, lins[2].suh, lins[2].svh, "3inst",
+                            120, out_dtype=dtype, path=path, rope=rope)  # (rows G·256 apart)
+        assert torch.equal(bits(got), bits(want))
+    groups = LinearGroups(lins)
+    want = groups(flat, nx)
+    assert torch.equal(bits(groups(o[:2], nx, InverseRope(rope.cos[:2], rope.sin[:2], hd,
+                                                           dtype))), bits(want[:2]))
+    monkeypatch.setattr(X, "MOE_MAX_PAIRS", G)  # the grouped launch in chunks of one token
+    assert torch.equal(bits(groups(o, nx, rope)), bits(want))
+    monkeypatch.setattr(X, "FUSED_MAX_ROWS", 4)  # a prefill-sized call: a GEMM per group
+    assert groups._grouped_exl3(o) is None
+    assert torch.equal(bits(groups(o, nx, rope)), bits(want))
+    other = Exl3Linear(trellis_of(16, 8, 3, seed=340), scales(256, 341, scale=0.2),
+                       scales(128, 342), "mcg", out_features=120, in_features=256)
+    mixed = LinearGroups(lins[:2] + [other])  # (not one shape: rotated back first)
+    assert torch.equal(bits(mixed(o, nx, rope)), bits(mixed(flat, nx)))
+    monkeypatch.setattr(qexl3, "KERNELS", "never")  # the reference
+    assert torch.equal(bits(lins[0](o[:, 0], nx, rope=rope)), bits(lins[0](flat[:, 0], nx)))
+    with pytest.raises(ValueError, match="inverse RoPE"):
+        X.rotate_in(o[:, 0], lins[0].suh, rope=InverseRope(rope.cos[:2], rope.sin[:2], hd,
+                                                           dtype))
 
 
 def test_a_linear_set_runs_as_one_grouped_launch(kernels_on_cpu, monkeypatch):

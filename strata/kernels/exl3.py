@@ -89,8 +89,8 @@ import math
 import os
 import re
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -99,9 +99,13 @@ from strata.captures import hold
 from strata.kernels import exl3_mma
 from strata.kernels.moe_grouping import Routing
 
+if TYPE_CHECKING:
+    from strata.model.rope import InverseRope
+
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # CPU-only installs: the torch reference path is used
     triton = None
 
@@ -128,6 +132,9 @@ GEMM_BLOCK_M = 128     # reconstruct path GEMM (wgmma on Hopper)
 GEMM_BLOCK_N = 128
 GEMM_NUM_WARPS = 8
 GEMM_NUM_STAGES = 3
+# GEMM operand tiles through TMA (host tensor descriptors) on Hopper: the same bits, the
+# non-routed linears of a 4,096-row chunk in 2,271 µs instead of 2,652 (H100, session 49)
+GEMM_TMA = True
 ROT_ROWS = 16          # rows per program of the Hadamard kernels
 FINISH_ROWS = 16       # fused output step: rows per sub-block (decode fills 1–6 of a tile's 64)
 TARGET_PROGRAMS = 512  # split schedule: aim for this many programs in a single-row launch
@@ -205,7 +212,13 @@ def _check_shapes(trellis: torch.Tensor, codebook: str) -> tuple[int, int, int]:
 
 
 if triton is not None:
+    from strata.kernels.mhc import _round_out
     from strata.kernels.moe_ops import swiglu_values
+    from strata.kernels.rope import rotate_pair_channel
+
+    # the activation dtypes an inverse RoPE in rotate_in may round to (its ROPE_DT)
+    _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+                  torch.float32: tl.float32}
 
     # ---------------------------------------------------------------- trellis decode (device)
 
@@ -471,11 +484,13 @@ if triton is not None:
     # folds away and Triton's combine pass turns `total + tl.dot(a, b, 0)` into
     # `tl.dot(a, b, total)` — the chain summed onto the total, other bits (session 43)
     @triton.jit(do_not_specialize=["per_split"])
-    def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, k_steps, per_split, sx_row, sw_row, sy_row,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     JOIN_B: tl.constexpr):
+    def _gemm_kernel(x_ptr, w_ptr, x_desc, w_desc, y_ptr, M, k_steps, per_split, sx_row,
+                     sw_row, sy_row, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     JOIN_B: tl.constexpr, TMA: tl.constexpr):
         """y'[rows, cols] = Σ_s (Σ_{k-steps of s} tl.dot(x', Ŵ)) with Ŵ fp16 from memory: the
         same k-steps, dot shape and split sums as the fused kernel + rotate_out.
+        TMA: the operand tiles come through tensor descriptors (x_desc [BM, BK] of x', w_desc
+        [BK, BN] of Ŵ; rows past M read as zeros) instead of the pointers.
         (int32 offsets from scalar bases advanced per step: a Ŵ slice is < 2³¹ elements)"""
         mb = tl.program_id(0)
         nb = tl.program_id(1)
@@ -494,12 +509,16 @@ if triton is not None:
         total = tl.zeros([BM, BN], dtype=tl.float32)
         part = tl.zeros([BM, BN], dtype=tl.float32)
         for ks in range(0, k_steps):
-            a = tl.load(a_base + a_off, mask=rmask[:, None], other=0.0)
-            if JOIN_B:  # Ŵ's column pairs joined, as the decode assembles its block
-                b0 = tl.load(b_base + b_off2)
-                b = tl.reshape(tl.join(b0, tl.load(b_base + b_off2 + 1)), [BK, BN])
+            if TMA:  # (Hopper: 14 % less time than the loads below at a prefill's shapes)
+                a = x_desc.load([mb * BM, ks * BK])
+                b = w_desc.load([ks * BK, nb * BN])
             else:
-                b = tl.load(b_base + b_off)
+                a = tl.load(a_base + a_off, mask=rmask[:, None], other=0.0)
+                if JOIN_B:  # Ŵ's column pairs joined, as the decode assembles its block
+                    b0 = tl.load(b_base + b_off2)
+                    b = tl.reshape(tl.join(b0, tl.load(b_base + b_off2 + 1)), [BK, BN])
+                else:
+                    b = tl.load(b_base + b_off)
             part = tl.dot(a, b, part)
             a_base += BK
             b_base += BK * sw_row
@@ -537,16 +556,23 @@ if triton is not None:
     def _rotate_in_kernel(x_ptr, suh_ptr, out_ptr, eidx_ptr,
                           R, x_per, k_in, sx_row, ssuh_e, ssuh_set, so_set, so_row, inv,
                           up_ptr, rw_ptr, sup_row, limit,
+                          cos_ptr, sin_ptr, scs_row, tok_per, hd, tail0, sign,
                           HAS_EIDX: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr,
-                          FRAG: tl.constexpr, SWIGLU: tl.constexpr):
+                          FRAG: tl.constexpr, SWIGLU: tl.constexpr, ROPE: tl.constexpr,
+                          ROPE_DT: tl.constexpr):
         """out[set, r, blk] = fp16(H128(fp16(x[r // x_per]·suh[set, e(r)])) · 1/√128)
         (x_per: rows of out per row of x — a token's k expert pairs read its one x row).
         SWIGLU: x is the gate, and the row rotated is moe_ops.swiglu_values(x, up, rw[r],
         limit) in x's dtype (up_ptr: the up projection, rows sup_row apart; rw_ptr: a
-        routing weight per row) — the SwiGLU kernel's bits without its launch. FRAG: each
-        128-block stored in the CUDA decode kernel's fragment order (exl3_mma.fragment_order).
-        PDL: it waits for the kernel before it (it may itself be launched early), then lets
-        the kernel after it start (which waits for this one's end before reading out)."""
+        routing weight per row) — the SwiGLU kernel's bits without its launch.
+        ROPE: x holds heads of hd channels whose channels from tail0 on are RoPE-rotated
+        pairs; the row rotated is x with those pairs rotated back by row r // tok_per of
+        cos/sin (rows scs_row apart; sign −1: the inverse), rounded to ROPE_DT —
+        strata.kernels.rope.apply_rope(x, cos, sin, inverse, ROPE_DT)'s bits without its
+        launch and its copy of x. FRAG: each 128-block stored in the CUDA decode kernel's
+        fragment order (exl3_mma.fragment_order). PDL: it waits for the kernel before it (it
+        may itself be launched early), then lets the kernel after it start (which waits for
+        this one's end before reading out)."""
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
@@ -563,6 +589,16 @@ if triton is not None:
                          mask=cmask, other=0.0).to(tl.float32)
             rw = tl.load(rw_ptr + xr, mask=rmask, other=0.0)[:, None]
             x = swiglu_values(x, up, rw, limit, x_ptr.dtype.element_ty).to(tl.float32)
+        if ROPE:  # (a channel's pair partner is the channel next to it: column ^ 1)
+            ch = cols % hd
+            tail = cmask & (ch >= tail0)[None, :]
+            partner = tl.load(x_ptr + xr.to(tl.int64)[:, None] * sx_row + (cols ^ 1)[None, :],
+                              mask=tail, other=0.0).to(tl.float32)
+            cs = (rows // tok_per).to(tl.int64)[:, None] * scs_row + ((ch - tail0) // 2)[None, :]
+            c = tl.load(cos_ptr + cs, mask=tail, other=1.0)
+            s = tl.load(sin_ptr + cs, mask=tail, other=0.0) * sign
+            x = _round_out(tl.where(tail, rotate_pair_channel(x, partner, c, s, ch % 2 == 0),
+                                    x), ROPE_DT).to(tl.float32)
         suh_row = suh_ptr + wset * ssuh_set
         if HAS_EIDX:
             e = tl.load(eidx_ptr + rows, mask=rmask, other=0)
@@ -675,6 +711,13 @@ def _join_b(t: torch.Tensor) -> bool:
     any CUDA GPU but Hopper, whose wgmma reads B from shared memory in canonical order."""
     return t.is_cuda and not _interpreting() and not _expects_wgmma(
         torch.cuda.get_device_capability(t.device))
+
+
+def _gemm_tma(t: torch.Tensor) -> bool:
+    """The GEMM's operands through TMA (GEMM_TMA): on Hopper, whose wgmma reads them from
+    shared memory as TMA leaves them, and in the interpreter (the CPU tests)."""
+    return GEMM_TMA and (_interpreting() or (t.is_cuda and _expects_wgmma(
+        torch.cuda.get_device_capability(t.device))))
 
 
 def dot_order(cap: tuple[int, int]) -> str:
@@ -807,9 +850,29 @@ def _contig_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def rotate_in(x: torch.Tensor, suh: torch.Tensor, fragment_order: bool = False) -> torch.Tensor:
+def _rope_args(rope: "InverseRope | None", x: torch.Tensor, rows: int,
+               tok_per: int) -> tuple[tuple, dict]:
+    """_rotate_in_kernel's RoPE arguments: none, or those of `rope` — x's rows rotated back
+    before the rotation, a cos/sin row per tok_per of its `rows` rows."""
+    if rope is None:
+        return (x, x, 0, 1, 1, 0, 0.0), {"ROPE": False, "ROPE_DT": tl.float32}
+    cos, sin = rope.cos.float().contiguous(), rope.sin.float().contiguous()
+    rd2, hd, k_in = cos.shape[-1], rope.head_dim, x.shape[-1]
+    if (cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != -(-rows // tok_per)
+            or k_in % hd or not 0 < 2 * rd2 <= hd or rope.dtype not in _TL_DTYPES):
+        raise ValueError(f"exl3 rotate_in: an inverse RoPE of cos {list(cos.shape)} / sin "
+                         f"{list(sin.shape)}, heads of {hd} and {rope.dtype} does not fit "
+                         f"{rows} rows (a cos row per {tok_per}) of {k_in} channels")
+    return ((cos, sin, cos.stride(0), tok_per, hd, hd - 2 * rd2, -1.0),
+            {"ROPE": True, "ROPE_DT": _TL_DTYPES[rope.dtype]})
+
+
+def rotate_in(x: torch.Tensor, suh: torch.Tensor, fragment_order: bool = False,
+              rope: "InverseRope | None" = None) -> torch.Tensor:
     """x [M, k_in] (any float dtype, k_in ≤ k_p) → x' = H128(fp16(x·suh)) [M, k_p] fp16, each
-    128-block in exl3_mma's fragment order if asked (the CUDA decode kernel's input)."""
+    128-block in exl3_mma's fragment order if asked (the CUDA decode kernel's input); with
+    `rope` (strata.model.rope.InverseRope, cos/sin rows per x row), x is first rope.apply(x)
+    — the same bits, in this launch."""
     _require_triton()
     x = _contig_rows(x)
     M, k_in = x.shape
@@ -817,11 +880,12 @@ def rotate_in(x: torch.Tensor, suh: torch.Tensor, fragment_order: bool = False) 
     out = torch.empty((M, kp), dtype=torch.float16, device=x.device)
     if M == 0:
         return out
+    rope_args, rope_kw = _rope_args(rope, x, M, 1)
     grid = (triton.cdiv(M, ROT_ROWS), kp // 128, 1)
     _rotate_in_kernel[grid](x, suh, out, x, M, 1, k_in, x.stride(0), 0, 0, 0, kp, INV_SQRT128,
-                            x, x, 0, 0.0, HAS_EIDX=False, BR=ROT_ROWS, FRAG=fragment_order,
-                            SWIGLU=False, num_warps=4, enable_fp_fusion=False,
-                            **_rotate_launch(x.device))
+                            x, x, 0, 0.0, *rope_args, HAS_EIDX=False, BR=ROT_ROWS,
+                            FRAG=fragment_order, SWIGLU=False, **rope_kw, num_warps=4,
+                            enable_fp_fusion=False, **_rotate_launch(x.device))
     return out
 
 
@@ -935,10 +999,13 @@ def _gemm_partials(xr: torch.Tensor, trellis: torch.Tensor, codebook: str,
         w = reconstruct(trellis, codebook, n0, ns, out=buf[:, :ns])
         yv = y[0, :, n0:n0 + ns]
         grid = (triton.cdiv(M, GEMM_BLOCK_M), ns // GEMM_BLOCK_N)
-        c = _gemm_kernel[grid](xr, w, yv, M, kp // BLOCK_K, per, xr.stride(0), w.stride(0),
-                               yv.stride(0), BM=GEMM_BLOCK_M, BN=GEMM_BLOCK_N, BK=BLOCK_K,
-                               JOIN_B=_join_b(xr), num_warps=GEMM_NUM_WARPS,
-                               num_stages=GEMM_NUM_STAGES)
+        tma = _gemm_tma(xr)
+        xd = TensorDescriptor.from_tensor(xr, [GEMM_BLOCK_M, BLOCK_K]) if tma else xr
+        wd = TensorDescriptor.from_tensor(w, [BLOCK_K, GEMM_BLOCK_N]) if tma else w
+        c = _gemm_kernel[grid](xr, w, xd, wd, yv, M, kp // BLOCK_K, per, xr.stride(0),
+                               w.stride(0), yv.stride(0), BM=GEMM_BLOCK_M, BN=GEMM_BLOCK_N,
+                               BK=BLOCK_K, JOIN_B=_join_b(xr), TMA=tma,
+                               num_warps=GEMM_NUM_WARPS, num_stages=GEMM_NUM_STAGES)
         _check_dot_order(c, "exl3 gemm kernel", xr.device)
     return y
 
@@ -987,9 +1054,11 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
                 codebook: str, out_features: int | None = None,
                 bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
                 path: str = "auto", sched_cols: int | None = None,
-                target_programs: int | None = None) -> torch.Tensor:
+                target_programs: int | None = None,
+                rope: "InverseRope | None" = None) -> torch.Tensor:
     """The EXL3 linear y = x·W (+ bias) on the kernels: x [..., k_in] → [..., out_features]
-    (`sched_cols`, `target_programs`: the weight's split schedule, see exl3_partials).
+    (`sched_cols`, `target_programs`: the weight's split schedule, see exl3_partials;
+    `rope`: x's rows are rotated back first, in the input rotation — rotate_in).
     Fused path: rotate_in + the fused kernel finishing each column block (2 launches; the
     second the CUDA kernel of exl3_mma where it applies, with the same bits);
     GEMM path: rotate_in + reconstruct + GEMM + rotate_out. Same bits either way."""
@@ -1010,27 +1079,27 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
         cb = CODEBOOK_IDS[codebook]
         per, S = split_schedule(16 * kt, sched_cols or 16 * nt, target_programs)
         if _mma_why_not(x2, K2, cb, 16 * nt, out_dtype, bias, trellis, S) is None:  # same bits
-            _mma_linear(x2, trellis, suh, svh, cb, K2, per, S, bias, y)
+            _mma_linear(x2, trellis, suh, svh, cb, K2, per, S, bias, y, rope)
         else:
-            xr = rotate_in(x2, suh)
+            xr = rotate_in(x2, suh, rope=rope)
             _fused(xr, trellis, codebook, svh, bias, y, sched_cols, after_rotate=True,
                    target_programs=target_programs)
     else:
-        part = exl3_partials(rotate_in(x2, suh), trellis, codebook, path, sched_cols,
-                             target_programs)
+        part = exl3_partials(rotate_in(x2, suh, rope=rope), trellis, codebook, path,
+                             sched_cols, target_programs)
         y = rotate_out(part, svh, bias, n_out, out_dtype)
     return y.reshape(*lead, n_out)
 
 
 def _mma_linear(x2: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
                 cb: int, K2: int, per: int, S: int, bias: torch.Tensor | None,
-                y: torch.Tensor) -> None:
+                y: torch.Tensor, rope: "InverseRope | None" = None) -> None:
     """exl3_linear's fused path on the CUDA kernel into y [M, n_out] (the caller asked
     _mma_why_not): rotate_in in fragment order, then exl3_mma.linear, launched early after it."""
     M, n_p = x2.shape[0], 16 * trellis.shape[1]
     part = torch.empty((S, M, n_p), dtype=torch.float32, device=x2.device)
     words, cnt = _words(trellis), _counters(x2.device, n_p // 128)
-    xr = rotate_in(x2, suh, fragment_order=True)
+    xr = rotate_in(x2, suh, fragment_order=True, rope=rope)
     exl3_mma.linear(xr, words, svh, cb, K2, y, part, cnt, per, bias, INV_SQRT128,
                     early=bool(_pdl(x2.device)))
 
@@ -1159,10 +1228,11 @@ def exl3_linear_set(x: torch.Tensor, weights: Sequence[SetWeight],
     out = torch.empty(plan.out_bytes, dtype=torch.uint8, device=dev)
     part = torch.empty(plan.part_floats, dtype=torch.float32, device=dev)
     cnt = _counters(dev, plan.counters)
+    rope_args, rope_kw = _rope_args(None, x2, M, 1)
     _rotate_in_kernel[(triton.cdiv(M, ROT_ROWS), kp // 128, W)](
         x2, plan.suh, xr, x2, M, 1, k_in, x2.stride(0), 0, plan.ssuh_set, xr.stride(0), kp,
-        INV_SQRT128, x2, x2, 0, 0.0, HAS_EIDX=False, BR=ROT_ROWS, FRAG=True, SWIGLU=False,
-        num_warps=4, enable_fp_fusion=False, **_rotate_launch(dev))
+        INV_SQRT128, x2, x2, 0, 0.0, *rope_args, HAS_EIDX=False, BR=ROT_ROWS, FRAG=True,
+        SWIGLU=False, **rope_kw, num_warps=4, enable_fp_fusion=False, **_rotate_launch(dev))
     exl3_mma.linear_set(xr, plan.table, plan.programs, CODEBOOK_IDS[codebook],
                         k2_of(weights[0].trellis), out, part, cnt, kp // 128, INV_SQRT128,
                         early=bool(_pdl(dev)))
@@ -1235,7 +1305,8 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
                     out_dtype: torch.dtype = torch.float32,
                     routing: Routing | None = None,
                     target_programs: int | None = None,
-                    swiglu: SwiGLU | None = None) -> list[torch.Tensor]:
+                    swiglu: SwiGLU | None = None,
+                    rope: "InverseRope | None" = None) -> list[torch.Tensor]:
     """EXL3 expert linears for a step's (token, slot) pairs, grouped by expert.
 
     Contract (for the MoE wiring, strata.model.moe):
@@ -1259,6 +1330,8 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
        (GROUPED_TARGET_PROGRAMS for the routed experts and wo_a's groups).
     swiglu: x [T, k, I] is a gate, the input its SwiGLU with these (SwiGLU), computed in the
        rotation.
+    rope: x's rows are rotated back first, in the rotation (strata.model.rope.InverseRope,
+       cos/sin [T, ·]: a token's k pairs share its row) — wo_a's groups' attention output.
     Returns W tensors [T, k, out_features]: y[w][t, s] = x_t·W_{w, idx[t,s]} — no routing
     weight, activation or slot sum is applied here.
 
@@ -1306,7 +1379,10 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
                                  out_features, out_dtype, target_programs=target_programs,
                                  swiglu=None if swiglu is None else SwiGLU(
                                      swiglu.up[t:t + chunk], swiglu.weight[t:t + chunk],
-                                     swiglu.limit))
+                                     swiglu.limit),
+                                 rope=None if rope is None else replace(
+                                     rope, cos=rope.cos[t:t + chunk],
+                                     sin=rope.sin[t:t + chunk]))
                  for t in range(0, T, chunk)]
         return [torch.cat([p[w] for p in parts]) for w in range(W)]
     P = T * k
@@ -1342,6 +1418,7 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     if swiglu is not None:  # (x is [T, k, I]: one row per pair, as xin)
         up = _contig_rows(swiglu.up.reshape(P, k_in))
         rw = swiglu.weight.reshape(-1).float().contiguous()
+    rope_args, rope_kw = _rope_args(rope, xin, P, k)
     # 1. x' per (set, pair) with the pair's expert's suh
     xr = torch.empty((W, P, kp), dtype=torch.float16, device=dev)
     # 2.'s buffers first: the grouped kernel directly follows this one (early launch)
@@ -1355,9 +1432,9 @@ def exl3_moe_linear(x: torch.Tensor, idx: torch.Tensor,
     _rotate_in_kernel[(triton.cdiv(P, ROT_ROWS), kp // 128, W)](
         xin, sets.suh, xr, eidx, P, x_per, k_in, xin.stride(0),
         sets.suh.stride(0), sets.ssuh_set, xr.stride(0), xr.stride(1), INV_SQRT128,
-        up, rw, up.stride(0), 0.0 if swiglu is None else float(swiglu.limit),
-        HAS_EIDX=True, BR=ROT_ROWS, FRAG=mma, SWIGLU=swiglu is not None, num_warps=4,
-        enable_fp_fusion=False, **_rotate_launch(dev))
+        up, rw, up.stride(0), 0.0 if swiglu is None else float(swiglu.limit), *rope_args,
+        HAS_EIDX=True, BR=ROT_ROWS, FRAG=mma, SWIGLU=swiglu is not None, **rope_kw,
+        num_warps=4, enable_fp_fusion=False, **_rotate_launch(dev))
     if mma:  # 2. the CUDA kernel over tiles of ≤ MOE_TILE_M pairs: decode's few pairs
         exl3_mma.moe(xr, sets.trellis, sets.str_set, sets.svh, sets.ssvh_set, cb, K2, out, part,
                      cnt, per, groups.tile_rows, groups.tile_expert, INV_SQRT128, bool(pdl))

@@ -34,6 +34,14 @@ if triton is not None:
     from strata.kernels.pdl import wait_then_release
 
     @triton.jit
+    def rotate_pair_channel(x, partner, c, s, first):
+        """One channel of a pair (a, b) rotated to (a·c − b·s, a·s + b·c): x is a where
+        `first`, else b, and `partner` the other; s carries the rotation's sign. Each
+        product rounded, then the sum (kernels launched without fp fusion) — the rotation
+        of every RoPE kernel here (_rope_kernel; exl3's rotate_in of an attention output)."""
+        return tl.where(first, x * c - partner * s, partner * s + x * c)
+
+    @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, R, M, d, sx_t, sx_m, so_t, so_m,
                      sc_t, sign, RD2: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr,
                      BP: tl.constexpr, COPY_HEAD: tl.constexpr, PDL: tl.constexpr):
@@ -60,8 +68,10 @@ if triton is not None:
         b = tl.load(xrow + nh + 2 * p + 1, mask=pm, other=0.0).to(tl.float32)
         c = tl.load(cos_ptr + t[:, None] * sc_t + p, mask=pm, other=0.0)
         s = tl.load(sin_ptr + t[:, None] * sc_t + p, mask=pm, other=0.0) * sign
-        tl.store(orow + nh + 2 * p, _round_out(a * c - b * s, dt), mask=pm)
-        tl.store(orow + nh + 2 * p + 1, _round_out(a * s + b * c, dt), mask=pm)
+        tl.store(orow + nh + 2 * p, _round_out(rotate_pair_channel(a, b, c, s, True), dt),
+                 mask=pm)
+        tl.store(orow + nh + 2 * p + 1,
+                 _round_out(rotate_pair_channel(b, a, c, s, False), dt), mask=pm)
 
 
 if triton is not None:

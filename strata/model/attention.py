@@ -16,7 +16,7 @@ from strata.model.compressor import Compressor
 from strata.model.context import ForwardContext
 from strata.model.indexer import Indexer
 from strata.model.numerics import rms_norm, rows_bmm
-from strata.model.rope import apply_rope, rms_norm_rope
+from strata.model.rope import InverseRope, apply_rope, rms_norm_rope
 from strata.quant.groups import LinearGroups, LinearSet
 from strata.quant.qdq import fp4_qdq_e4m3_scale, fp8_act_qdq
 from strata.runtime.state import PositionRing, State
@@ -83,13 +83,14 @@ class Attention:
         return fp8_act_qdq(kv) if nx.quantize else kv
 
     def output(self, o: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Inverse RoPE on the output tails, grouped wo_a, then wo_b. o [T, H, hd] fp32."""
+        """Inverse RoPE on the output tails (cast to the activation dtype), grouped wo_a, then
+        wo_b. o [T, H, hd] fp32."""
         nx = ctx.numerics
-        cos, sin = ctx.rope(self.ratio)
-        o = apply_rope(o, cos, sin, inverse=True, out_dtype=nx.act_dtype)  # (cast in-kernel)
+        # (EXL3 groups rotate o back inside their input rotation: no launch, no copy of o)
+        rope = InverseRope(*ctx.rope(self.ratio), self.cfg.head_dim, nx.act_dtype)
         G = self.n_groups
         # The vendor runs wo_a unquantized (convert.py dequantises it): no fp8 activation point.
-        return self.wo_b(self.wo_a(o.reshape(ctx.T, G, -1), nx), nx)
+        return self.wo_b(self.wo_a(o.reshape(ctx.T, G, -1), nx, rope), nx)
 
     # -- the backbone forward -----------------------------------------------------------------
     def forward(self, u: torch.Tensor, ctx: ForwardContext, state: State) -> torch.Tensor:

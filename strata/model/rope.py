@@ -8,6 +8,7 @@ positions of a forward, so there is no table sized by a maximum length.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -80,6 +81,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         return x
     out = torch.cat((head, rot.to(x.dtype)), dim=-1)
     return out if out_dtype is None else out.to(out_dtype)
+
+
+@dataclass(frozen=True)
+class InverseRope:
+    """Rows x [T, ..., heads·head_dim] still to be rotated back — attention's output, whose
+    heads' last 2·cos.shape[-1] channels carry RoPE — as apply_rope(x, cos, sin,
+    inverse=True, out_dtype=dtype) would: a consumer that reads x anyway does it in that
+    read (wo_a's EXL3 rotation, strata.kernels.exl3), any other calls `apply` first."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    head_dim: int
+    dtype: torch.dtype
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        heads = x.reshape(x.shape[0], -1, self.head_dim)
+        return apply_rope(heads, self.cos, self.sin, inverse=True,
+                          out_dtype=self.dtype).reshape(x.shape)
 
 
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,

@@ -19,6 +19,7 @@ import torch
 
 from strata.errors import CheckpointError
 from strata.model.numerics import Numerics, row_matmul
+from strata.model.rope import InverseRope
 from strata.quant.linear import Linear
 
 MCG_MULT = 0xCBAC1FED
@@ -206,13 +207,16 @@ class Exl3Linear(Linear):
         return w[:self.in_features, :self.out_features].T.contiguous().to(dtype)
 
     def forward(self, x: torch.Tensor, nx: Numerics, out_dtype: torch.dtype | None = None,
-                act_quant: bool = True) -> torch.Tensor:
+                act_quant: bool = True, rope: InverseRope | None = None) -> torch.Tensor:
+        """`rope`: x is first rope.apply(x) — on the kernels inside the input rotation."""
         if _use_kernels(x):  # fixed-order kernels: batch-invariant, fused == reconstruct+GEMM
             from strata.kernels.exl3 import exl3_linear
             return exl3_linear(x, self.trellis, self.suh, self.svh, self.codebook,
                                self.out_features, self.bias, out_dtype or nx.act_dtype,
                                sched_cols=self.sched_cols,
-                               target_programs=self.target_programs)
+                               target_programs=self.target_programs, rope=rope)
+        if rope is not None:
+            x = rope.apply(x)
         kp = self.suh.numel()  # (EXL3 takes fp16 activations: no fp8 point to skip)
         xf = x.float()
         if xf.shape[-1] < kp:  # zero-extend to the padded input width

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from strata.model.numerics import Numerics
+from strata.model.rope import InverseRope
 from strata.quant.linear import Linear
 
 
@@ -44,19 +45,24 @@ class LinearGroups:
         """These groups only (tensor parallelism keeps its heads' groups)."""
         return LinearGroups([self.linears[g] for g in groups])
 
-    def __call__(self, x: torch.Tensor, nx: Numerics) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, nx: Numerics,
+                 rope: InverseRope | None = None) -> torch.Tensor:
         """x [T, G, in] → [T, G·out] in nx's activation dtype, with no fp8 activation point
-        (the vendor runs wo_a unquantized)."""
+        (the vendor runs wo_a unquantized). `rope`: x is first rope.apply(x) — in the EXL3
+        input rotation where the groups are EXL3 (their one shape), else before them."""
         T = x.shape[0]
         stack = self._grouped_exl3(x)
         if stack is None:
-            return torch.cat([lin(x[:, g], nx, act_quant=False)
+            if rope is not None and self._target is None:  # (not all EXL3)
+                x, rope = rope.apply(x), None
+            extra = {} if rope is None else {"rope": rope}
+            return torch.cat([lin(x[:, g], nx, act_quant=False, **extra)
                               for g, lin in enumerate(self.linears)], dim=1)
         from strata.kernels.exl3 import exl3_moe_linear
         routing = self._route(T, x.device)
         (y,) = exl3_moe_linear(x, routing.idx, [stack.set], stack.codebook,
                                stack.out_features, nx.act_dtype, routing,
-                               target_programs=self._target)
+                               target_programs=self._target, rope=rope)
         return y.reshape(T, -1)
 
     def _grouped_exl3(self, x: torch.Tensor):

@@ -366,6 +366,30 @@ def test_wo_a_groups_as_one_launch_equal_each_groups_linear(cuda):
     assert groups._stack
 
 
+def test_wo_a_rotates_attentions_output_back_in_its_input_rotation(cuda):
+    """V4.1's wo_a with the attention output's inverse RoPE inside its input rotation
+    (InverseRope): a decode step's, a verify window's and a prefill chunk's rows give the bits
+    of the RoPE kernel's rotation, cast to bf16, through the same groups."""
+    from strata.model.numerics import Numerics
+    from strata.model.rope import InverseRope, apply_rope
+    from strata.quant.groups import LinearGroups
+    G, k, n, hd, rd2 = 8, 4096, 1024, 512, 32
+    nx = Numerics("vendor", torch.bfloat16)
+    lins = [Exl3Linear(trellis_of(k, n, 4, 600 + g, cuda), scales(k, 700 + g, cuda, scale=0.05),
+                       scales(n, 800 + g, cuda), "3inst", n, k) for g in range(G)]
+    groups = LinearGroups(lins)
+    gen = torch.Generator().manual_seed(9)
+    for T in (1, 6, 300):
+        o = torch.randn(T, G * k // hd, hd, generator=gen).to(cuda)
+        ang = (torch.arange(T, dtype=torch.float64)[:, None] * 1000
+               * 0.8 ** torch.arange(rd2)[None, :])
+        cos, sin = torch.cos(ang).float().to(cuda), torch.sin(ang).float().to(cuda)
+        flat = apply_rope(o, cos, sin, inverse=True, out_dtype=torch.bfloat16)
+        want = groups(flat.view(T, G, k), nx)
+        got = groups(o.view(T, G, k), nx, InverseRope(cos, sin, hd, torch.bfloat16))
+        assert torch.equal(i16(got), i16(want)), T
+
+
 def test_the_early_launch_gives_plain_orders_bits_eager_and_graphed(cuda, monkeypatch):
     """The fused kernel launched early after its rotate_in (programmatic dependent launch,
     X.PDL) against plain stream order: a dense linear at 1 and 6 rows and the grouped MoE
