@@ -994,13 +994,13 @@ def _gemm_partials(xr: torch.Tensor, trellis: torch.Tensor, codebook: str,
     slice_n = max(GEMM_BLOCK_N, (GEMM_SLICE_BYTES // (2 * kp)) // GEMM_BLOCK_N * GEMM_BLOCK_N)
     slice_n = min(slice_n, n_p)
     buf = torch.empty((kp, slice_n), dtype=torch.float16, device=xr.device)
+    tma = _gemm_tma(xr)
+    xd = TensorDescriptor.from_tensor(xr, [GEMM_BLOCK_M, BLOCK_K]) if tma else xr
     for n0 in range(0, n_p, slice_n):
         ns = min(slice_n, n_p - n0)
         w = reconstruct(trellis, codebook, n0, ns, out=buf[:, :ns])
         yv = y[0, :, n0:n0 + ns]
         grid = (triton.cdiv(M, GEMM_BLOCK_M), ns // GEMM_BLOCK_N)
-        tma = _gemm_tma(xr)
-        xd = TensorDescriptor.from_tensor(xr, [GEMM_BLOCK_M, BLOCK_K]) if tma else xr
         wd = TensorDescriptor.from_tensor(w, [BLOCK_K, GEMM_BLOCK_N]) if tma else w
         c = _gemm_kernel[grid](xr, w, xd, wd, yv, M, kp // BLOCK_K, per, xr.stride(0),
                                w.stride(0), yv.stride(0), BM=GEMM_BLOCK_M, BN=GEMM_BLOCK_N,
