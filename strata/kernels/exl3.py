@@ -556,7 +556,8 @@ if triton is not None:
     def _rotate_in_kernel(x_ptr, suh_ptr, out_ptr, eidx_ptr,
                           R, x_per, k_in, sx_row, ssuh_e, ssuh_set, so_set, so_row, inv,
                           up_ptr, rw_ptr, sup_row, limit,
-                          cos_ptr, sin_ptr, scs_row, tok_per, hd, tail0, sign,
+                          cos_ptr, sin_ptr, scs_row, TOK_PER: tl.constexpr, HD: tl.constexpr,
+                          TAIL0: tl.constexpr, sign,
                           HAS_EIDX: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr,
                           FRAG: tl.constexpr, SWIGLU: tl.constexpr, ROPE: tl.constexpr,
                           ROPE_DT: tl.constexpr):
@@ -565,8 +566,8 @@ if triton is not None:
         SWIGLU: x is the gate, and the row rotated is moe_ops.swiglu_values(x, up, rw[r],
         limit) in x's dtype (up_ptr: the up projection, rows sup_row apart; rw_ptr: a
         routing weight per row) — the SwiGLU kernel's bits without its launch.
-        ROPE: x holds heads of hd channels whose channels from tail0 on are RoPE-rotated
-        pairs; the row rotated is x with those pairs rotated back by row r // tok_per of
+        ROPE: x holds heads of HD channels whose channels from TAIL0 on are RoPE-rotated
+        pairs; the row rotated is x with those pairs rotated back by row r // TOK_PER of
         cos/sin (rows scs_row apart; sign −1: the inverse), rounded to ROPE_DT —
         strata.kernels.rope.apply_rope(x, cos, sin, inverse, ROPE_DT)'s bits without its
         launch and its copy of x. FRAG: each 128-block stored in the CUDA decode kernel's
@@ -590,11 +591,13 @@ if triton is not None:
             rw = tl.load(rw_ptr + xr, mask=rmask, other=0.0)[:, None]
             x = swiglu_values(x, up, rw, limit, x_ptr.dtype.element_ty).to(tl.float32)
         if ROPE:  # (a channel's pair partner is the channel next to it: column ^ 1)
-            ch = cols % hd
-            tail = cmask & (ch >= tail0)[None, :]
+            # (HD, TOK_PER compile-time: their divisions are shifts or multiplies, not an
+            # integer division sequence per element)
+            ch = cols % HD
+            tail = cmask & (ch >= TAIL0)[None, :]
             partner = tl.load(x_ptr + xr.to(tl.int64)[:, None] * sx_row + (cols ^ 1)[None, :],
                               mask=tail, other=0.0).to(tl.float32)
-            cs = (rows // tok_per).to(tl.int64)[:, None] * scs_row + ((ch - tail0) // 2)[None, :]
+            cs = (rows // TOK_PER).to(tl.int64)[:, None] * scs_row + ((ch - TAIL0) // 2)[None, :]
             c = tl.load(cos_ptr + cs, mask=tail, other=1.0)
             s = tl.load(sin_ptr + cs, mask=tail, other=0.0) * sign
             x = _round_out(tl.where(tail, rotate_pair_channel(x, partner, c, s, ch % 2 == 0),
