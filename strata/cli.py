@@ -515,6 +515,11 @@ def cmd_bench_synthetic(args) -> int:
     return run(args)
 
 
+def cmd_bench_pieces(args) -> int:
+    from strata.bench.pieces import run
+    return run(args)
+
+
 def cmd_passkey(args) -> int:
     from strata.bench.passkey import as_json, parse_length, report, run_passkey
     from strata.tokenizer import tokenizer_path
@@ -653,6 +658,11 @@ def build_parser() -> argparse.ArgumentParser:
                                            "random weights made on the device")
     add_bench_synthetic_arguments(bs)
     bs.set_defaults(fn=cmd_bench_synthetic)
+    from strata.bench.pieces import add_arguments as add_bench_pieces_arguments
+    bp = bsub.add_parser("pieces", help="the whole model's figures from bench synthetic runs "
+                                        "of pieces holding each layer once (times added)")
+    add_bench_pieces_arguments(bp)
+    bp.set_defaults(fn=cmd_bench_pieces)
 
     pk = sub.add_parser("passkey", help="long-context retrieval: a pass key at the start, "
                                         "filler, the question at the end")
