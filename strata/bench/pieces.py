@@ -10,8 +10,9 @@ more prefill rows than the model's average and whose head is counted 40/held tim
 A piece must be a valid one-device subset (bench synthetic checks it): layers 24, 28, 32 and
 36 pick among layer 20's candidate blocks, so the piece holding them holds layer 20 too, and
 a run of the overlap alone (`--subtract`) takes it out again. The pieces must cover each layer
-exactly once after subtraction, and come from the same device, format and protocol (modes,
-prompt, tokens, prefill lengths).
+exactly once after subtraction, and come from the same device and format with the same modes
+and prefill lengths (the prompt and token counts are the caller's to keep alike: the files do
+not record them).
 
 What the sum counts twice: each piece embeds, samples, and (in DSpark windows) drafts once,
 so the combined decode is slightly slower than the model's. A window's tokens depend on the
