@@ -9,8 +9,13 @@ from strata.errors import StrataError
 
 
 def piece(layers, plain, window, prefill_s, device="NVIDIA H100 80GB HBM3", committed=2.7):
-    """A bench synthetic --json file's fields that bench pieces reads."""
+    """A bench synthetic --json file's fields that bench pieces reads (a token's traffic: 0.4
+    GB and 1 G weights a layer, the head 0.5 GB and 0.66 G weights)."""
+    n = 0 if layers is None else len(layers)
+    roof = {"gb_per_token": 0.4 * n + 0.5, "gweights_per_token": 1.0 * n + 0.66}
     return {"meta": {"layers": layers, "device": device, "format": "exl3", "parallel": None},
+            "rates": {"copy_gb_per_s": 3000.0, "linear_weights_per_s": 4e12},
+            "roofline": {"plain+graphs": roof, "oracle+graphs": roof},
             "results": {
                 "plain+graphs": {"median_tok_per_s": plain, "windows": 0,
                                  "mean_committed_per_window": 1.0},
@@ -50,6 +55,14 @@ def test_pieces_add_their_times_and_subtract_the_overlap(tmp_path, capsys):
     assert p["seconds"] == pytest.approx(2.206 + 1.0942 + 0.1445 - 0.0391)
     assert round(p["tok_per_s"]) == 9622
     assert (c["add"], c["subtract"], c["layers"]) == (["a", "b", "c"], ["d"], 40)
+    # what a token reads and decodes adds the same way: 40 layers and the head counted twice
+    # (three pieces' heads less the subtracted one's: one more than the model runs)
+    assert c["extra_heads"] == 1
+    roof = c["roofline"]["plain+graphs"]
+    assert roof["gweights_per_token"] == pytest.approx(40 * 1.0 + 2 * 0.66)
+    assert roof["gb_per_token"] == pytest.approx(40 * 0.4 + 2 * 0.5)
+    assert roof["of_kernel"] == pytest.approx(41.32e9 * plain / 4e12)
+    assert roof["of_copy"] == pytest.approx(17.0 * plain / 3000.0)
     text = capsys.readouterr().out
     assert "plain+graphs: 108.0 tok/s" in text and "9622 tok/s" in text
 

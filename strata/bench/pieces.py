@@ -14,10 +14,14 @@ exactly once after subtraction, and come from the same device and format with th
 and prefill lengths (the prompt and token counts are the caller's to keep alike: the files do
 not record them).
 
-What the sum counts twice: each piece embeds, samples, and (in DSpark windows) drafts once,
-so the combined decode is slightly slower than the model's. A window's tokens depend on the
-drafts of the piece's own last layers, not the model's (each piece's mean tokens a window is
-reported): the windows' sums are estimates, the plain decode and prefill sums are not.
+What the sum counts more than once: each piece runs the output head (V4.1's vocabulary
+projection, 0.66 G weights: about 4 % of the weights a 40-layer plain token decodes), embeds,
+samples and (in DSpark windows) drafts, so the combined decode is slower than the model's by
+the pieces added beyond one net of those subtracted (`extra_heads`). A window's tokens depend on
+the drafts of the piece's own last layers, not the model's (each piece's mean tokens a window
+is reported): the windows' sums are estimates. The roofline columns (what a token reads and
+decodes, bench synthetic's step_traffic) add the same way, against the first piece's measured
+copy bandwidth and kernel rate.
 """
 from __future__ import annotations
 
@@ -101,20 +105,39 @@ def combine(add: list[tuple[str, dict]], subtract: list[tuple[str, dict]],
                         "peak_device_bytes": max(
                             (d["prefill"][i].get("peak_device_bytes") or 0
                              for _, _, d in pieces), default=0)})
+    roofline = {}
+    rates = base.get("rates")
+    if rates and all(d.get("roofline") for _, _, d in pieces):
+        for mode, r in decode.items():
+            gb = sum(sign * d["roofline"][mode]["gb_per_token"] for sign, _, d in pieces)
+            gw = sum(sign * d["roofline"][mode]["gweights_per_token"] for sign, _, d in pieces)
+            tok = r["tok_per_s"]
+            roofline[mode] = {"gb_per_token": gb, "gweights_per_token": gw,
+                              "gb_per_s": gb * tok,
+                              "of_copy": gb * tok / rates["copy_gb_per_s"],
+                              "tweights_per_s": gw * tok / 1e3,
+                              "of_kernel": gw * 1e9 * tok / rates["linear_weights_per_s"]}
     return {"device": base["meta"].get("device"), "format": base["meta"].get("format"),
             "add": [n for n, _ in add], "subtract": [n for n, _ in subtract],
-            "layers": n_layers, "decode": decode, "prefill": prefill}
+            "layers": n_layers, "extra_heads": len(add) - len(subtract) - 1,
+            "decode": decode, "prefill": prefill, "roofline": roofline, "rates": rates}
 
 
 def report(c: dict) -> str:
     lines = [f"{c['layers']} layers from pieces {' + '.join(c['add'])}"
              + (f" − {' − '.join(c['subtract'])}" if c["subtract"] else "")
-             + f" ({c['device']}, {c['format']}): times added"]
+             + f" ({c['device']}, {c['format']}): times added; the output head and sampling "
+             f"counted {c['extra_heads']} time(s) more than the model runs them"]
     for mode, r in c["decode"].items():
         note = ""
         if r["estimate"]:
             note = ("  (estimate: tokens a window by piece " + ", ".join(
                 f"{n} {v:.2f}" for n, v in r["tokens_per_window"].items()) + ")")
+        roof = c["roofline"].get(mode)
+        if roof:
+            note = (f"; {roof['gb_per_token']:.2f} GB, {roof['gweights_per_token']:.2f} G "
+                    f"weights a token: {roof['of_copy']:.1%} of copy bandwidth, "
+                    f"{roof['of_kernel']:.1%} of the kernel's rate") + note
         lines.append(f"  {mode}: {r['tok_per_s']:.1f} tok/s{note}")
     for r in c["prefill"]:
         skip = "skip on" if r["decoder_skip"] else "skip off"
