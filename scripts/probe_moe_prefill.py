@@ -36,8 +36,10 @@ idx = torch.stack([torch.randperm(E, device=dev, generator=g)[:k] for _ in range
 x = torch.randn(T, D, device=dev, generator=g).bfloat16()
 a = torch.randn(T, k, I, device=dev, generator=g).bfloat16()
 counts = torch.bincount(idx.reshape(-1), minlength=E)
+# (tiles: what the 64- and 128-pair forms decode each expert's weights for, ⌈pairs / tile⌉)
 out = {"pairs_per_expert": {"mean": float(counts.float().mean()), "max": int(counts.max()),
-                            "min": int(counts.min())}}
+                            "min": int(counts.min())},
+       "tiles": {m: int((-(-counts // m)).sum()) for m in (64, 128)}}
 print(out, flush=True)
 why = X.exl3_mma.why_not(x, 5, X.CODEBOOK_IDS["mul1"], I, torch.bfloat16, None, w1[0],
                          X.split_schedule(D, I)[1], pairs=T * k, prefill=True)
