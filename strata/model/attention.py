@@ -21,7 +21,8 @@ from strata.quant.groups import LinearGroups, LinearSet
 from strata.quant.qdq import fp4_qdq_e4m3_scale, fp8_act_qdq
 from strata.runtime.state import PositionRing, State
 
-# A forward's queries attend in pieces whose fp32 scratch stays under this many bytes.
+# A forward's queries attend in pieces whose scratch (scratch_per_query) stays under this many
+# bytes.
 ATTN_SCRATCH = 1 << 30
 
 
@@ -125,8 +126,9 @@ class Attention:
         fp32."""
         T, H, hd = q.shape
         n = window[0].shape[1] + (0 if sel is None else sel.shape[1])
-        per_query = 12 * n * hd + 12 * H * (n + 1)  # rows (torch path: 3 copies); s, p
-        step = max(1, ATTN_SCRATCH // per_query)
+        step = max(1, ATTN_SCRATCH // scratch_per_query(kv, ring, cache, H, n))
+        if step >= 16:  # (aligned slices: no piece's shapes make a kernel compile anew)
+            step -= step % 16
         # (each piece written into its slice of one output: no copy of the pieces into one)
         out = torch.empty((T, H, hd), dtype=torch.float32, device=q.device)
         for i in range(0, T, step):
@@ -198,6 +200,24 @@ def gather_rows(kv: torch.Tensor, ring: PositionRing, window: tuple[torch.Tensor
         return rows, valid
     return (torch.cat((rows, cache[sel.clamp(min=0)].to(dt)), dim=1),
             torch.cat((valid, sel >= 0), dim=1))
+
+
+def scratch_per_query(kv: torch.Tensor, ring: PositionRing, cache: torch.Tensor | None,
+                      H: int, n: int) -> int:
+    """Device bytes one query of attend_pieces' piece holds while it attends over n rows: on
+    CUDA (strata.kernels.attention) its scores s (fp32) and probabilities (three bf16 planes,
+    or fp32) — ≤ 10 bytes a head and row — with the rows' starts (a RowTable, int64) or their
+    gathered copy, and the mask; on the torch path 3 fp32 copies of the rows, s and p, and
+    the sink's column."""
+    from strata.kernels import attention as attn_kernels
+    hd = kv.shape[-1]
+    if not attn_kernels.available(kv):
+        return 12 * n * hd + 12 * H * (n + 1)
+    if attn_kernels.row_table_applies(kv, ring.rows, cache):
+        rows = 8 * n
+    else:
+        rows = n * hd * rows_dtype(kv, ring, cache).itemsize
+    return rows + n + 10 * H * n
 
 
 def rows_dtype(kv: torch.Tensor, ring: PositionRing, cache: torch.Tensor | None) -> torch.dtype:

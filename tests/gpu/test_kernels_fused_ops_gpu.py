@@ -351,6 +351,39 @@ def test_attention_rows_gathered_in_one_launch_equal_the_torch_code(cuda, monkey
                        A.sparse_attention(q, want[0], want[1], sink, hd ** -0.5))
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
+def test_an_attention_piece_takes_the_scratch_its_estimate_counts(cuda, cache_dtype):
+    """One piece of attend_pieces at V4.1's shapes (300 queries, 64 heads, window 128 + 512
+    compressed rows of 512): the device memory its gather and sparse attention take at their
+    peak is within scratch_per_query × 300 and above 80 % of it — the estimate sets how many
+    queries a piece takes, so too low would overrun ATTN_SCRATCH and too high would cut a
+    prefill chunk into needlessly many launches. Every source bf16: the rows' starts (a
+    RowTable); an fp32 cache: the rows' gathered fp32 copy."""
+    from strata.model import attention as A
+    from strata.model.context import ForwardContext
+    from strata.runtime.state import PositionRing
+    g = torch.Generator().manual_seed(11)
+    W, S, hd, T, k, H = 128, 256, 512, 300, 512, 64
+    ring = PositionRing(S, (hd,), torch.bfloat16, cuda, keep=W - 1)
+    ring.tags.copy_(torch.arange(1000 - S, 1000, device=cuda).roll(1000 % S))
+    positions = torch.arange(1000, 1000 + T, device=cuda)
+    window = ForwardContext(cfg=None, numerics=None, start=1000, positions=positions).window(W, S)
+    kv = torch.randn(T, hd, generator=g).to(cuda, torch.bfloat16)
+    cache = torch.randn(600, hd, generator=g).to(cuda, cache_dtype)
+    sel = torch.randint(-1, 600, (T, k), generator=g).to(cuda)
+    q = torch.randn(T, H, hd, generator=g).to(cuda, torch.bfloat16)
+    sink = torch.randn(H, generator=g).to(cuda)
+    out = torch.empty((T, H, hd), dtype=torch.float32, device=cuda)
+    torch.cuda.synchronize(cuda)
+    torch.cuda.reset_peak_memory_stats(cuda)
+    before = torch.cuda.memory_allocated(cuda)
+    rows, mask = A.gather_rows(kv, ring, window, cache, sel)
+    A.sparse_attention(q, rows, mask, sink, hd ** -0.5, out=out)
+    used = torch.cuda.max_memory_allocated(cuda) - before
+    counted = T * A.scratch_per_query(kv, ring, cache, H, W + k)
+    assert 0.8 * counted <= used <= counted, (used, counted)
+
+
 @pytest.mark.parametrize("dtype, key_dtype", [(torch.float32, torch.float32),
                                                (torch.bfloat16, torch.bfloat16),
                                                (torch.float32, torch.bfloat16)])
