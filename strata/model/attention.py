@@ -22,8 +22,13 @@ from strata.quant.qdq import fp4_qdq_e4m3_scale, fp8_act_qdq
 from strata.runtime.state import PositionRing, State
 
 # A forward's queries attend in pieces whose scratch (scratch_per_query) stays under this many
-# bytes.
-ATTN_SCRATCH = 1 << 30
+# bytes: small enough that a piece's scores and probabilities stay in the GPU's L2 cache
+# (50 MB on an H100) between the launches that write and read them, large enough that the
+# host's launches keep ahead of the GPU. V4.1 at a prefill chunk: 80 queries a piece. Against
+# pieces of 242 queries, the 10-layer 32K prefill ran +1.2 % with 80, −1.1 % with 320, −3.1 %
+# with 2,576 and −36 % with 32, where the host's launches fell behind (H100; bench/results/
+# performance.md, session 53).
+ATTN_SCRATCH = 32 << 20
 
 
 class Attention:
@@ -205,19 +210,21 @@ def gather_rows(kv: torch.Tensor, ring: PositionRing, window: tuple[torch.Tensor
 def scratch_per_query(kv: torch.Tensor, ring: PositionRing, cache: torch.Tensor | None,
                       H: int, n: int) -> int:
     """Device bytes one query of attend_pieces' piece holds while it attends over n rows: on
-    CUDA (strata.kernels.attention) its scores s (fp32) and probabilities (three bf16 planes,
-    or fp32) — ≤ 10 bytes a head and row — with the rows' starts (a RowTable, int64) or their
-    gathered copy, and the mask; on the torch path 3 fp32 copies of the rows, s and p, and
-    the sink's column."""
+    CUDA (strata.kernels.attention) its scores s (fp32) and probabilities, the rows' starts (a
+    RowTable, int64) or their gathered copy, and the mask; on the torch path 3 fp32 copies of
+    the rows, s and p, and the sink's column."""
     from strata.kernels import attention as attn_kernels
     hd = kv.shape[-1]
     if not attn_kernels.available(kv):
         return 12 * n * hd + 12 * H * (n + 1)
     if attn_kernels.row_table_applies(kv, ring.rows, cache):
-        rows = 8 * n
+        rows, dt = 8 * n, kv.dtype
     else:
-        rows = n * hd * rows_dtype(kv, ring, cache).itemsize
-    return rows + n + 10 * H * n
+        dt = rows_dtype(kv, ring, cache)
+        rows = n * hd * dt.itemsize
+    # p as three bf16 planes (bf16 rows), or fp32 p and the product before its copy into `out`
+    p = 6 * H * n if dt == torch.bfloat16 else 4 * H * n + 4 * H * hd
+    return rows + n + 4 * H * n + p
 
 
 def rows_dtype(kv: torch.Tensor, ring: PositionRing, cache: torch.Tensor | None) -> torch.dtype:

@@ -381,7 +381,7 @@ def test_an_attention_piece_takes_the_scratch_its_estimate_counts(cuda, cache_dt
     A.sparse_attention(q, rows, mask, sink, hd ** -0.5, out=out)
     used = torch.cuda.max_memory_allocated(cuda) - before
     counted = T * A.scratch_per_query(kv, ring, cache, H, W + k)
-    assert 0.8 * counted <= used <= counted + (1 << 20), (used, counted)  # (+ rounding)
+    assert 0.8 * counted <= used <= counted + (8 << 20), (used, counted)  # (+ allocator blocks)
 
 
 @pytest.mark.parametrize("dtype, key_dtype", [(torch.float32, torch.float32),
