@@ -25,7 +25,7 @@ from strata.runtime.state import PositionRing, State
 # bytes: small enough that a piece's scores and probabilities stay in the GPU's L2 cache
 # (50 MB on an H100) between the launches that write and read them, large enough that the
 # host's launches keep ahead of the GPU. V4.1 at a prefill chunk: 80 queries a piece. Against
-# pieces of 242 queries, the 10-layer 32K prefill ran +1.2 % with 80, −1.1 % with 320, −3.1 %
+# pieces of 242 queries, the 10-layer 32K prefill ran +1.2 % with 80, −1.2 % with 320, −3.1 %
 # with 2,576 and −36 % with 32, where the host's launches fell behind (H100; bench/results/
 # performance.md, session 53).
 ATTN_SCRATCH = 32 << 20
