@@ -713,20 +713,30 @@ def test_indexer_pieces_are_multiples_of_16_queries(tiny_reference, monkeypatch)
 
 def test_attention_runs_queries_in_bounded_pieces(tiny_reference, monkeypatch):
     """A long forward's queries attend a few at a time (attention.ATTN_SCRATCH bounds the
-    gathered rows and scores): logits and every cache row equal one piece's, bit for bit."""
+    scratch scratch_per_query counts; above 16 queries, pieces of a multiple of 16): logits
+    and every cache row equal one piece's, bit for bit."""
     from strata.model import attention
     model, cfg = tiny_reference, tiny_reference.cfg
     tokens = random_tokens(150, seed=9, vocab=cfg.vocab_size)
+    sizes, attend = [], attention.Attention.attend_heads
+    monkeypatch.setattr(attention.Attention, "attend_heads",
+                        lambda self, q, *a, **kw: sizes.append(len(q)) or attend(self, q, *a, **kw))
     runs = []
-    for scratch in (attention.ATTN_SCRATCH, 1):  # one piece; one query per piece
-        monkeypatch.setattr(attention, "ATTN_SCRATCH", scratch)
+    # the default: one piece a forward; 37 queries' scratch: pieces of 32; one query a piece
+    for scratch, want in ((None, {100, 50}), (37, {32, 100 % 32, 50 % 32}), (1, {1})):
+        if scratch is not None:  # (in units of a query's scratch)
+            monkeypatch.setattr(attention, "scratch_per_query", lambda *a: 1)
+            monkeypatch.setattr(attention, "ATTN_SCRATCH", scratch)
+        sizes.clear()
         state = model.new_state(256)
         logits, _ = model.forward(tokens[:100], state, logits="all")
         more, _ = model.forward(tokens[100:], state, logits="all")
         runs.append((torch.cat((logits, more)), state.tensors()))
-    (a, sa), (b, sb) = runs
-    assert torch.equal(a, b) and sa.keys() == sb.keys()
-    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+        assert set(sizes) == want, (scratch, sorted(set(sizes)))
+    (a, sa), *rest = runs
+    for b, sb in rest:
+        assert torch.equal(a, b) and sa.keys() == sb.keys()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 # ------------------------------------------------------------------------------------------
