@@ -8,6 +8,8 @@ code serves decode (T=1), verify (T=k) and prefill chunks.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from strata.checkpoint.weights import WeightReader
@@ -136,10 +138,20 @@ class Attention:
             step -= step % 16
         # (each piece written into its slice of one output: no copy of the pieces into one)
         out = torch.empty((T, H, hd), dtype=torch.float32, device=q.device)
+        from strata.kernels import attention as attn_kernels
+        table = None
+        if (step < T and attn_kernels.available(kv)
+                and attn_kernels.row_table_applies(kv, ring.rows, cache)):
+            # (row starts are 8 bytes a row: all queries' in one launch, which the pieces
+            # slice — one launch a piece fewer keeps the host ahead of small pieces)
+            table = gather_rows(kv, ring, window, cache, sel)
         for i in range(0, T, step):
             j = min(i + step, T)
-            rows, mask = gather_rows(kv, ring, tuple(w[i:j] for w in window), cache,
-                                     None if sel is None else sel[i:j])
+            if table is not None:
+                rows, mask = replace(table[0], offsets=table[0].offsets[i:j]), table[1][i:j]
+            else:
+                rows, mask = gather_rows(kv, ring, tuple(w[i:j] for w in window), cache,
+                                         None if sel is None else sel[i:j])
             self.attend_heads(q[i:j], rows, mask, out=out[i:j])
         return out
 

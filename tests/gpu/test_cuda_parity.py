@@ -156,3 +156,36 @@ def test_cuda_dspark_equals_plain(cuda, tiny_dir, dtype):
                equal=spec == plain, windows=s.stats.windows,
                mean_committed=s.stats.mean_committed)
         assert spec == plain
+
+
+def test_attention_pieces_slice_one_row_table(cuda, tiny_dir, monkeypatch):
+    """On CUDA, where the key rows are a RowTable, a forward's queries get their row starts in
+    one launch and the pieces slice them: row_table runs once per attention layer per forward
+    (the forward's full query count), the pieces are ATTN_SCRATCH's size, and logits and every
+    cache row equal one piece's, bit for bit."""
+    from strata.kernels import attention as attn_kernels
+    from strata.model import attention
+    model = Model.load(tiny_dir, cuda, Numerics.for_device(cuda, "vendor", "bfloat16"))
+    tokens = random_tokens(150, seed=9, vocab=model.cfg.vocab_size).to(cuda)
+    tables, sizes = [], []
+    row_table, attend = attn_kernels.row_table, attention.Attention.attend_heads
+    monkeypatch.setattr(attn_kernels, "row_table", lambda kv, rows, tags, window, *a:
+                        tables.append(len(window[0])) or row_table(kv, rows, tags, window, *a))
+    monkeypatch.setattr(attention.Attention, "attend_heads",
+                        lambda self, q, *a, **kw: sizes.append(len(q)) or attend(self, q, *a, **kw))
+    runs = []
+    for scratch, want in ((None, {100, 50}), (32, {32, 100 % 32, 50 % 32})):
+        if scratch is not None:  # (in units of a query's scratch)
+            monkeypatch.setattr(attention, "scratch_per_query", lambda *a: 1)
+            monkeypatch.setattr(attention, "ATTN_SCRATCH", scratch)
+        tables.clear()
+        sizes.clear()
+        state = model.new_state(256)
+        logits, _ = model.forward(tokens[:100], state, logits="all")
+        more, _ = model.forward(tokens[100:], state, logits="all")
+        runs.append((torch.cat((logits, more)), state.tensors()))
+        assert set(sizes) == want, (scratch, sorted(set(sizes)))
+        assert tables and set(tables) == {100, 50}, sorted(set(tables))
+    (a, sa), (b, sb) = runs
+    assert torch.equal(a, b) and sa.keys() == sb.keys()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
