@@ -31,7 +31,7 @@ from strata.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from strata.quant.linear import DenseLinear
 from strata.quant.qdq import fp8_act_qdq
 
-from util import random_tokens
+from util import forward_100_then_rest, random_tokens, same_runs
 
 NEG = float("-inf")
 EPS = 1e-20  # rms_norm_eps of V4.1 (and of the tiny fixture)
@@ -728,15 +728,9 @@ def test_attention_runs_queries_in_bounded_pieces(tiny_reference, monkeypatch):
             monkeypatch.setattr(attention, "scratch_per_query", lambda *a: 1)
             monkeypatch.setattr(attention, "ATTN_SCRATCH", scratch)
         sizes.clear()
-        state = model.new_state(256)
-        logits, _ = model.forward(tokens[:100], state, logits="all")
-        more, _ = model.forward(tokens[100:], state, logits="all")
-        runs.append((torch.cat((logits, more)), state.tensors()))
+        runs.append(forward_100_then_rest(model, tokens))
         assert set(sizes) == want, (scratch, sorted(set(sizes)))
-    (a, sa), *rest = runs
-    for b, sb in rest:
-        assert torch.equal(a, b) and sa.keys() == sb.keys()
-        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    same_runs(runs)
 
 
 # ------------------------------------------------------------------------------------------

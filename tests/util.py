@@ -95,3 +95,20 @@ def compressor_pool(ring, k, g, positions, entries, r):
     groups = kg_all[rows.clamp(max=T + r - 2)]
     weights = torch.softmax(groups[:, :, 1], dim=1)
     return (weights * groups[:, :, 0]).sum(dim=1)
+
+
+def forward_100_then_rest(model, tokens):
+    """Logits of every row and the state's tensors after a forward of tokens[:100] and then
+    one of the rest (attention's pieces tests: two forwards, a ring and caches between)."""
+    state = model.new_state(256)
+    logits, _ = model.forward(tokens[:100], state, logits="all")
+    more, _ = model.forward(tokens[100:], state, logits="all")
+    return torch.cat((logits, more)), state.tensors()
+
+
+def same_runs(runs) -> None:
+    """Every (logits, state tensors) of `runs` equal to the first's, bit for bit."""
+    (a, sa), *rest = runs
+    for b, sb in rest:
+        assert torch.equal(a, b) and sa.keys() == sb.keys()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -14,7 +14,7 @@ from tests.gpu.conftest import record
 from strata.model.model import Model
 from strata.model.numerics import Numerics
 from strata.runtime.session import Session
-from util import random_tokens
+from util import forward_100_then_rest, random_tokens, same_runs
 
 pytestmark = pytest.mark.gpu
 
@@ -180,12 +180,7 @@ def test_attention_pieces_slice_one_row_table(cuda, tiny_dir, monkeypatch):
             monkeypatch.setattr(attention, "ATTN_SCRATCH", scratch)
         tables.clear()
         sizes.clear()
-        state = model.new_state(256)
-        logits, _ = model.forward(tokens[:100], state, logits="all")
-        more, _ = model.forward(tokens[100:], state, logits="all")
-        runs.append((torch.cat((logits, more)), state.tensors()))
+        runs.append(forward_100_then_rest(model, tokens))
         assert set(sizes) == want, (scratch, sorted(set(sizes)))
         assert tables and set(tables) == {100, 50}, sorted(set(tables))
-    (a, sa), (b, sb) = runs
-    assert torch.equal(a, b) and sa.keys() == sb.keys()
-    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    same_runs(runs)
