@@ -45,6 +45,30 @@ def test_matches_the_torch_steps_and_rows_stand_alone():
     torch.testing.assert_close(planes.double().sum(0), got.double(), rtol=0, atol=2.0 ** -120)
 
 
+def test_writes_into_a_given_buffer_and_rejects_a_wrong_one():
+    """attend_pieces' pieces reuse one buffer (a prefix of it when the last piece is short):
+    the values are a fresh call's, in the buffer; a buffer of the wrong shape, dtype or layout
+    is refused by name."""
+    import pytest
+    g = torch.Generator().manual_seed(1)
+    T, H, n = 3, 2, 24
+    s = torch.randn(T, H, n, generator=g) * 10
+    mask = torch.rand(T, n, generator=g) > 0.3
+    sink = torch.randn(H, generator=g)
+    planes_buf = torch.full((3, T + 2, H, n), 7.0, dtype=torch.bfloat16)
+    got = sink_softmax(s, mask, sink, 0.5, planes=True, out=planes_buf[:, :T])
+    assert got.data_ptr() == planes_buf.data_ptr()
+    assert torch.equal(got, sink_softmax(s, mask, sink, 0.5, planes=True))
+    assert torch.equal(planes_buf[:, T:], torch.full((3, 2, H, n), 7.0, dtype=torch.bfloat16))
+    p_buf = torch.empty(T + 1, H, n)
+    assert torch.equal(sink_softmax(s, mask, sink, 0.5, out=p_buf[:T]),
+                       sink_softmax(s, mask, sink, 0.5))
+    for bad in (torch.empty(T, H, n), torch.empty(3, T, H, n + 1, dtype=torch.bfloat16),
+                torch.empty(3, T, n, H, dtype=torch.bfloat16).transpose(2, 3)):
+        with pytest.raises(ValueError, match="sink_softmax: out must be"):
+            sink_softmax(s, mask, sink, 0.5, planes=True, out=bad)
+
+
 def _window(positions, W, ring_size):
     """ForwardContext.window for these positions (it reads only them: no config needed)."""
     from strata.model.context import ForwardContext

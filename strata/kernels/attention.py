@@ -193,20 +193,24 @@ def _gather(kv, ring_rows, ring_tags, window, cache, sel, out: torch.Tensor,
 
 
 def sink_softmax(s: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor,
-                 scale: float, planes: bool = False) -> torch.Tensor:
+                 scale: float, planes: bool = False,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """s [T, H, n] fp32 scores, mask [T, n] bool (visible rows), sink [H] → the softmax over
     [s·scale (masked to −inf), sink] without the sink's column: [T, H, n] fp32 — or, with
     `planes`, its exact split [3, T, H, n] bf16 (hi, mid, lo: strata.kernels.rowwise's
-    split_bf16), the operand of planes_bmm."""
+    split_bf16), the operand of planes_bmm. `out`: where to write it (each plane
+    contiguous)."""
     T, H, n = s.shape
     if s.stride(-1) != 1:
         s = s.contiguous()
     m = (mask if mask.stride(-1) == 1 else mask.contiguous()).view(torch.uint8)  # (no copy)
-    if planes:
-        out = torch.empty((3, T, H, n), dtype=torch.bfloat16, device=s.device)
-        first = out[0]
-    else:
-        out = first = torch.empty((T, H, n), dtype=torch.float32, device=s.device)
+    shape, dtype = ((3, T, H, n), torch.bfloat16) if planes else ((T, H, n), torch.float32)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=s.device)
+    first = out[0] if planes else out
+    if out.shape != shape or out.dtype != dtype or not first.is_contiguous():
+        raise ValueError(f"sink_softmax: out must be {dtype} {list(shape)}, each plane "
+                         f"contiguous; got {out.dtype} {list(out.shape)}")
     if T and H and n:
         _sink_softmax_kernel[(T, H)](s, m, sink.float().contiguous(), first, n, float(scale),
                                      s.stride(0), s.stride(1), m.stride(0), first.stride(0),

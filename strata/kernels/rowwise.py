@@ -28,7 +28,7 @@ on CPU).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -243,16 +243,19 @@ def rowwise_rows(x: torch.Tensor, w: torch.Tensor,
 
 def rowwise_bmm(x: torch.Tensor, w: "torch.Tensor | RowTable", k_chunk: int = K_CHUNK,
                 out_dtype: torch.dtype | None = None,
-                tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+                tile: tuple[int, int, int] | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """x [B, M, K], w [B or 1, N, K] (any strides, or a RowTable) → [B, M, N] in out_dtype
     (default x's), batch-invariant; fp32 accumulation whatever the operands' dtypes.
     (`k_chunk`: a multiple of 64; tests lower it to split small shapes. `tile`: a call site's
-    own fixed tile for the tl.dot path, whatever M — rowwise_rows.)"""
+    own fixed tile for the tl.dot path, whatever M — rowwise_rows. `out`: a contiguous
+    [B, M, N] of out_dtype to write into.)"""
     if triton is None:
         raise RuntimeError("rowwise_bmm needs triton")
     B, M, _ = x.shape
     prod = product(2 if tile else M, x, w)  # (a call site's tile: the tl.dot path at any M)
-    return _bmm(x, w, prod, tile or tile_shape(M, prod, B), k_chunk, out_dtype or x.dtype)
+    return _bmm(x, w, prod, tile or tile_shape(M, prod, B), k_chunk, out_dtype or x.dtype,
+                out=out)
 
 
 def split_planes(x: torch.Tensor) -> torch.Tensor:
@@ -312,8 +315,14 @@ class RowTable:
     def is_cuda(self) -> bool:
         return self.base.is_cuda
 
+    # (constructed directly, not by dataclasses.replace: a prefill chunk's attention pieces
+    # make two each, and the host's time a piece is what keeps the GPU fed)
     def transposed(self) -> "RowTable":
-        return replace(self, is_transposed=not self.is_transposed)
+        return RowTable(self.base, self.offsets, self.width, not self.is_transposed)
+
+    def rows(self, i: int, j: int) -> "RowTable":
+        """Batch elements i … j − 1 (a piece of a forward's queries)."""
+        return RowTable(self.base, self.offsets[i:j], self.width, self.is_transposed)
 
 
 def _bmm(x: torch.Tensor, w: "torch.Tensor | RowTable", prod: int,

@@ -8,8 +8,6 @@ code serves decode (T=1), verify (T=k) and prefill chunks.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from strata.checkpoint.weights import WeightReader
@@ -139,20 +137,23 @@ class Attention:
         # (each piece written into its slice of one output: no copy of the pieces into one)
         out = torch.empty((T, H, hd), dtype=torch.float32, device=q.device)
         from strata.kernels import attention as attn_kernels
-        table = None
-        if (step < T and attn_kernels.available(kv)
-                and attn_kernels.row_table_applies(kv, ring.rows, cache)):
-            # (row starts are 8 bytes a row: all queries' in one launch, which the pieces
-            # slice — one launch a piece fewer keeps the host ahead of small pieces)
-            table = gather_rows(kv, ring, window, cache, sel)
+        table = scratch = None
+        if step < T and attn_kernels.available(kv):
+            # Prefill's pieces are launched faster than they run only if the host does little
+            # for each (bench/results/performance.md, session 54): the scores and probabilities
+            # get one buffer that every piece reuses, and where the rows are a RowTable (row
+            # starts, 8 bytes a row) all queries' are made in one launch and sliced.
+            scratch = attention_scratch(kv, ring, cache, step, H, n)
+            if attn_kernels.row_table_applies(kv, ring.rows, cache):
+                table = gather_rows(kv, ring, window, cache, sel)
         for i in range(0, T, step):
             j = min(i + step, T)
             if table is not None:
-                rows, mask = replace(table[0], offsets=table[0].offsets[i:j]), table[1][i:j]
+                rows, mask = table[0].rows(i, j), table[1][i:j]
             else:
                 rows, mask = gather_rows(kv, ring, tuple(w[i:j] for w in window), cache,
                                          None if sel is None else sel[i:j])
-            self.attend_heads(q[i:j], rows, mask, out=out[i:j])
+            self.attend_heads(q[i:j], rows, mask, out=out[i:j], scratch=scratch)
         return out
 
     def publish(self, u: torch.Tensor, ctx: ForwardContext, state: State,
@@ -173,9 +174,11 @@ class Attention:
             ctx.published_keys.append(self.layer)
 
     def attend_heads(self, q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None,
+                     scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """sparse_attention over this object's heads (tensor parallelism wraps it)."""
-        return sparse_attention(q, rows, mask, self.attn_sink, self.cfg.head_dim ** -0.5, out)
+        return sparse_attention(q, rows, mask, self.attn_sink, self.cfg.head_dim ** -0.5, out,
+                                scratch)
 
     def _store_entries(self, latent: torch.Tensor, entries: torch.Tensor,
                        rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext,
@@ -219,6 +222,17 @@ def gather_rows(kv: torch.Tensor, ring: PositionRing, window: tuple[torch.Tensor
             torch.cat((valid, sel >= 0), dim=1))
 
 
+def attention_scratch(kv: torch.Tensor, ring: PositionRing, cache: torch.Tensor | None,
+                      T: int, H: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """sparse_attention's `scratch` for up to T queries over n rows on CUDA: the scores
+    [T, H, n] fp32 and the probabilities — three bf16 planes [3, T, H, n] where the rows are
+    bf16 (sink_softmax's `planes`), else [T, H, n] fp32."""
+    s = torch.empty((T, H, n), dtype=torch.float32, device=kv.device)
+    if rows_dtype(kv, ring, cache) == torch.bfloat16:
+        return s, torch.empty((3, T, H, n), dtype=torch.bfloat16, device=kv.device)
+    return s, torch.empty_like(s)
+
+
 def scratch_per_query(kv: torch.Tensor, ring: PositionRing, cache: torch.Tensor | None,
                       H: int, n: int) -> int:
     """Device bytes one query of attend_pieces' piece holds while it attends over n rows: on
@@ -246,16 +260,19 @@ def rows_dtype(kv: torch.Tensor, ring: PositionRing, cache: torch.Tensor | None)
 
 
 def sparse_attention(q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
-                     sink: torch.Tensor, scale: float,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     sink: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                     scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One softmax per query over its own rows [T, n, hd] — its window's, then its selected
     compressed entries' (gather_rows; on CUDA also a RowTable) — with mask [T, n]; the
     per-head sink enters only the denominator; K == V.
     q [T, H, hd] → [T, H, hd] fp32 (written into `out`, a contiguous fp32 [T, H, hd], if
     given), every product accumulated in fp32 (16-bit q and rows: exact products, on tensor
-    cores on CUDA). Every query is its own batch element."""
+    cores on CUDA). Every query is its own batch element. `scratch` (CUDA): buffers for the
+    scores and probabilities of at least T queries (attention_scratch), written here instead
+    of new ones."""
     T, H, _ = q.shape
-    s = rows_bmm(q, rows, torch.float32)  # [T, H, n]
+    s_buf, p_buf = (None, None) if scratch is None else (scratch[0][:T], scratch[1][..., :T, :, :])
+    s = rows_bmm(q, rows, torch.float32, out=s_buf)  # [T, H, n]
     from strata.kernels import attention as attn_kernels
     from strata.kernels.rowwise import RowTable
     values = rows.transposed() if isinstance(rows, RowTable) else rows.transpose(1, 2)
@@ -263,9 +280,9 @@ def sparse_attention(q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
         if rows.dtype == torch.bfloat16:  # (p·v: fp32 p split into three bf16 products — the
             # softmax stores the split; the product's bits, in less time: rowwise.planes_bmm)
             from strata.kernels.rowwise import planes_bmm
-            return planes_bmm(attn_kernels.sink_softmax(s, mask, sink, scale, planes=True),
-                              values, out=out)
-        o = rows_bmm(attn_kernels.sink_softmax(s, mask, sink, scale), values)
+            return planes_bmm(attn_kernels.sink_softmax(s, mask, sink, scale, planes=True,
+                                                        out=p_buf), values, out=out)
+        o = rows_bmm(attn_kernels.sink_softmax(s, mask, sink, scale, out=p_buf), values)
         return o if out is None else out.copy_(o)
     # (a Python scalar, not torch.tensor(-inf, device=…): that is a host → device upload per
     # layer, which on a GPU waits for the stream)

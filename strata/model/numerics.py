@@ -63,10 +63,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y.to(x.dtype)
 
 
-def rows_bmm(x: torch.Tensor, w: torch.Tensor,
-             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def rows_bmm(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
     """x [B, M, K] · w[b]ᵀ for w [B or 1, N, K] → [B, M, N] in out_dtype (default x's dtype,
-    the operands computed in it); every row computed alike.
+    the operands computed in it; written into `out`, a contiguous [B, M, N], if given); every
+    row computed alike.
 
     Batch invariance: a row's result must not depend on how many rows share the call (BLAS
     libraries pick kernels from the whole shape and change the rounding), so a prefill chunk,
@@ -76,9 +77,9 @@ def rows_bmm(x: torch.Tensor, w: torch.Tensor,
     """
     if x.is_cuda:
         from strata.kernels.rowwise import rowwise_bmm
-        return rowwise_bmm(x, w, out_dtype=out_dtype)
+        return rowwise_bmm(x, w, out_dtype=out_dtype, out=out)
     dt = out_dtype or x.dtype
-    return torch.bmm(x.to(dt), w.to(dt).expand(x.shape[0], -1, -1).transpose(1, 2))
+    return torch.bmm(x.to(dt), w.to(dt).expand(x.shape[0], -1, -1).transpose(1, 2), out=out)
 
 
 def row_matmul(x: torch.Tensor, w: torch.Tensor,

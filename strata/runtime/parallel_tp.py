@@ -364,6 +364,6 @@ def apply_tp(model: Model, comm: Comm, plan: TPPlan) -> None:
 
 
 def _bind_padded(attn, heads: range):
-    def attend(q, rows, mask, out=None):
+    def attend(q, rows, mask, out=None, scratch=None):  # (scratch: CUDA's alone)
         return _padded_attend(attn, heads, q, rows, mask, out)
     return attend
