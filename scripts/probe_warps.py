@@ -3,7 +3,7 @@ counts: each op's call captured CALLS times in a row in one CUDA graph (early la
 model), µs a call from the graph's replays (strata.bench.kernels.replay_us), for each
 num_warps the kernel is launched with (the launch keyword overridden by wrapping the kernel's
 run; the code's own value marked *) — or, with KNOB=num_stages, each pipeline depth.
-Attention's products also by K chunk and tile, and from the stored split; the indexer's
+Attention's products also by K chunk and tile, and its softmax with p·v; the indexer's
 selection at 768, 32K and 128K entries (a decode step's at those context lengths:
 ONLY=index), and the selection alone up to 512K entries by how a row is split, beside the
 torch ops it replaces (ONLY=top).
@@ -17,7 +17,7 @@ import os
 import torch
 
 from strata.bench.kernels import replay_us
-from strata.kernels import exl3, indexer, mhc, moe_ops, norm, ranking, rowwise
+from strata.kernels import attention, exl3, indexer, mhc, moe_ops, norm, ranking, rowwise
 from strata.model.indexer import topk_lowest_index
 
 CALLS, REPLAYS = 32, 40
@@ -55,7 +55,8 @@ def ops(T: int):
     # attention's products over a query's n = 640 key rows (window 128 + 512 compressed)
     q, rows = rnd(T, 64, 512), rnd(T, 640, 512)
     p = torch.softmax(torch.randn(T, 64, 640, device=dev), -1)
-    planes = rowwise.split_planes(p)
+    s, sink = torch.randn(T, 64, 640, device=dev), torch.randn(64, device=dev)
+    mask = torch.rand(T, 640, device=dev) > 0.1
     # the indexer's selection for T queries over n entries (its scores, then the top 512)
     sel = {n: (rnd(T, 32, 128, dtype=f32), rnd(n, 128), torch.rand(T, 32, device=dev),
                torch.full((T,), n, device=dev)) for n in (768, 32768, 131072)}
@@ -82,8 +83,8 @@ def ops(T: int):
            rowwise.TILE_WARPS,
            (lambda kc=kc, tile=tile: rowwise.rowwise_bmm(p, rows.transpose(1, 2), kc, None, tile)))
           for kc, tile in PRODUCT_VARIANTS],
-        ("p·v 64×640·512 from the stored split", rowwise._rowwise_kernel, rowwise.TILE_WARPS,
-         lambda: rowwise.planes_bmm(planes, rows.transpose(1, 2))),
+        ("softmax + p·v 64×640·512", attention._softmax_pv_kernel, rowwise.TILE_WARPS,
+         lambda: attention.sink_softmax_pv(s, mask, sink, 0.044, rows)),
         *[(f"index scores n={n}", indexer._index_scores_kernel, indexer.NUM_WARPS,
            (lambda n=n: indexer.index_scores(*sel[n], 0.0156))) for n in sel],
         *[(f"index scores + top 512 n={n}", ranking._top_picks_kernel, ranking.PICKS_WARPS,

@@ -1,72 +1,80 @@
-"""The attention's one-launch sink softmax (strata.kernels.attention) against the torch
-steps of strata.model.attention.sparse_attention, under TRITON_INTERPRET=1 on CPU
+"""The attention's one-launch sink softmax and p·v (strata.kernels.attention) against the
+torch steps of strata.model.attention.sparse_attention, under TRITON_INTERPRET=1 on CPU
 (tests/gpu/test_kernels_fused_ops_gpu.py runs it compiled)."""
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernel is first launched
 
-from strata.kernels.attention import sink_softmax  # noqa: E402
+from strata.kernels.attention import sink_softmax_pv  # noqa: E402
 
 
-def torch_steps(s, mask, sink, scale):
+def torch_steps(s, mask, sink, scale, rows):
+    """sparse_attention's torch path after the scores, in float64."""
     T, H, _ = s.shape
-    s = (s * scale).masked_fill(~mask[:, None, :], float("-inf"))
-    s = torch.cat((s, sink.view(1, H, 1).expand(T, H, 1)), dim=-1)
-    return torch.softmax(s, dim=-1)[..., :-1]
+    s = (s.double() * scale).masked_fill(~mask[:, None, :], float("-inf"))
+    s = torch.cat((s, sink.double().view(1, H, 1).expand(T, H, 1)), dim=-1)
+    return torch.softmax(s, dim=-1)[..., :-1] @ rows.double()
 
 
-def test_matches_the_torch_steps_and_rows_stand_alone():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_the_torch_steps_and_queries_stand_alone(dtype):
+    """fp32 rows (IEEE products) and bf16 rows (p split into three exact bf16 products), 70
+    heads (two head blocks), rows in one K chunk and in three: the torch steps' output to
+    fp32 rounding; a query alone, a transposed scores view and rows masked after a query's
+    last visible one give the batch's bits."""
     g = torch.Generator().manual_seed(0)
-    T, H, n = 5, 3, 40
+    T, H, n, hd = 4, 70, 150, 40
     s = torch.randn(T, H, n, generator=g) * 30
     mask = torch.rand(T, n, generator=g) > 0.3
     mask[1] = False            # nothing visible: every probability 0, the sink takes it all
     mask[2] = True
     sink = torch.randn(H, generator=g) * 3
     sink[0] = 80.0             # a sink above every score
-    got = sink_softmax(s, mask, sink, 0.125)
-    want = torch_steps(s, mask, sink, 0.125)
-    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-9)
-    assert torch.equal(got[1], torch.zeros(H, n))
-    assert torch.equal(sink_softmax(s[3:4], mask[3:4], sink, 0.125), got[3:4])
-    # a transposed scores view (any strides) gives the same rows
-    st = s.transpose(0, 1).contiguous().transpose(0, 1)
-    assert torch.equal(sink_softmax(st, mask, sink, 0.125), got)
-    # as the exact split p·v takes (rowwise.planes_bmm): three bf16 planes summing to p
-    planes = sink_softmax(s, mask, sink, 0.125, planes=True)
-    assert planes.shape == (3, T, H, n) and planes.dtype == torch.bfloat16
-    # (exact down to fp32's tiny values, whose low parts fall below bf16's normal range)
-    normal = got.abs() > 2.0 ** -100
-    assert torch.equal(planes.double().sum(0)[normal], got.double()[normal])
-    torch.testing.assert_close(planes.double().sum(0), got.double(), rtol=0, atol=2.0 ** -120)
+    rows = torch.randn(T, n, hd, generator=g).to(dtype)
+    for k_chunk in (1024, 64):
+        got = sink_softmax_pv(s, mask, sink, 0.125, rows, k_chunk=k_chunk)
+        assert got.dtype == torch.float32 and got.shape == (T, H, hd)
+        torch.testing.assert_close(got.double(), torch_steps(s, mask, sink, 0.125, rows),
+                                   rtol=1e-5, atol=1e-6)
+        assert torch.equal(got[1], torch.zeros(H, hd)) and got[:, 0].abs().max() < 1e-20
+        assert torch.equal(sink_softmax_pv(s[3:4], mask[3:4], sink, 0.125, rows[3:4],
+                                           k_chunk=k_chunk), got[3:4])
+        st = s.transpose(0, 1).contiguous().transpose(0, 1)
+        assert torch.equal(sink_softmax_pv(st, mask, sink, 0.125, rows, k_chunk=k_chunk), got)
+        # (a decode step's query has fewer rows than a chunk's: the extra ones are masked)
+        more = torch.cat((s, torch.randn(T, H, 50, generator=g)), -1)
+        hidden = torch.cat((mask, torch.zeros(T, 50, dtype=torch.bool)), -1)
+        more_rows = torch.cat((rows, torch.randn(T, 50, hd, generator=g).to(dtype)), 1)
+        assert torch.equal(sink_softmax_pv(more, hidden, sink, 0.125, more_rows,
+                                           k_chunk=k_chunk), got), k_chunk
 
 
 def test_writes_into_a_given_buffer_and_rejects_a_wrong_one():
-    """attend_pieces' pieces reuse one buffer (a prefix of it when the last piece is short):
-    the values are a fresh call's, in the buffer; a buffer of the wrong shape, dtype or layout
-    is refused by name."""
-    import pytest
+    """attend_pieces' pieces write into slices of one output: the values are a fresh call's,
+    in the slice; an output of the wrong shape, dtype or layout, and rows that do not match
+    the scores, are refused by name."""
     g = torch.Generator().manual_seed(1)
-    T, H, n = 3, 2, 24
+    T, H, n, hd = 3, 2, 24, 16
     s = torch.randn(T, H, n, generator=g) * 10
     mask = torch.rand(T, n, generator=g) > 0.3
     sink = torch.randn(H, generator=g)
-    planes_buf = torch.full((3, T + 2, H, n), 7.0, dtype=torch.bfloat16)
-    got = sink_softmax(s, mask, sink, 0.5, planes=True, out=planes_buf[:, :T])
-    assert got.data_ptr() == planes_buf.data_ptr()
-    assert torch.equal(got, sink_softmax(s, mask, sink, 0.5, planes=True))
-    assert torch.equal(planes_buf[:, T:], torch.full((3, 2, H, n), 7.0, dtype=torch.bfloat16))
-    p_buf = torch.empty(T + 1, H, n)
-    assert torch.equal(sink_softmax(s, mask, sink, 0.5, out=p_buf[:T]),
-                       sink_softmax(s, mask, sink, 0.5))
-    for bad in (torch.empty(T, H, n), torch.empty(3, T, H, n + 1, dtype=torch.bfloat16),
-                torch.empty(3, T, n, H, dtype=torch.bfloat16).transpose(2, 3)):
-        with pytest.raises(ValueError, match="sink_softmax: out must be"):
-            sink_softmax(s, mask, sink, 0.5, planes=True, out=bad)
+    rows = torch.randn(T, n, hd, generator=g).bfloat16()
+    buf = torch.full((T + 2, H, hd), 7.0)
+    got = sink_softmax_pv(s, mask, sink, 0.5, rows, out=buf[:T])
+    assert got.data_ptr() == buf.data_ptr()
+    assert torch.equal(got, sink_softmax_pv(s, mask, sink, 0.5, rows))
+    assert torch.equal(buf[T:], torch.full((2, H, hd), 7.0))
+    for bad in (torch.empty(T, H, hd, dtype=torch.bfloat16), torch.empty(T, H, hd + 1),
+                torch.empty(T, hd, H).transpose(1, 2)):
+        with pytest.raises(ValueError, match="sink_softmax_pv: out must be"):
+            sink_softmax_pv(s, mask, sink, 0.5, rows, out=bad)
+    with pytest.raises(ValueError, match="do not match"):
+        sink_softmax_pv(s, mask, sink, 0.5, rows[:, 1:])
 
 
 def _window(positions, W, ring_size):
@@ -107,12 +115,11 @@ def test_gather_rows_is_the_torch_path_bit_for_bit():
 def test_row_table_reads_the_gathered_rows_where_they_lie():
     """row_table: the rows where they lie (this forward's kv, the ring, the cache — three
     allocations) as the products' w give gather_rows' copy's results bit for bit: one-hot
-    queries read every element exactly (rowwise_bmm(I, rows) = rowsᵀ), p·v reads them as its
-    transposed operand; the mask is gather_rows'. Sources of mixed dtypes are refused."""
-    import pytest
-
+    queries read every element exactly (rowwise_bmm(I, rows) = rowsᵀ), and p·v (the softmax's
+    launch) reads them as its rows; the mask is gather_rows'. Sources of mixed dtypes are
+    refused."""
     from strata.kernels.attention import gather_rows, row_table
-    from strata.kernels.rowwise import planes_bmm, rowwise_bmm, split_planes
+    from strata.kernels.rowwise import rowwise_bmm
     from strata.runtime.state import PositionRing
     g = torch.Generator().manual_seed(6)
     W, S, hd, dt = 8, 12, 64, torch.bfloat16
@@ -130,10 +137,11 @@ def test_row_table_reads_the_gathered_rows_where_they_lie():
         eye = torch.eye(hd, dtype=dt).expand(rows.shape[0], -1, -1)
         got = rowwise_bmm(eye, table, out_dtype=torch.float32)
         assert torch.equal(got, rows.transpose(1, 2).float())
-        p = torch.softmax(torch.randn(rows.shape[0], 3, rows.shape[1], generator=g), -1)
-        planes = split_planes(p)
-        assert torch.equal(planes_bmm(planes, table.transposed()),
-                           planes_bmm(planes, rows.transpose(1, 2)))
+        scores = torch.randn(rows.shape[0], 3, rows.shape[1], generator=g) * 4
+        sink = torch.randn(3, generator=g)
+        for k_chunk in (1024, 64):
+            assert torch.equal(sink_softmax_pv(scores, mask, sink, 0.5, table, k_chunk=k_chunk),
+                               sink_softmax_pv(scores, mask, sink, 0.5, rows, k_chunk=k_chunk))
         # a piece of the queries: its own table, the same rows
         piece, _ = row_table(kv, ring.rows, ring.tags, tuple(w[3:7] for w in window), c,
                              None if s is None else s[3:7])

@@ -568,7 +568,7 @@ def test_bench_smoke(tmp_path):
         assert key in row
     assert row["chain_us"] > 0 and row["chain_copies"] == 2  # (--chain: back to back)
     # the row kernel's cases against torch.bmm (smoke: tiny shapes)
-    assert [r["case"] for r in data["rowwise"]] == ["smoke_qk", "smoke_pv", "smoke_pv_planes",
+    assert [r["case"] for r in data["rowwise"]] == ["smoke_qk", "smoke_pv", "smoke_softmax_pv",
                                                     "index_scores_smoke",
                                                     "index_candidates_smoke", "mhc_smoke"]
     assert all(r["ours_us"] > 0 and r["blas_us"] > 0 for r in data["rowwise"])

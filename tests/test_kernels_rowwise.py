@@ -52,49 +52,11 @@ def test_rows_split_over_tiles_give_the_same_bits():
                        one)
 
 
-def test_planes_product_is_the_split_product():
-    """planes_bmm: fp32 x given as its stored split against bf16 rows (attention's p·v) — the
-    exact products summed in fp32, rows alone / in a batch / across a head split alike, and
-    over K chunks. (Its bits equal the in-kernel split's on the GPU: the interpreter widens
-    the planes to fp32; tests/gpu/test_cuda_parity.py checks them compiled.)"""
-    from strata.kernels.rowwise import planes_bmm, split_planes
-    g = torch.Generator().manual_seed(4)
-    p = torch.softmax(torch.randn(3, 70, 150, generator=g) * 3, -1)
-    rows = torch.randn(3, 150, 40, generator=g).bfloat16()
-    v = rows.transpose(1, 2)
-    planes = split_planes(p)
-    assert torch.equal(planes.double().sum(0), p.double())
-    got = planes_bmm(planes, v)
-    assert got.dtype == torch.float32 and got.shape == (3, 70, 40)
-    torch.testing.assert_close(got.double(), torch.bmm(p.double(), rows.double()),
-                               rtol=1e-5, atol=1e-6)
-    assert torch.equal(torch.cat([planes_bmm(planes[:, i:i + 1], v[i:i + 1])
-                                  for i in range(3)]), got)
-    assert torch.equal(torch.cat([planes_bmm(planes[:, :, :20], v),
-                                  planes_bmm(planes[:, :, 20:], v)], 1), got)
-    chunked = planes_bmm(planes, v, k_chunk=64)  # K = 150 over three chunks, added in order
-    torch.testing.assert_close(chunked, got, rtol=1e-5, atol=1e-6)
-    # into slices of one output (attention's pieces), unsplit and over K chunks
-    for k_chunk, want in ((1024, got), (64, chunked)):
-        out = torch.full((3, 70, 40), float("nan"))
-        assert planes_bmm(planes[:, :2], v[:2], k_chunk, out=out[:2]).data_ptr() == out.data_ptr()
-        planes_bmm(planes[:, 2:], v[2:], k_chunk, out=out[2:])
-        assert torch.equal(out, want), k_chunk
-    for bad in (torch.empty(3, 70, 40, dtype=torch.bfloat16), torch.empty(3, 70, 41),
-                torch.empty(3, 40, 70).transpose(1, 2)):
-        with pytest.raises(ValueError, match="out must be a contiguous"):
-            planes_bmm(planes, v, out=bad)
-    with pytest.raises(ValueError, match="planes"):
-        planes_bmm(planes.float(), v)
-    with pytest.raises(ValueError, match="M ≥ 2"):
-        planes_bmm(planes[:, :, :1], v)
-
-
 def test_a_row_table_is_its_rows():
     """RowTable: rows where they lie (two allocations, offsets counted from one, negative
-    ones included) as w give the gathered rows' products bit for bit — q·k (rows along N) and
-    p·v (along K, its transpose), the latter over K chunks too."""
-    from strata.kernels.rowwise import RowTable, planes_bmm, split_planes
+    ones included) as w give the gathered rows' products bit for bit (q·k; p·v:
+    tests/test_kernels_attention.py)."""
+    from strata.kernels.rowwise import RowTable
     g = torch.Generator().manual_seed(9)
     B, n, hd = 3, 150, 48  # (row starts a multiple of 16 elements, as a RowTable's are)
     a = torch.randn(70, hd, generator=g).bfloat16()
@@ -106,14 +68,12 @@ def test_a_row_table_is_its_rows():
     offsets = torch.where(from_b, (b.data_ptr() - a.data_ptr()) // 2 + ib * hd, ia * hd)
     assert (offsets < 0).any() and (offsets % 16 == 0).all()
     table = RowTable(a, offsets, hd)
-    assert table.shape == rows.shape and table.transposed().shape == (B, hd, n)
+    assert table.shape == rows.shape and table.rows(1, 3).shape == (2, n, hd)
     q = torch.randn(B, 5, hd, generator=g).bfloat16()
     assert torch.equal(rowwise_bmm(q, table, out_dtype=torch.float32),
                        rowwise_bmm(q, rows, out_dtype=torch.float32))
-    planes = split_planes(torch.softmax(torch.randn(B, 5, n, generator=g), -1))
-    for k_chunk in (1024, 64):
-        assert torch.equal(planes_bmm(planes, table.transposed(), k_chunk),
-                           planes_bmm(planes, rows.transpose(1, 2), k_chunk)), k_chunk
+    assert torch.equal(rowwise_bmm(q[1:3], table.rows(1, 3), out_dtype=torch.float32),
+                       rowwise_bmm(q[1:3], rows[1:3], out_dtype=torch.float32))
 
 
 def test_shape_mismatch():

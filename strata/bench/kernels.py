@@ -605,13 +605,15 @@ ROWWISE = (("attn_qk_prefill", 243, 64, 640, 512, "bf16", "bf16", False),
            ("mhc_decode", 1, 1, 24, 20480, "fp32", "fp32", False),
            ("attn_qk_decode", 1, 64, 640, 512, "bf16", "bf16", False),
            ("attn_pv_decode", 1, 64, 512, 640, "fp32", "bf16", True),
-           # p·v from the softmax's stored split of p (planes_bmm; the model's path)
-           ("attn_pv_planes_prefill", 243, 64, 512, 640, "fp32", "bf16", True),
-           ("attn_pv_planes_window", 6, 64, 512, 640, "fp32", "bf16", True),
-           ("attn_pv_planes_decode", 1, 64, 512, 640, "fp32", "bf16", True))
+           # the softmax and p·v in one launch from the scores (the model's path:
+           # strata.kernels.attention.sink_softmax_pv; x the scores, against torch's softmax
+           # steps and cuBLAS's p·v) — a prefill piece, a DSpark window, a decode query
+           ("attn_softmax_pv_prefill", 192, 64, 512, 640, "fp32", "bf16", True),
+           ("attn_softmax_pv_window", 6, 64, 512, 640, "fp32", "bf16", True),
+           ("attn_softmax_pv_decode", 1, 64, 512, 640, "fp32", "bf16", True))
 SMOKE_ROWWISE = (("smoke_qk", 3, 4, 40, 32, "bf16", "bf16", False),
                  ("smoke_pv", 3, 4, 32, 40, "fp32", "bf16", True),
-                 ("smoke_pv_planes", 3, 4, 32, 40, "fp32", "bf16", True),
+                 ("smoke_softmax_pv", 3, 4, 32, 40, "fp32", "bf16", True),
                  ("index_scores_smoke", 3, 4, 40, 32, "bf16", "bf16", False),
                  ("index_candidates_smoke", 3, 4, 16, 32, "bf16", "bf16", False),
                  ("mhc_smoke", 3, 1, 24, 64, "fp32", "fp32", False))
@@ -621,8 +623,9 @@ _DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
 def _bench_rowwise(dev, timer, smoke) -> list[dict]:
     """The row kernel (and the fused indexer scores and mHC mix) against cuBLAS on the same
     operands: µs and TFLOP/s."""
+    from strata.kernels.attention import sink_softmax_pv
     from strata.kernels.indexer import index_scores
-    from strata.kernels.rowwise import planes_bmm, rowwise_bmm, split_planes
+    from strata.kernels.rowwise import rowwise_bmm
     out = []
     for name, B, M, N, K, xd, wd, transposed in SMOKE_ROWWISE if smoke else ROWWISE:
         g = torch.Generator(device="cpu").manual_seed(B + N)
@@ -659,10 +662,16 @@ def _bench_rowwise(dev, timer, smoke) -> list[dict]:
             ours = timer(lambda: index_scores(x, w[0], heads, seen))
             blas = timer(lambda: torch.bmm(hc, torch.relu(torch.bmm(xc, wc))))
             flop += 2 * B * M * N
-        elif "planes" in name:
-            planes = split_planes(x)
-            ours = timer(lambda: planes_bmm(planes, w))
-            blas = timer(lambda: torch.bmm(xc, wc))
+        elif "softmax_pv" in name:  # x: scores; the rows [B, K, N] seen as w [B, N, K]
+            rows, sink = w.transpose(1, 2), torch.randn(M, generator=g).to(dev)
+            mask = (torch.rand(B, K, generator=g) > 0.1).to(dev)
+
+            def steps():
+                s = (x * 0.044).masked_fill(~mask[:, None, :], float("-inf"))
+                s = torch.cat((s, sink.view(1, M, 1).expand(B, M, 1)), dim=-1)
+                return torch.bmm(torch.softmax(s, dim=-1)[..., :-1], wc)
+            ours = timer(lambda: sink_softmax_pv(x, mask, sink, 0.044, rows))
+            blas = timer(steps)
         else:
             ours = timer(lambda: rowwise_bmm(x, w, out_dtype=torch.float32))
             blas = timer(lambda: torch.bmm(xc, wc))

@@ -14,9 +14,9 @@ the batch):
   wastes no lanes.
 - M ≥ 2 (attention: a query's heads against its rows; the indexer's torch path): tiles of
   rows through tl.dot with one fixed tile, warp count and product per operand type (`Product`:
-  bf16/fp16 pairs on tensor cores; fp32 rows against bf16 — attention's p·v — as three exact
-  bf16 tensor-core products, split in the kernel or, `planes_bmm`, stored split by the kernel
-  before; other fp32 operands as IEEE fp32 FMAs), all accumulated in fp32.
+  bf16/fp16 pairs on tensor cores; fp32 rows against bf16 as three exact bf16 tensor-core
+  products, split in the kernel; other fp32 operands as IEEE fp32 FMAs), all accumulated in
+  fp32. (Attention's p·v is strata.kernels.attention's, with its softmax.)
   A row's bits depend only on its own operands — an output element is the same chain of MMA
   steps over k whichever rows share its tile — so a head split (tensor parallelism) or
   another batch changes none. A long prefill's [query, heads, rows] products are a large part
@@ -62,20 +62,16 @@ if triton is not None:
 
     @triton.jit
     def _rowwise_kernel(x_ptr, w_ptr, o_ptr, tab_ptr, M, N, K, m_blocks, k_chunk,
-                        sxb, sxm, sxk, swb, swn, swk, soc, sob, som, son, sxp, stab,
+                        sxb, sxm, sxk, swb, swn, swk, soc, sob, som, son, stab,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PRODUCT: tl.constexpr, WIDEN: tl.constexpr, TABLE: tl.constexpr,
-                        PDL: tl.constexpr):
+                        PRODUCT: tl.constexpr, TABLE: tl.constexpr, PDL: tl.constexpr):
         # A tile of BLOCK_M rows × BLOCK_N outputs of one batch element over one K chunk: the
         # w tile is read once for BLOCK_M rows. Every output is the same fixed-order sum over
         # its chunk whatever the tile holds, BLOCK_K slices added in order; a slice's products
         # summed along k on the CUDA cores (ROW, the M = 1 kernel) or through tl.dot (the
-        # M ≥ 2 kernel, PRODUCT as in `Product`). PLANES: x is hi, its mid and lo planes sxp
-        # and 2·sxp further (WIDEN: each widened to fp32 for IEEE dots — the interpreter's
-        # 16-bit tiles). TABLE (attention's key rows where they lie — no gathered copy): w's
-        # rows are w_ptr + tab[b, ·] (element offsets, stab a batch element's): 1, along N
-        # (q·k: w[b, n, k] = w_ptr[tab[b, n] + k]); 2, along K (p·v: w[b, n, k] =
-        # w_ptr[tab[b, k] + n]) — the same values as the gathered rows, so the same products.
+        # M ≥ 2 kernel, PRODUCT as in `Product`). TABLE (attention's key rows where they lie
+        # — no gathered copy, q·k): w[b, n, k] = w_ptr[tab[b, n] + k] (element offsets, stab
+        # a batch element's) — the same values as the gathered rows, so the same products.
         wait_then_release(PDL)
         pid = tl.program_id(0)  # b · m_blocks + m_block
         b = (pid // m_blocks).to(tl.int64)  # (offsets past 2³¹ elements: long prefills)
@@ -85,8 +81,8 @@ if triton is not None:
         k_start = chunk * k_chunk
         k_end = tl.minimum(k_start + k_chunk, K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if TABLE == 1:  # (row starts: multiples of 16 elements — RowTable's — so rows load
-            # in 16-byte vectors)
+        if TABLE:  # (row starts: multiples of 16 elements — RowTable's — so rows load in
+            # 16-byte vectors)
             w_rows = w_ptr + tl.multiple_of(
                 tl.load(tab_ptr + b * stab + offs_n, mask=offs_n < N, other=0), 16)
         for k0 in range(k_start, k_end, BLOCK_K):
@@ -94,12 +90,8 @@ if triton is not None:
             xk = tl.load(x_ptr + b * sxb + offs_m[:, None] * sxm + offs_k[None, :] * sxk,
                          mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_end), other=0.0)
             w_mask = (offs_n[:, None] < N) & (offs_k[None, :] < k_end)
-            if TABLE == 1:
+            if TABLE:
                 wt = tl.load(w_rows[:, None] + offs_k[None, :], mask=w_mask, other=0.0)
-            elif TABLE == 2:
-                w_cols = tl.multiple_of(
-                    tl.load(tab_ptr + b * stab + offs_k, mask=offs_k < k_end, other=0), 16)
-                wt = tl.load(w_ptr + w_cols[None, :] + offs_n[:, None], mask=w_mask, other=0.0)
             else:
                 wt = tl.load(w_ptr + b * swb + offs_n[:, None] * swn + offs_k[None, :] * swk,
                              mask=w_mask, other=0.0)
@@ -114,19 +106,6 @@ if triton is not None:
                 acc = tl.dot(hi, wtt, acc)
                 acc = tl.dot(mid, wtt, acc)
                 acc = tl.dot(lo, wtt, acc)
-            elif PRODUCT == 4:  # PLANES: SPLIT's three products on the stored split
-                wtt = tl.trans(wt)
-                for plane in tl.static_range(3):
-                    if plane > 0:
-                        xk = tl.load(x_ptr + plane * sxp + b * sxb + offs_m[:, None] * sxm
-                                     + offs_k[None, :] * sxk,
-                                     mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_end),
-                                     other=0.0)
-                    if WIDEN:
-                        acc = tl.dot(xk.to(tl.float32), wtt.to(tl.float32), acc,
-                                     input_precision="ieee")
-                    else:
-                        acc = tl.dot(xk, wtt, acc)
             else:  # FMA
                 acc = tl.dot(xk.to(tl.float32), tl.trans(wt.to(tl.float32)), acc,
                              input_precision="ieee")
@@ -179,8 +158,7 @@ class Product:
     SPLIT = 2   # fp32 rows against bf16 (attention's p·v): x split exactly into hi + mid + lo
     #             bf16 — three tensor-core products, each exact in fp32 (~5× the FMA rate)
     FMA = 3     # any other pair: IEEE fp32 FMAs
-    PLANES = 4  # SPLIT with x given as its split (planes_bmm): the same products, in SPLIT's
-    #             order on its tile, from stored bf16 planes instead of a split in the kernel
+
 
 
 def product(M: int, x: torch.Tensor, w: torch.Tensor) -> int:
@@ -258,54 +236,21 @@ def rowwise_bmm(x: torch.Tensor, w: "torch.Tensor | RowTable", k_chunk: int = K_
                 out=out)
 
 
-def split_planes(x: torch.Tensor) -> torch.Tensor:
-    """fp32 x → its split [3, *x.shape] bf16 (hi, mid, lo), as split_bf16 makes it (torch's
-    round to nearest; exact down to values whose low parts leave bf16's normal range)."""
-    hi = x.bfloat16()
-    rest = x - hi.float()
-    mid = rest.bfloat16()
-    return torch.stack((hi, mid, (rest - mid.float()).bfloat16()))
-
-
-def planes_bmm(planes: torch.Tensor, w: "torch.Tensor | RowTable", k_chunk: int = K_CHUNK,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """rowwise_bmm(x, w) [B, M, N] fp32 for an fp32 x [B, M, K] given as its exact split
-    `planes` [3, B, M, K] bf16 (hi, mid, lo: split_bf16(x), as strata.kernels.attention's
-    sink_softmax writes p) against bf16 w [B or 1, N, K] (M ≥ 2): SPLIT's products in its order
-    on its tile, so rowwise_bmm's bits, without the split inside the product — attention's p·v
-    at decode took 8.0 µs split in the kernel against 2.9 for bf16 x alone (H200, session 23).
-    `out`: a contiguous fp32 [B, M, N] to write into (attention's pieces, each its slice of
-    the chunk's output: no copy of the pieces into one)."""
-    if triton is None:
-        raise RuntimeError("planes_bmm needs triton")
-    if planes.dim() != 4 or planes.shape[0] != 3 or planes.dtype != torch.bfloat16 \
-            or w.dtype != torch.bfloat16:
-        raise ValueError(f"planes_bmm: planes [3, B, M, K] bf16 and bf16 w, got "
-                         f"{planes.dtype} {list(planes.shape)} and {w.dtype}")
-    _, B, M, _ = planes.shape
-    if M < 2:
-        raise ValueError("planes_bmm: rows of M ≥ 2 (the tensor-core tiles)")
-    return _bmm(planes[0], w, Product.PLANES, tile_shape(M, Product.SPLIT, B), k_chunk,
-                torch.float32, planes.stride(0), out)
-
-
 @dataclass(frozen=True)
 class RowTable:
-    """A batch's rows of `width` elements where they lie, as the w of rowwise_bmm /
-    planes_bmm: batch element b's i-th row starts `offsets[b, i]` elements from `base`'s first
-    (int64, any sign, a multiple of 16: rows of several tensors of base's dtype, each row
-    contiguous) —
-    attention's key rows without their gathered copy. As w it is [B, n, width] (q·k), or
-    `transposed()` [B, width, n] (p·v)."""
+    """A batch's rows of `width` elements where they lie, as the w of rowwise_bmm (q·k) and
+    the rows of strata.kernels.attention.sink_softmax_pv (p·v): batch element b's i-th row
+    starts `offsets[b, i]` elements from `base`'s first (int64, any sign, a multiple of 16:
+    rows of several tensors of base's dtype, each row contiguous) — attention's key rows
+    without their gathered copy, [B, n, width]."""
     base: torch.Tensor
     offsets: torch.Tensor  # [B, n] int64
     width: int
-    is_transposed: bool = False
 
     @property
     def shape(self) -> tuple[int, int, int]:
         B, n = self.offsets.shape
-        return (B, self.width, n) if self.is_transposed else (B, n, self.width)
+        return (B, n, self.width)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -315,18 +260,24 @@ class RowTable:
     def is_cuda(self) -> bool:
         return self.base.is_cuda
 
-    # (constructed directly, not by dataclasses.replace: a prefill chunk's attention pieces
-    # make two each, and the host's time a piece is what keeps the GPU fed)
-    def transposed(self) -> "RowTable":
-        return RowTable(self.base, self.offsets, self.width, not self.is_transposed)
-
     def rows(self, i: int, j: int) -> "RowTable":
-        """Batch elements i … j − 1 (a piece of a forward's queries)."""
-        return RowTable(self.base, self.offsets[i:j], self.width, self.is_transposed)
+        """Batch elements i … j − 1 (a piece of a forward's queries). (Constructed directly,
+        not by dataclasses.replace: a prefill chunk's attention pieces make one each, and
+        the host's time a piece is what keeps the GPU fed.)"""
+        return RowTable(self.base, self.offsets[i:j], self.width)
+
+
+def sum_chunks(partial: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = partial[0] + partial[1] + … in chunk order, element by element (a split K's
+    partial products; partial [chunks, *out.shape] fp32, out contiguous)."""
+    n = out.numel()
+    _chunk_sum_kernel[(triton.cdiv(n, 1024),)](partial, out, n, partial.shape[0], BLOCK=1024,
+                                               **pdl.args(out.device))
+    return out
 
 
 def _bmm(x: torch.Tensor, w: "torch.Tensor | RowTable", prod: int,
-         tile: tuple[int, int, int], k_chunk: int, out_dtype: torch.dtype, sxp: int = 0,
+         tile: tuple[int, int, int], k_chunk: int, out_dtype: torch.dtype,
          out: torch.Tensor | None = None) -> torch.Tensor:
     """One _rowwise_kernel launch (and the chunks' sum where K is split), into `out` if given."""
     B, M, K = x.shape
@@ -343,10 +294,10 @@ def _bmm(x: torch.Tensor, w: "torch.Tensor | RowTable", prod: int,
         return out
     table = isinstance(w, RowTable)
     if table:  # (the rows' strides are the table's)
-        tab, mode, w = w.offsets, 2 if w.is_transposed else 1, w.base
+        tab, w = w.offsets, w.base
         swb = swn = swk = 0
     else:
-        tab, mode = w, 0
+        tab = w
         swb, swn, swk = (0 if Bw == 1 else w.stride(0)), w.stride(1), w.stride(2)
     bm, bn, bk = tile
     m_blocks = triton.cdiv(M, bm)
@@ -355,14 +306,9 @@ def _bmm(x: torch.Tensor, w: "torch.Tensor | RowTable", prod: int,
                                                device=x.device)
     args = (x, w, dest, tab, M, N, K, m_blocks, k_chunk if chunks > 1 else K,
             x.stride(0), x.stride(1), x.stride(2), swb, swn, swk,
-            dest.stride(0) if chunks > 1 else 0, *dest.stride()[-3:], sxp,
+            dest.stride(0) if chunks > 1 else 0, *dest.stride()[-3:],
             tab.stride(0) if table else 0)
     grid = (B * m_blocks, triton.cdiv(N, bn), chunks)
     _rowwise_kernel[grid](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRODUCT=prod,
-                          WIDEN=not x.is_cuda, TABLE=mode, num_warps=TILE_WARPS,
-                          **pdl.args(x.device))
-    if chunks > 1:
-        n = B * M * N
-        _chunk_sum_kernel[(triton.cdiv(n, 1024),)](dest, out, n, chunks, BLOCK=1024,
-                                                   **pdl.args(x.device))
-    return out
+                          TABLE=table, num_warps=TILE_WARPS, **pdl.args(x.device))
+    return out if chunks == 1 else sum_chunks(dest, out)

@@ -22,12 +22,12 @@ from strata.quant.qdq import fp4_qdq_e4m3_scale, fp8_act_qdq
 from strata.runtime.state import PositionRing, State
 
 # A forward's queries attend in pieces whose scratch (scratch_per_query) stays under this many
-# bytes: small enough that a piece's scores and probabilities stay in the GPU's L2 cache
-# (50 MB on an H100) between the launches that write and read them, large enough that the
-# host's launches keep ahead of the GPU. V4.1 at a prefill chunk: 80 queries a piece. Against
-# pieces of 242 queries, the 10-layer 32K prefill ran +1.2 % with 80, −1.2 % with 320, −3.1 %
-# with 2,576 and −36 % with 32, where the host's launches fell behind (H100; bench/results/
-# performance.md, session 53).
+# bytes: small enough that a piece's scores stay in the GPU's L2 cache (50 MB on an H100)
+# between the launch that writes them and the one that reads them, large enough that the
+# host's launches keep ahead of the GPU. V4.1 at a prefill chunk: 192 queries a piece. (With
+# the probabilities stored too, 80 a piece: against pieces of 242 queries the 10-layer 32K
+# prefill ran +1.2 % with 80, −1.2 % with 320, −3.1 % with 2,576 and −36 % with 32, where the
+# host's launches fell behind — H100; bench/results/performance.md, session 53.)
 ATTN_SCRATCH = 32 << 20
 
 
@@ -140,10 +140,10 @@ class Attention:
         table = scratch = None
         if step < T and attn_kernels.available(kv):
             # Prefill's pieces are launched faster than they run only if the host does little
-            # for each (bench/results/performance.md, session 54): the scores and probabilities
-            # get one buffer that every piece reuses, and where the rows are a RowTable (row
-            # starts, 8 bytes a row) all queries' are made in one launch and sliced.
-            scratch = attention_scratch(kv, ring, cache, step, H, n)
+            # for each (bench/results/performance.md, session 54): the scores get one buffer
+            # that every piece reuses, and where the rows are a RowTable (row starts, 8 bytes
+            # a row) all queries' are made in one launch and sliced.
+            scratch = torch.empty((step, H, n), dtype=torch.float32, device=q.device)
             if attn_kernels.row_table_applies(kv, ring.rows, cache):
                 table = gather_rows(kv, ring, window, cache, sel)
         for i in range(0, T, step):
@@ -175,7 +175,7 @@ class Attention:
 
     def attend_heads(self, q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
                      out: torch.Tensor | None = None,
-                     scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     scratch: torch.Tensor | None = None) -> torch.Tensor:
         """sparse_attention over this object's heads (tensor parallelism wraps it)."""
         return sparse_attention(q, rows, mask, self.attn_sink, self.cfg.head_dim ** -0.5, out,
                                 scratch)
@@ -222,35 +222,23 @@ def gather_rows(kv: torch.Tensor, ring: PositionRing, window: tuple[torch.Tensor
             torch.cat((valid, sel >= 0), dim=1))
 
 
-def attention_scratch(kv: torch.Tensor, ring: PositionRing, cache: torch.Tensor | None,
-                      T: int, H: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """sparse_attention's `scratch` for up to T queries over n rows on CUDA: the scores
-    [T, H, n] fp32 and the probabilities — three bf16 planes [3, T, H, n] where the rows are
-    bf16 (sink_softmax's `planes`), else [T, H, n] fp32."""
-    s = torch.empty((T, H, n), dtype=torch.float32, device=kv.device)
-    if rows_dtype(kv, ring, cache) == torch.bfloat16:
-        return s, torch.empty((3, T, H, n), dtype=torch.bfloat16, device=kv.device)
-    return s, torch.empty_like(s)
-
-
 def scratch_per_query(kv: torch.Tensor, ring: PositionRing, cache: torch.Tensor | None,
                       H: int, n: int) -> int:
     """Device bytes one query of attend_pieces' piece holds while it attends over n rows: on
-    CUDA (strata.kernels.attention) its scores s (fp32) and probabilities, the rows' starts (a
-    RowTable, int64) or their gathered copy, and the mask; on the torch path 3 fp32 copies of
-    the rows, s and p, and the sink's column."""
+    CUDA (strata.kernels.attention) its scores s (fp32), the rows' starts (a RowTable, int64)
+    or their gathered copy, the mask, and past one K chunk the chunks' partial outputs; on the
+    torch path 3 fp32 copies of the rows, s and p, and the sink's column."""
     from strata.kernels import attention as attn_kernels
+    from strata.kernels.rowwise import K_CHUNK
     hd = kv.shape[-1]
     if not attn_kernels.available(kv):
         return 12 * n * hd + 12 * H * (n + 1)
     if attn_kernels.row_table_applies(kv, ring.rows, cache):
-        rows, dt = 8 * n, kv.dtype
+        rows = 8 * n
     else:
-        dt = rows_dtype(kv, ring, cache)
-        rows = n * hd * dt.itemsize
-    # p as three bf16 planes (bf16 rows), or fp32 p and the product before its copy into `out`
-    p = 6 * H * n if dt == torch.bfloat16 else 4 * H * n + 4 * H * hd
-    return rows + n + 4 * H * n + p
+        rows = n * hd * rows_dtype(kv, ring, cache).itemsize
+    chunks = -(-n // K_CHUNK) if n > K_CHUNK else 0
+    return rows + n + 4 * H * n + 4 * H * hd * chunks
 
 
 def rows_dtype(kv: torch.Tensor, ring: PositionRing, cache: torch.Tensor | None) -> torch.dtype:
@@ -261,33 +249,23 @@ def rows_dtype(kv: torch.Tensor, ring: PositionRing, cache: torch.Tensor | None)
 
 def sparse_attention(q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
                      sink: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                     scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     scratch: torch.Tensor | None = None) -> torch.Tensor:
     """One softmax per query over its own rows [T, n, hd] — its window's, then its selected
     compressed entries' (gather_rows; on CUDA also a RowTable) — with mask [T, n]; the
     per-head sink enters only the denominator; K == V.
     q [T, H, hd] → [T, H, hd] fp32 (written into `out`, a contiguous fp32 [T, H, hd], if
     given), every product accumulated in fp32 (16-bit q and rows: exact products, on tensor
-    cores on CUDA). Every query is its own batch element. `scratch` (CUDA): buffers for the
-    scores and probabilities of at least T queries (attention_scratch), written here instead
-    of new ones."""
+    cores on CUDA). Every query is its own batch element. `scratch` (CUDA): a buffer for the
+    scores of at least T queries ([≥ T, H, n] fp32), written here instead of a new one."""
     T, H, _ = q.shape
-    s_buf, p_buf = (None, None) if scratch is None else (scratch[0][:T], scratch[1][..., :T, :, :])
-    s = rows_bmm(q, rows, torch.float32, out=s_buf)  # [T, H, n]
+    s = rows_bmm(q, rows, torch.float32, out=None if scratch is None else scratch[:T])
     from strata.kernels import attention as attn_kernels
-    from strata.kernels.rowwise import RowTable
-    values = rows.transposed() if isinstance(rows, RowTable) else rows.transpose(1, 2)
-    if attn_kernels.available(s):  # (the steps below in one launch)
-        if rows.dtype == torch.bfloat16:  # (p·v: fp32 p split into three bf16 products — the
-            # softmax stores the split; the product's bits, in less time: rowwise.planes_bmm)
-            from strata.kernels.rowwise import planes_bmm
-            return planes_bmm(attn_kernels.sink_softmax(s, mask, sink, scale, planes=True,
-                                                        out=p_buf), values, out=out)
-        o = rows_bmm(attn_kernels.sink_softmax(s, mask, sink, scale, out=p_buf), values)
-        return o if out is None else out.copy_(o)
+    if attn_kernels.available(s):  # (the softmax and p·v in one launch: p stays in registers)
+        return attn_kernels.sink_softmax_pv(s, mask, sink, scale, rows, out)
     # (a Python scalar, not torch.tensor(-inf, device=…): that is a host → device upload per
     # layer, which on a GPU waits for the stream)
     s = (s * scale).masked_fill(~mask[:, None, :], float("-inf"))
     s = torch.cat((s, sink.view(1, H, 1).expand(T, H, 1)), dim=-1)
     p = torch.softmax(s, dim=-1)[..., :-1]
-    o = rows_bmm(p, values)
+    o = rows_bmm(p, rows.transpose(1, 2))
     return o if out is None else out.copy_(o)

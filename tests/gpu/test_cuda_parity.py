@@ -108,21 +108,36 @@ def test_rowwise_split_and_row_tiles_compiled(cuda):
         assert torch.equal(rowwise_rows(x[t:t + 1], w, torch.float32), y[t:t + 1])
 
 
-def test_pv_from_the_stored_split_has_the_split_products_bits(cuda):
-    """Attention's p·v with the softmax storing p's split (sink_softmax planes=True, then
-    planes_bmm): the bits of the in-kernel split (rowwise_bmm on fp32 p) — a decode query, a
-    verify window, a prefill piece (the wider tile) and rows past one K chunk."""
-    from strata.kernels.attention import sink_softmax
-    from strata.kernels.rowwise import planes_bmm, rowwise_bmm
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_softmax_pv_compiled_queries_stand_alone(cuda, dtype):
+    """Attention's softmax and p·v in one launch (sink_softmax_pv), compiled at V4.1's shapes
+    (64 heads, rows of 512): near the float64 torch steps; a decode query, a verify window
+    and the rest of a prefill piece each give the batch's bits; rows in one K chunk, past
+    one, and masked rows after each query's last visible one (a decode query has fewer rows
+    than a chunk's — here also one chunk against two) change no bit; a RowTable of the rows
+    gives the rows' bits."""
+    from strata.kernels.attention import sink_softmax_pv
+    from strata.kernels.rowwise import RowTable
     g = torch.Generator().manual_seed(9)
     sink = torch.randn(64, generator=g).to(cuda)
-    for T, n in ((1, 640), (6, 640), (40, 640), (3, 1500)):
-        s = (torch.randn(T, 64, n, generator=g) * 4).to(cuda)
-        mask = (torch.rand(T, n, generator=g) > 0.2).to(cuda)
-        v = torch.randn(T, n, 512, generator=g).to(cuda, torch.bfloat16).transpose(1, 2)
-        want = rowwise_bmm(sink_softmax(s, mask, sink, 0.044), v)
-        got = planes_bmm(sink_softmax(s, mask, sink, 0.044, planes=True), v)
-        assert torch.equal(got, want), (T, n)
+    for T, n, extra in ((40, 640, 100), (7, 1000, 100), (8, 1500, 60)):
+        s = (torch.randn(T, 64, n + extra, generator=g) * 4).to(cuda)
+        mask = (torch.rand(T, n + extra, generator=g) > 0.2).to(cuda)
+        rows = torch.randn(T, n + extra, 512, generator=g).to(cuda, dtype)
+        got = sink_softmax_pv(s[..., :n], mask[:, :n], sink, 0.044, rows[:, :n].contiguous())
+        x = (s[..., :n].double() * 0.044).masked_fill(~mask[:, None, :n], float("-inf"))
+        x = torch.cat((x, sink.double().view(1, 64, 1).expand(T, 64, 1)), -1)
+        want = torch.softmax(x, -1)[..., :-1] @ rows[:, :n].double()
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+        for i, j in ((0, 1), (1, 7), (7, T)):
+            assert torch.equal(sink_softmax_pv(s[i:j, :, :n], mask[i:j, :n], sink, 0.044,
+                                               rows[i:j, :n]), got[i:j]), (T, n, i)
+        hidden = mask.clone()
+        hidden[:, n:] = False
+        assert torch.equal(sink_softmax_pv(s, hidden, sink, 0.044, rows), got), (T, n)
+        flat = rows[:, :n].reshape(-1, 512)
+        table = RowTable(flat, torch.arange(T * n, device=cuda).view(T, n) * 512, 512)
+        assert torch.equal(sink_softmax_pv(s[..., :n], mask[:, :n], sink, 0.044, table), got)
 
 
 @pytest.mark.parametrize("preset_dir", ["tiny_dir", "real_vocab_dir"])
