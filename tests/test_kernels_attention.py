@@ -1,4 +1,4 @@
-"""The attention's one-launch sink softmax and p·v (strata.kernels.attention) against the
+"""The attention's sink softmax and p·v (strata.kernels.attention.sink_softmax_pv) against the
 torch steps of strata.model.attention.sparse_attention, under TRITON_INTERPRET=1 on CPU
 (tests/gpu/test_kernels_fused_ops_gpu.py runs it compiled)."""
 from __future__ import annotations

@@ -11,22 +11,21 @@ read the rows there — the same values, so the same bits.
 
 Softmax and p·v: sparse_attention scales a query's scores, masks its invisible rows, appends
 the head's sink logit, takes the softmax, drops the sink's column and multiplies the
-probabilities by the rows: five torch kernels and a product per layer and piece. Here one
-launch does it all (`sink_softmax_pv`): each program finds its query's heads' maximum and
-denominator over all rows, then forms p for its chunk of rows in registers and multiplies
-it into its block of output columns — p is never stored, so a prefill piece's scratch is
-its scores alone, and a piece takes a launch fewer (the host's launches bound a prefill
-chunk: bench/results/performance.md, session 54). The same formulation as torch's (the sink
-enters the maximum and the denominator only); Triton's exp is not torch's and the
-denominator is summed in blocks of rows, so the result agrees to fp32 rounding. A query's
-rows are reduced in a fixed order of fixed blocks: batch-invariant, and rows masked after
-its last visible one change no bit.
+probabilities by the rows: five torch kernels and a product per layer and piece. Here
+(`sink_softmax_pv`) one launch finds each (query, head) row's maximum and denominator in
+registers, with the same formulation (the sink enters the maximum and the denominator only),
+and the p·v kernel forms p = exp(x − max) / denominator element by element where it
+multiplies it — p is never stored, so a prefill piece's scratch is its scores alone and its
+pieces are 2.4 times as large at V4.1 (fewer launches: the host's launches bound a prefill
+chunk, bench/results/performance.md, session 54), and each p·v program reads 4 bytes of
+score an element where it read 6 of stored p. Triton's exp is not torch's, so the result
+agrees to fp32 rounding. Each row is computed alone: batch-invariant.
 """
 from __future__ import annotations
 
 import torch
 
-from strata.kernels.rowwise import K_CHUNK, TILE_WARPS, RowTable, sum_chunks
+from strata.kernels.rowwise import K_CHUNK, SMALL_BATCH, TILE_WARPS, RowTable, sum_chunks
 
 try:
     import triton
@@ -102,19 +101,37 @@ if triton is not None:
                          mask=live[:, None] & cm)
 
     @triton.jit
-    def _softmax_pv_kernel(s_ptr, m_ptr, sink_ptr, v_ptr, tab_ptr, o_ptr, H, n, hd, m_blocks,
+    def _softmax_stats_kernel(s_ptr, m_ptr, sink_ptr, st_ptr, n, scale, s_t, s_h, m_t,
+                              NB: tl.constexpr, PDL: tl.constexpr):
+        # One (query, head) row: its maximum over [s·scale (masked to −inf), sink] and the
+        # softmax's denominator Σ exp(x − top) + exp(sink − top), at st[t, h, 0:2].
+        wait_then_release(PDL)
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        j = tl.arange(0, NB)
+        live = j < n
+        x = tl.load(s_ptr + t * s_t + h * s_h + j, mask=live, other=0.0) * scale
+        ok = tl.load(m_ptr + t * m_t + j, mask=live, other=0) != 0
+        x = tl.where(ok & live, x, float("-inf"))
+        sink = tl.load(sink_ptr + h)
+        top = tl.maximum(tl.max(x, axis=0), sink)
+        den = tl.sum(tl.exp(x - top), axis=0) + tl.exp(sink - top)
+        st = st_ptr + (t * tl.num_programs(1) + h) * 2
+        tl.store(st, top)
+        tl.store(st + 1, den)
+
+    @triton.jit
+    def _softmax_pv_kernel(s_ptr, m_ptr, st_ptr, v_ptr, tab_ptr, o_ptr, H, n, hd, m_blocks,
                            k_chunk, scale, s_t, s_h, m_t, s_vt, s_vk, s_tab, o_c, o_t, o_h,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, WIDEN: tl.constexpr,
                            TABLE: tl.constexpr, PDL: tl.constexpr):
-        # One query's BLOCK_M heads × BLOCK_N value columns over one chunk of its rows.
-        # First its heads' softmax maximum and denominator over all n rows, blocks of BLOCK_K
-        # in order, the sink first (so the maximum is never −inf): the denominator rescaled
-        # as the maximum grows — a block wholly masked multiplies it by exp(0) and adds 0,
-        # so rows past a query's last visible one change no bit. Then p = exp(x − max) / den
-        # for the chunk's rows, and p·v as rowwise's products make it: SPLIT (bf16 values),
-        # p as hi + mid + lo bf16 — three exact tensor-core products; else IEEE fp32.
-        # TABLE: v's row k starts at v_ptr + tab[t, k] (a RowTable), else at s_vt·t + s_vk·k.
+        # One query's BLOCK_M heads × BLOCK_N value columns over one chunk of its rows: p =
+        # exp(x − top) / den from the scores and the rows' statistics, element by element (so
+        # its bits do not depend on the tile), then p·v as rowwise's products make it: SPLIT
+        # (bf16 values), p as hi + mid + lo bf16 — three exact tensor-core products; else
+        # IEEE fp32. TABLE: v's row k starts at v_ptr + tab[t, k] (a RowTable), else at
+        # s_vt·t + s_vk·k.
         wait_then_release(PDL)
         pid = tl.program_id(0)  # t · m_blocks + head block
         t = (pid // m_blocks).to(tl.int64)
@@ -122,27 +139,24 @@ if triton is not None:
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         chunk = tl.program_id(2)
         live_h = heads < H
+        st = st_ptr + (t * H + heads) * 2
+        top = tl.load(st, mask=live_h, other=0.0)
+        den = tl.load(st + 1, mask=live_h, other=1.0)
         s_row = s_ptr + t * s_t + heads[:, None] * s_h
-        m_row = m_ptr + t * m_t
-        top = tl.load(sink_ptr + heads, mask=live_h, other=0.0)
-        den = tl.full([BLOCK_M], 1.0, tl.float32)  # the sink's exp(sink − top)
-        for k0 in range(0, n, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            x = _masked_scores(s_row, m_row, ks, n, live_h, scale)
-            new = tl.maximum(top, tl.max(x, axis=1))
-            den = den * tl.exp(top - new) + tl.sum(tl.exp(x - new[:, None]), axis=1)
-            top = new
         k_start = chunk * k_chunk
         k_end = tl.minimum(k_start + k_chunk, n)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            x = _masked_scores(s_row, m_row, ks, k_end, live_h, scale)
+            live = ks < k_end
+            x = tl.load(s_row + ks[None, :], mask=live_h[:, None] & live[None, :], other=0.0)
+            ok = (tl.load(m_ptr + t * m_t + ks, mask=live, other=0) != 0) & live
+            x = tl.where(live_h[:, None] & ok[None, :], x * scale, float("-inf"))
             p = tl.exp(x - top[:, None]) / den[:, None]
-            v_mask = (ks[:, None] < k_end) & (cols[None, :] < hd)
+            v_mask = live[:, None] & (cols[None, :] < hd)
             if TABLE:  # (row starts: multiples of 16 elements — RowTable's)
                 v_rows = v_ptr + tl.multiple_of(
-                    tl.load(tab_ptr + t * s_tab + ks, mask=ks < k_end, other=0), 16)
+                    tl.load(tab_ptr + t * s_tab + ks, mask=live, other=0), 16)
             else:
                 v_rows = v_ptr + t * s_vt + ks.to(tl.int64) * s_vk
             v = tl.load(v_rows[:, None] + cols[None, :], mask=v_mask, other=0.0)
@@ -161,15 +175,6 @@ if triton is not None:
                 acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
         tl.store(o_ptr + chunk.to(tl.int64) * o_c + t * o_t + heads[:, None] * o_h
                  + cols[None, :], acc, mask=live_h[:, None] & (cols[None, :] < hd))
-
-    @triton.jit
-    def _masked_scores(s_row, m_row, ks, lim, live_h, scale):
-        """A block of a query's heads' scaled scores, −inf where its mask hides a row and
-        past `lim`."""
-        live = ks < lim
-        x = tl.load(s_row + ks[None, :], mask=live_h[:, None] & live[None, :], other=0.0)
-        ok = (tl.load(m_row + ks, mask=live, other=0) != 0) & live
-        return tl.where(live_h[:, None] & ok[None, :], x * scale, float("-inf"))
 
 
 GATHER_ROWS = 16
@@ -243,24 +248,28 @@ def _gather(kv, ring_rows, ring_tags, window, cache, sel, out: torch.Tensor,
     return mask
 
 
-# sink_softmax_pv's tiles (heads × value columns × rows), fixed whatever the batch so that a
-# query's bits never depend on it: bf16 values' split products on tensor cores, 64 × 64 × 64
-# as rowwise's SPLIT tile (V4.1's 64 heads in one); any other values, IEEE fp32 FMAs.
-SPLIT_TILE = (64, 64, 64)
+# sink_softmax_pv's p·v tiles (heads × value columns × rows). bf16 values' split products on
+# tensor cores: 64 heads (V4.1's, in one tile) by 64 rows, as rowwise's SPLIT tile, 32 columns
+# for a decode step or verify window (more programs for a few queries), PV_PREFILL_COLUMNS for
+# more — every program reads its query's scores, so wider tiles read them fewer times. A
+# tile's width changes no bit (p is element by element; the products' chain over rows is
+# the same). Any other values: IEEE fp32 FMAs, 32 × 32 × 32.
+PV_PREFILL_COLUMNS = 128
 FMA_TILE = (32, 32, 32)
 
 
 def sink_softmax_pv(s: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float,
                     rows: "torch.Tensor | RowTable", out: torch.Tensor | None = None,
                     k_chunk: int = K_CHUNK) -> torch.Tensor:
-    """The attention's output from its scores in one launch: s [T, H, n] fp32 scores, mask
-    [T, n] bool (visible rows), sink [H], rows [T, n, hd] the values (the key rows, K == V: a
-    tensor with contiguous rows, or a RowTable) → softmax over [s·scale (masked to −inf),
-    sink] without the sink's column, times the rows: [T, H, hd] fp32, into `out` (a
-    contiguous fp32 [T, H, hd]) if given. The probabilities never leave the kernel. Rows past
-    k_chunk (a multiple of 64) are summed in chunks computed in parallel and added in order —
-    a partition by position alone, so a query's bits do not depend on T or on masked rows
-    after its last visible one."""
+    """The attention's output from its scores: s [T, H, n] fp32 scores, mask [T, n] bool
+    (visible rows), sink [H], rows [T, n, hd] the values (the key rows, K == V: a tensor with
+    contiguous rows, or a RowTable) → softmax over [s·scale (masked to −inf), sink] without
+    the sink's column, times the rows: [T, H, hd] fp32, into `out` (a contiguous fp32
+    [T, H, hd]) if given. Two launches: each row's maximum and denominator, then p formed in
+    registers where it is multiplied — never stored. Rows past k_chunk (a multiple of 64) are
+    summed in chunks computed in parallel and added in order — a partition by position
+    alone, so a query's bits do not depend on T or on masked rows after its last visible
+    one."""
     T, H, n = s.shape
     hd = rows.shape[-1]
     if tuple(rows.shape[:2]) != (T, n):
@@ -273,9 +282,16 @@ def sink_softmax_pv(s: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, sca
                          f"{out.dtype} {list(out.shape)}")
     if T == 0 or H == 0 or hd == 0:
         return out
+    if n == 0:  # (no rows: the sink takes every probability)
+        return out.zero_()
     if s.stride(-1) != 1:
         s = s.contiguous()
     m = (mask if mask.stride(-1) == 1 else mask.contiguous()).view(torch.uint8)  # (no copy)
+    stats = torch.empty((T, H, 2), dtype=torch.float32, device=s.device)
+    _softmax_stats_kernel[(T, H)](s, m, sink.float().contiguous(), stats, n, float(scale),
+                                  s.stride(0), s.stride(1), m.stride(0),
+                                  NB=triton.next_power_of_2(n), enable_fp_fusion=False,
+                                  **pdl.args(s.device))
     table = isinstance(rows, RowTable)
     if table:
         v, tab, s_vt, s_vk, s_tab = rows.base, rows.offsets, 0, 0, rows.offsets.stride(0)
@@ -283,14 +299,15 @@ def sink_softmax_pv(s: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, sca
         v = rows if rows.stride(-1) == 1 else rows.contiguous()
         tab, s_vt, s_vk, s_tab = v, v.stride(0), v.stride(1), 0
     split = v.dtype == torch.bfloat16
-    bm, bn, bk = SPLIT_TILE if split else FMA_TILE
+    bm, bn, bk = ((64, 32 if T <= SMALL_BATCH else PV_PREFILL_COLUMNS, 64) if split
+                  else FMA_TILE)
     chunks = triton.cdiv(n, k_chunk) if n > k_chunk else 1
     dest = out if chunks == 1 else torch.empty((chunks, T, H, hd), dtype=torch.float32,
                                                device=s.device)
     m_blocks = triton.cdiv(H, bm)
     _softmax_pv_kernel[(T * m_blocks, triton.cdiv(hd, bn), chunks)](
-        s, m, sink.float().contiguous(), v, tab, dest, H, n, hd, m_blocks,
-        k_chunk if chunks > 1 else max(n, 1), float(scale), s.stride(0), s.stride(1),
+        s, m, stats, v, tab, dest, H, n, hd, m_blocks,
+        k_chunk if chunks > 1 else n, float(scale), s.stride(0), s.stride(1),
         m.stride(0), s_vt, s_vk, s_tab, dest.stride(0) if chunks > 1 else 0,
         *dest.stride()[-3:-1], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split,
         WIDEN=not s.is_cuda, TABLE=table, num_warps=TILE_WARPS, enable_fp_fusion=False,

@@ -226,8 +226,9 @@ def scratch_per_query(kv: torch.Tensor, ring: PositionRing, cache: torch.Tensor 
                       H: int, n: int) -> int:
     """Device bytes one query of attend_pieces' piece holds while it attends over n rows: on
     CUDA (strata.kernels.attention) its scores s (fp32), the rows' starts (a RowTable, int64)
-    or their gathered copy, the mask, and past one K chunk the chunks' partial outputs; on the
-    torch path 3 fp32 copies of the rows, s and p, and the sink's column."""
+    or their gathered copy, the mask, its heads' softmax statistics, and past one K chunk the
+    chunks' partial outputs; on the torch path 3 fp32 copies of the rows, s and p, and the
+    sink's column."""
     from strata.kernels import attention as attn_kernels
     from strata.kernels.rowwise import K_CHUNK
     hd = kv.shape[-1]
@@ -238,7 +239,7 @@ def scratch_per_query(kv: torch.Tensor, ring: PositionRing, cache: torch.Tensor 
     else:
         rows = n * hd * rows_dtype(kv, ring, cache).itemsize
     chunks = -(-n // K_CHUNK) if n > K_CHUNK else 0
-    return rows + n + 4 * H * n + 4 * H * hd * chunks
+    return rows + n + 4 * H * n + 8 * H + 4 * H * hd * chunks
 
 
 def rows_dtype(kv: torch.Tensor, ring: PositionRing, cache: torch.Tensor | None) -> torch.dtype:
@@ -260,7 +261,7 @@ def sparse_attention(q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
     T, H, _ = q.shape
     s = rows_bmm(q, rows, torch.float32, out=None if scratch is None else scratch[:T])
     from strata.kernels import attention as attn_kernels
-    if attn_kernels.available(s):  # (the softmax and p·v in one launch: p stays in registers)
+    if attn_kernels.available(s):  # (p formed in registers where p·v multiplies it)
         return attn_kernels.sink_softmax_pv(s, mask, sink, scale, rows, out)
     # (a Python scalar, not torch.tensor(-inf, device=…): that is a host → device upload per
     # layer, which on a GPU waits for the stream)
