@@ -155,10 +155,10 @@ class Product:
     and the call site's structural M choose it, never the batch."""
     ROW = 0     # M = 1: one row per program, products summed along k on the CUDA cores
     PAIR16 = 1  # one 16-bit float type on both sides: tensor cores, exact products
-    SPLIT = 2   # fp32 rows against bf16 (attention's p·v): x split exactly into hi + mid + lo
-    #             bf16 — three tensor-core products, each exact in fp32 (~5× the FMA rate)
+    SPLIT = 2   # fp32 rows against bf16 (fp32 queries, bf16 keys): x split exactly into
+    #             hi + mid + lo bf16 — three tensor-core products, each exact in fp32 (~5×
+    #             the FMA rate)
     FMA = 3     # any other pair: IEEE fp32 FMAs
-
 
 
 def product(M: int, x: torch.Tensor, w: torch.Tensor) -> int:
