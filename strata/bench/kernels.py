@@ -605,7 +605,7 @@ ROWWISE = (("attn_qk_prefill", 243, 64, 640, 512, "bf16", "bf16", False),
            ("mhc_decode", 1, 1, 24, 20480, "fp32", "fp32", False),
            ("attn_qk_decode", 1, 64, 640, 512, "bf16", "bf16", False),
            ("attn_pv_decode", 1, 64, 512, 640, "fp32", "bf16", True),
-           # the softmax and p·v in one launch from the scores (the model's path:
+           # the softmax and p·v in two launches from the scores (the model's path:
            # strata.kernels.attention.sink_softmax_pv; x the scores, against torch's softmax
            # steps and cuBLAS's p·v) — a prefill piece, a DSpark window, a decode query
            ("attn_softmax_pv_prefill", 192, 64, 512, 640, "fp32", "bf16", True),

@@ -293,7 +293,7 @@ def test_a_forward_hashing_engram_ids_on_the_device_gives_the_host_hashs_logits(
 
 def test_attention_sink_softmax_near_the_torch_code(cuda, monkeypatch):
     """sparse_attention at V4.1's shapes (64 heads, 128 window + 512 compressed rows of 512,
-    fp32) with the softmax and p·v in one launch: the torch steps' output to fp32 rounding, and
+    fp32) with the softmax and p·v in two launches: the torch steps' output to fp32 rounding, and
     each query's output alone equal to it in a batch."""
     from strata.model.attention import sparse_attention
     g = torch.Generator().manual_seed(4)
