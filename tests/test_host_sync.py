@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from strata.model.model import Model
+from strata.model.model import Model, ModelPart
 from strata.model.numerics import Numerics
 from strata.runtime.session import Session
 from util import random_tokens
@@ -60,13 +60,17 @@ def exl3_dir(tmp_path_factory):
                                      ("kernels", 6), ("exl3-kernels", 1)])
 def test_forward_layers_read_nothing_back(tiny_dir, exl3_dir, monkeypatch, path, T):
     """`kernels`: the quantized Triton kernels the GPU runs (forced onto CPU tensors, under
-    the interpreter); `exl3-kernels`: the EXL3 fixture through the EXL3 kernels (one row: the
-    interpreter takes ~1 min per forward there; a 6-row window runs the same kernels)."""
+    the interpreter); `exl3-kernels`: the EXL3 fixture through the EXL3 kernels — one row, and
+    layers 0 and 1 with the embedding and head (ModelPart): a window-only layer and a ratio-2
+    source with its indexer and Engram hold every kind of EXL3 linear and MoE call the other
+    layers make, and the interpreter's trellis decode takes ~1 min per forward of all 8; a
+    6-row window runs the same kernels."""
     import strata.kernels.exl3  # noqa: F401 — imported before the probe (module constants)
     import strata.quant.exl3 as quant_exl3
     from strata.kernels import fp8fp4
     model = Model.load(exl3_dir if path == "exl3-kernels" else tiny_dir, "cpu",
-                       Numerics("vendor"))
+                       Numerics("vendor"),
+                       part=ModelPart(layers=[0, 1]) if path == "exl3-kernels" else None)
     s = Session(model, 256)
     s.prefill(random_tokens(150 if path == "torch" else 20, seed=3))  # torch: rings wrap
     tokens = model.check_forward(random_tokens(T, seed=4), s.state, "last")
