@@ -161,11 +161,13 @@ MOE_SPLIT_LOOP_PAIRS = 64    # MoE: above this many pairs, programs loop over th
 # compiled loop spills). A wgmma's rows do not change its bits (the GEMM kernel's 128-row
 # tiles give the fused kernel's), so any multiple of 64 keeps them.
 MOE_LOOP_BLOCK_M = 64
-# MoE: larger steps run in token chunks (bounded buffers). A 4,096-token prefill chunk's
-# 24,576 pairs (top-6) in one grouped call decode each expert's tiles once per chunk, not
-# once per 1,365 tokens (estimated ~40 % fewer tile decodes: experts average 64 pairs);
-# the call's buffers at V4.1's shapes are ~1.2 GB (gate/up: x' in fp16, fp32 partials, outputs).
-MOE_MAX_PAIRS = 24576
+# MoE: larger steps run in token chunks (bounded buffers). A prefill chunk's pairs (top-6) in
+# one grouped call decode each expert's tiles once per chunk, not once per part of it: up to an
+# 8,192-row chunk's 49,152 pairs (experts average 128), whose call's buffers at V4.1's shapes
+# are ~2.4 GB (gate/up: x' in fp16, fp32 partials, outputs). With them in one call an 8,192-row
+# chunk prefills 5 % faster than a 4,096-row one (H100, bench/results/performance.md, session
+# 57); split in two calls of 24,576 it was not faster (sessions 47–53).
+MOE_MAX_PAIRS = 49152
 
 INV_SQRT128 = float(torch.tensor(1.0, dtype=torch.float32) / math.sqrt(128))
 

@@ -37,9 +37,11 @@ class GenerationResult:
 
 # Rows a prefill forward takes at once. Bigger chunks amortise decoding each routed expert over
 # more of its rows (a 4,096-row chunk gives each of the 384 experts ~64): on one H200 a 32K
-# prompt prefills at ~3,100 tok/s in 512-row chunks, ~11,000 in 2,048 and ~14,500 in 4,096
-# (8,192: the same rate, twice the scratch) — bench/results/performance.md, session 32. A
-# 4,096-row chunk's scratch (~1.9 GiB on a device) fits the memory plan's per-device reserve.
+# prompt prefills at ~3,100 tok/s in 512-row chunks, ~11,000 in 2,048 and ~14,500 in 4,096 —
+# bench/results/performance.md, session 32. A 4,096-row chunk's scratch (~1.9 GiB on a device)
+# fits the memory plan's 4 GiB per-device reserve. 8,192 rows prefill ~5 % faster (session 57)
+# but peak ~1.5–1.9 GiB higher, past that reserve: `--prefill-chunk 8192` where a device has
+# the room.
 PREFILL_CHUNK = 4096
 
 
