@@ -63,7 +63,7 @@ def test_forward_layers_read_nothing_back(tiny_dir, exl3_dir, monkeypatch, path,
     the interpreter); `exl3-kernels`: the EXL3 fixture through the EXL3 kernels — one row, and
     layers 0 and 1 with the embedding and head (ModelPart): a window-only layer and a ratio-2
     source with its indexer and Engram hold every kind of EXL3 linear and MoE call the other
-    layers make, and the interpreter's trellis decode takes ~1 min per forward of all 8; a
+    layers make, and the interpreter's trellis decode takes ~2 min per forward of all 8; a
     6-row window runs the same kernels."""
     import strata.kernels.exl3  # noqa: F401 — imported before the probe (module constants)
     import strata.quant.exl3 as quant_exl3

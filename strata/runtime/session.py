@@ -40,8 +40,8 @@ class GenerationResult:
 # prompt prefills at ~3,100 tok/s in 512-row chunks, ~11,000 in 2,048 and ~14,500 in 4,096 —
 # bench/results/performance.md, session 32. A 4,096-row chunk's scratch (~1.9 GiB on a device)
 # fits the memory plan's 4 GiB per-device reserve. 8,192 rows prefill ~5 % faster (session 57)
-# but peak ~1.5–1.9 GiB higher, past that reserve: `--prefill-chunk 8192` where a device has
-# the room.
+# but need ~3.9 GiB above the model, past that reserve beside the CUDA context and graphs:
+# `--prefill-chunk 8192` where a device has the room.
 PREFILL_CHUNK = 4096
 
 
