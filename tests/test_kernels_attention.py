@@ -54,6 +54,26 @@ def test_matches_the_torch_steps_and_queries_stand_alone(dtype):
                                            k_chunk=k_chunk), got), k_chunk
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stored_p_of_a_few_queries_gives_a_pieces_bits(dtype):
+    """At most SMALL_BATCH queries (a decode step, a verify window) have p formed and stored by
+    the statistics launch; a prefill piece's p·v forms it itself: the same queries give the
+    same bits either way, in one K chunk and in two."""
+    from strata.kernels.rowwise import SMALL_BATCH
+    g = torch.Generator().manual_seed(5)
+    T, H, n, hd = SMALL_BATCH + 4, 8, 100, 32
+    s = torch.randn(T, H, n, generator=g) * 20
+    mask = torch.rand(T, n, generator=g) > 0.3
+    mask[0] = False
+    sink = torch.randn(H, generator=g)
+    rows = torch.randn(T, n, hd, generator=g).to(dtype)
+    for k_chunk in (1024, 64):
+        piece = sink_softmax_pv(s, mask, sink, 0.25, rows, k_chunk=k_chunk)
+        for i, j in ((0, 1), (1, 7), (7, 7 + SMALL_BATCH)):
+            assert torch.equal(sink_softmax_pv(s[i:j], mask[i:j], sink, 0.25, rows[i:j],
+                                               k_chunk=k_chunk), piece[i:j]), (k_chunk, i)
+
+
 def test_writes_into_a_given_buffer_and_rejects_a_wrong_one():
     """attend_pieces' pieces write into slices of one output: the values are a fresh call's,
     in the slice; an output of the wrong shape, dtype or layout, and rows that do not match

@@ -14,12 +14,18 @@ the head's sink logit, takes the softmax, drops the sink's column and multiplies
 probabilities by the rows: five torch kernels and a product per layer and piece. Here
 (`sink_softmax_pv`) one launch finds each (query, head) row's maximum and denominator in
 registers, with the same formulation (the sink enters the maximum and the denominator only),
-and the p·v kernel forms p = exp(x − max) / denominator element by element where it
-multiplies it — p is never stored, so a prefill piece's scratch is its scores alone and its
-pieces are 2.4 times as large at V4.1 (fewer launches: the host's launches bound a prefill
-chunk, bench/results/performance.md, session 54), and each p·v program reads 4 bytes of
-score an element where it read 6 of stored p. Triton's exp is not torch's, so the result
-agrees to fp32 rounding. Each row is computed alone: batch-invariant.
+and p = exp(x − max) / denominator is formed element by element:
+- for a prefill piece, by the p·v kernel where it multiplies it — p is never stored, so the
+  piece's scratch is its scores alone and its pieces are 2.4 times as large at V4.1 (fewer
+  launches: the host's launches bound a prefill chunk, bench/results/performance.md, session
+  54), and each p·v program reads 4 bytes of score an element where it read 6 of stored p;
+- for a decode step or a verify window (at most SMALL_BATCH queries), by the statistics
+  launch, which stores it: there the p·v kernel's 16 column programs of a query would each
+  form the same p again, and a decode step's p·v took 21.9 µs against 8.4 with p stored
+  (H100, session 58).
+Both form p with the same operations, so its bits, and the product's, are the same either
+way. Triton's exp is not torch's, so the result agrees to fp32 rounding. Each row is computed
+alone: batch-invariant.
 """
 from __future__ import annotations
 
@@ -101,34 +107,40 @@ if triton is not None:
                          mask=live[:, None] & cm)
 
     @triton.jit
-    def _softmax_stats_kernel(s_ptr, m_ptr, sink_ptr, st_ptr, n, scale, s_t, s_h, m_t,
-                              NB: tl.constexpr, PDL: tl.constexpr):
+    def _softmax_stats_kernel(s_ptr, m_ptr, sink_ptr, st_ptr, p_ptr, n, scale, s_t, s_h, m_t,
+                              NB: tl.constexpr, STORE_P: tl.constexpr, PDL: tl.constexpr):
         # One (query, head) row: its maximum over [s·scale (masked to −inf), sink] and the
-        # softmax's denominator Σ exp(x − top) + exp(sink − top), at st[t, h, 0:2].
+        # softmax's denominator Σ exp(x − top) + exp(sink − top), at st[t, h, 0:2]; STORE_P:
+        # also p = exp(x − top) / den at p[t, h, :n] (contiguous), as _softmax_pv_kernel
+        # forms it.
         wait_then_release(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         j = tl.arange(0, NB)
         live = j < n
-        x = tl.load(s_ptr + t * s_t + h * s_h + j, mask=live, other=0.0) * scale
+        x = tl.load(s_ptr + t * s_t + h * s_h + j, mask=live, other=0.0)
         ok = tl.load(m_ptr + t * m_t + j, mask=live, other=0) != 0
-        x = tl.where(ok & live, x, float("-inf"))
+        x = tl.where(ok & live, x * scale, float("-inf"))
         sink = tl.load(sink_ptr + h)
         top = tl.maximum(tl.max(x, axis=0), sink)
-        den = tl.sum(tl.exp(x - top), axis=0) + tl.exp(sink - top)
+        e = tl.exp(x - top)
+        den = tl.sum(e, axis=0) + tl.exp(sink - top)
         st = st_ptr + (t * tl.num_programs(1) + h) * 2
         tl.store(st, top)
         tl.store(st + 1, den)
+        if STORE_P:
+            tl.store(p_ptr + (t * tl.num_programs(1) + h) * n + j, e / den, mask=live)
 
     @triton.jit
     def _softmax_pv_kernel(s_ptr, m_ptr, st_ptr, v_ptr, tab_ptr, o_ptr, H, n, hd, m_blocks,
                            k_chunk, scale, s_t, s_h, m_t, s_vt, s_vk, s_tab, o_c, o_t, o_h,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, WIDEN: tl.constexpr,
-                           TABLE: tl.constexpr, PDL: tl.constexpr):
+                           TABLE: tl.constexpr, P_STORED: tl.constexpr, PDL: tl.constexpr):
         # One query's BLOCK_M heads × BLOCK_N value columns over one chunk of its rows: p =
         # exp(x − top) / den from the scores and the rows' statistics, element by element (so
-        # its bits do not depend on the tile), then p·v as rowwise's products make it: SPLIT
+        # its bits do not depend on the tile) — P_STORED: s is the statistics launch's p, the
+        # same values — then p·v as rowwise's products make it: SPLIT
         # (bf16 values), p as hi + mid + lo bf16 — three exact tensor-core products; else
         # IEEE fp32. TABLE: v's row k starts at v_ptr + tab[t, k] (a RowTable), else at
         # s_vt·t + s_vk·k.
@@ -150,9 +162,12 @@ if triton is not None:
             ks = k0 + tl.arange(0, BLOCK_K)
             live = ks < k_end
             x = tl.load(s_row + ks[None, :], mask=live_h[:, None] & live[None, :], other=0.0)
-            ok = (tl.load(m_ptr + t * m_t + ks, mask=live, other=0) != 0) & live
-            x = tl.where(live_h[:, None] & ok[None, :], x * scale, float("-inf"))
-            p = tl.exp(x - top[:, None]) / den[:, None]
+            if P_STORED:
+                p = x
+            else:
+                ok = (tl.load(m_ptr + t * m_t + ks, mask=live, other=0) != 0) & live
+                x = tl.where(live_h[:, None] & ok[None, :], x * scale, float("-inf"))
+                p = tl.exp(x - top[:, None]) / den[:, None]
             v_mask = live[:, None] & (cols[None, :] < hd)
             if TABLE:  # (row starts: multiples of 16 elements — RowTable's)
                 v_rows = v_ptr + tl.multiple_of(
@@ -265,11 +280,12 @@ def sink_softmax_pv(s: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, sca
     (visible rows), sink [H], rows [T, n, hd] the values (the key rows, K == V: a tensor with
     contiguous rows, or a RowTable) → softmax over [s·scale (masked to −inf), sink] without
     the sink's column, times the rows: [T, H, hd] fp32, into `out` (a contiguous fp32
-    [T, H, hd]) if given. Two launches: each row's maximum and denominator, then p formed in
-    registers where it is multiplied — never stored. Rows past k_chunk (a multiple of 64) are
-    summed in chunks computed in parallel and added in order — a partition by position
-    alone, so a query's bits do not depend on T or on masked rows after its last visible
-    one."""
+    [T, H, hd]) if given. Two launches: each row's maximum and denominator, then p·v with p
+    formed in registers where it is multiplied — for at most SMALL_BATCH queries formed in the
+    first launch and stored ([T, H, n] fp32), the same bits. Rows past k_chunk (a multiple of
+    64) are summed in chunks computed in parallel and added in order — a partition by
+    position alone, so a query's bits do not depend on T or on masked rows after its last
+    visible one."""
     T, H, n = s.shape
     hd = rows.shape[-1]
     if tuple(rows.shape[:2]) != (T, n):
@@ -288,10 +304,12 @@ def sink_softmax_pv(s: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, sca
         s = s.contiguous()
     m = (mask if mask.stride(-1) == 1 else mask.contiguous()).view(torch.uint8)  # (no copy)
     stats = torch.empty((T, H, 2), dtype=torch.float32, device=s.device)
-    _softmax_stats_kernel[(T, H)](s, m, sink.float().contiguous(), stats, n, float(scale),
+    stored = T <= SMALL_BATCH  # (a decode step's or a verify window's p: formed once, stored)
+    p = torch.empty((T, H, n), dtype=torch.float32, device=s.device) if stored else s
+    _softmax_stats_kernel[(T, H)](s, m, sink.float().contiguous(), stats, p, n, float(scale),
                                   s.stride(0), s.stride(1), m.stride(0),
-                                  NB=triton.next_power_of_2(n), enable_fp_fusion=False,
-                                  **pdl.args(s.device))
+                                  NB=triton.next_power_of_2(n), STORE_P=stored,
+                                  enable_fp_fusion=False, **pdl.args(s.device))
     table = isinstance(rows, RowTable)
     if table:
         v, tab, s_vt, s_vk, s_tab = rows.base, rows.offsets, 0, 0, rows.offsets.stride(0)
@@ -306,10 +324,10 @@ def sink_softmax_pv(s: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, sca
                                                device=s.device)
     m_blocks = triton.cdiv(H, bm)
     _softmax_pv_kernel[(T * m_blocks, triton.cdiv(hd, bn), chunks)](
-        s, m, stats, v, tab, dest, H, n, hd, m_blocks,
-        k_chunk if chunks > 1 else n, float(scale), s.stride(0), s.stride(1),
+        p, m, stats, v, tab, dest, H, n, hd, m_blocks,
+        k_chunk if chunks > 1 else n, float(scale), p.stride(0), p.stride(1),
         m.stride(0), s_vt, s_vk, s_tab, dest.stride(0) if chunks > 1 else 0,
         *dest.stride()[-3:-1], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split,
-        WIDEN=not s.is_cuda, TABLE=table, num_warps=TILE_WARPS, enable_fp_fusion=False,
-        **pdl.args(s.device))
+        WIDEN=not s.is_cuda, TABLE=table, P_STORED=stored, num_warps=TILE_WARPS,
+        enable_fp_fusion=False, **pdl.args(s.device))
     return out if chunks == 1 else sum_chunks(dest, out)

@@ -226,11 +226,11 @@ def scratch_per_query(kv: torch.Tensor, ring: PositionRing, cache: torch.Tensor 
                       H: int, n: int) -> int:
     """Device bytes one query of attend_pieces' piece holds while it attends over n rows: on
     CUDA (strata.kernels.attention) its scores s (fp32), the rows' starts (a RowTable, int64)
-    or their gathered copy, the mask, its heads' softmax statistics, and past one K chunk the
-    chunks' partial outputs; on the torch path 3 fp32 copies of the rows, s and p, and the
-    sink's column."""
+    or their gathered copy, the mask, its heads' softmax statistics, past one K chunk the
+    chunks' partial outputs, and in pieces of a few queries p; on the torch path 3 fp32
+    copies of the rows, s and p, and the sink's column."""
     from strata.kernels import attention as attn_kernels
-    from strata.kernels.rowwise import K_CHUNK
+    from strata.kernels.rowwise import K_CHUNK, SMALL_BATCH
     hd = kv.shape[-1]
     if not attn_kernels.available(kv):
         return 12 * n * hd + 12 * H * (n + 1)
@@ -239,7 +239,9 @@ def scratch_per_query(kv: torch.Tensor, ring: PositionRing, cache: torch.Tensor 
     else:
         rows = n * hd * rows_dtype(kv, ring, cache).itemsize
     chunks = -(-n // K_CHUNK) if n > K_CHUNK else 0
-    return rows + n + 4 * H * n + 8 * H + 4 * H * hd * chunks
+    per = rows + n + 4 * H * n + 8 * H + 4 * H * hd * chunks
+    # (pieces of at most SMALL_BATCH queries also store their p, as large as their scores)
+    return per + 4 * H * n if ATTN_SCRATCH // per <= SMALL_BATCH else per
 
 
 def rows_dtype(kv: torch.Tensor, ring: PositionRing, cache: torch.Tensor | None) -> torch.dtype:
