@@ -106,12 +106,14 @@ if triton is not None:
                 tl.store(out + cols[None, :], v.to(out_ptr.dtype.element_ty),
                          mask=live[:, None] & cm)
 
-    @triton.jit
-    def _softmax_stats_kernel(s_ptr, m_ptr, sink_ptr, st_ptr, p_ptr, n, scale, s_t, s_h, m_t,
-                              NB: tl.constexpr, STORE_P: tl.constexpr, PDL: tl.constexpr):
+    # (store_p: a run-time flag, so that storing p or not is one compiled kernel — a variant
+    # of its own may lay the row out otherwise and sum its denominator in another order)
+    @triton.jit(do_not_specialize=["store_p"])
+    def _softmax_stats_kernel(s_ptr, m_ptr, sink_ptr, st_ptr, p_ptr, store_p, n, scale, s_t,
+                              s_h, m_t, NB: tl.constexpr, PDL: tl.constexpr):
         # One (query, head) row: its maximum over [s·scale (masked to −inf), sink] and the
-        # softmax's denominator Σ exp(x − top) + exp(sink − top), at st[t, h, 0:2]; STORE_P:
-        # also p = exp(x − top) / den at p[t, h, :n] (contiguous), as _softmax_pv_kernel
+        # softmax's denominator Σ exp(x − top) + exp(sink − top), at st[t, h, 0:2]; store_p
+        # ≠ 0: also p = exp(x − top) / den at p[t, h, :n] (contiguous), as _softmax_pv_kernel
         # forms it.
         wait_then_release(PDL)
         t = tl.program_id(0).to(tl.int64)
@@ -128,7 +130,7 @@ if triton is not None:
         st = st_ptr + (t * tl.num_programs(1) + h) * 2
         tl.store(st, top)
         tl.store(st + 1, den)
-        if STORE_P:
+        if store_p != 0:
             tl.store(p_ptr + (t * tl.num_programs(1) + h) * n + j, e / den, mask=live)
 
     @triton.jit
@@ -306,10 +308,10 @@ def sink_softmax_pv(s: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, sca
     stats = torch.empty((T, H, 2), dtype=torch.float32, device=s.device)
     stored = T <= SMALL_BATCH  # (a decode step's or a verify window's p: formed once, stored)
     p = torch.empty((T, H, n), dtype=torch.float32, device=s.device) if stored else s
-    _softmax_stats_kernel[(T, H)](s, m, sink.float().contiguous(), stats, p, n, float(scale),
-                                  s.stride(0), s.stride(1), m.stride(0),
-                                  NB=triton.next_power_of_2(n), STORE_P=stored,
-                                  enable_fp_fusion=False, **pdl.args(s.device))
+    _softmax_stats_kernel[(T, H)](s, m, sink.float().contiguous(), stats, p, int(stored), n,
+                                  float(scale), s.stride(0), s.stride(1), m.stride(0),
+                                  NB=triton.next_power_of_2(n), enable_fp_fusion=False,
+                                  **pdl.args(s.device))
     table = isinstance(rows, RowTable)
     if table:
         v, tab, s_vt, s_vk, s_tab = rows.base, rows.offsets, 0, 0, rows.offsets.stride(0)
