@@ -19,12 +19,14 @@ and p = exp(x − max) / denominator is formed element by element:
   piece's scratch is its scores alone and its pieces are 2.4 times as large at V4.1 (fewer
   launches: the host's launches bound a prefill chunk, bench/results/performance.md, session
   54), and each p·v program reads 4 bytes of score an element where it read 6 of stored p;
-- for a decode step or a verify window (at most SMALL_BATCH queries), by the statistics
-  launch, which stores it: there the p·v kernel's 16 column programs of a query would each
-  form the same p again, and a decode step's p·v took 21.9 µs against 8.4 with p stored
-  (H100, session 58).
-Both form p with the same operations, so its bits, and the product's, are the same either
-way. Triton's exp is not torch's, so the result agrees to fp32 rounding. Each row is computed
+- for a decode step or a verify window (at most SMALL_BATCH queries), by a launch of its own
+  that stores it: there the p·v kernel's 16 column programs of a query would each form the
+  same p again (a decode step's p·v took 21.9 µs, against 10.0 reading p stored: H100,
+  session 58).
+Both form p with the same element-by-element operations (`_probabilities`), so its bits, and
+the product's, are the same either way. (Not in the statistics launch: a store there can
+change how the compiler lays out the row it sums, and so the denominator's rounding.)
+Triton's exp is not torch's, so the result agrees to fp32 rounding. Each row is computed
 alone: batch-invariant.
 """
 from __future__ import annotations
@@ -106,32 +108,48 @@ if triton is not None:
                 tl.store(out + cols[None, :], v.to(out_ptr.dtype.element_ty),
                          mask=live[:, None] & cm)
 
-    # (store_p: a run-time flag, so that storing p or not is one compiled kernel — a variant
-    # of its own may lay the row out otherwise and sum its denominator in another order)
-    @triton.jit(do_not_specialize=["store_p"])
-    def _softmax_stats_kernel(s_ptr, m_ptr, sink_ptr, st_ptr, p_ptr, store_p, n, scale, s_t,
-                              s_h, m_t, NB: tl.constexpr, PDL: tl.constexpr):
+    @triton.jit
+    def _softmax_stats_kernel(s_ptr, m_ptr, sink_ptr, st_ptr, n, scale, s_t, s_h, m_t,
+                              NB: tl.constexpr, PDL: tl.constexpr):
         # One (query, head) row: its maximum over [s·scale (masked to −inf), sink] and the
-        # softmax's denominator Σ exp(x − top) + exp(sink − top), at st[t, h, 0:2]; store_p
-        # ≠ 0: also p = exp(x − top) / den at p[t, h, :n] (contiguous), as _softmax_pv_kernel
-        # forms it.
+        # softmax's denominator Σ exp(x − top) + exp(sink − top), at st[t, h, 0:2].
         wait_then_release(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         j = tl.arange(0, NB)
         live = j < n
-        x = tl.load(s_ptr + t * s_t + h * s_h + j, mask=live, other=0.0)
+        x = tl.load(s_ptr + t * s_t + h * s_h + j, mask=live, other=0.0) * scale
         ok = tl.load(m_ptr + t * m_t + j, mask=live, other=0) != 0
-        x = tl.where(ok & live, x * scale, float("-inf"))
+        x = tl.where(ok & live, x, float("-inf"))
         sink = tl.load(sink_ptr + h)
         top = tl.maximum(tl.max(x, axis=0), sink)
-        e = tl.exp(x - top)
-        den = tl.sum(e, axis=0) + tl.exp(sink - top)
+        den = tl.sum(tl.exp(x - top), axis=0) + tl.exp(sink - top)
         st = st_ptr + (t * tl.num_programs(1) + h) * 2
         tl.store(st, top)
         tl.store(st + 1, den)
-        if store_p != 0:
-            tl.store(p_ptr + (t * tl.num_programs(1) + h) * n + j, e / den, mask=live)
+
+    @triton.jit
+    def _probabilities(x, ok, top, den, scale):
+        # p = exp(x·scale − top) / den where ok, else 0 — element by element, so its bits do
+        # not depend on the tile or the kernel that forms it (_softmax_p_kernel,
+        # _softmax_pv_kernel).
+        return tl.exp(tl.where(ok, x * scale, float("-inf")) - top) / den
+
+    @triton.jit
+    def _softmax_p_kernel(s_ptr, m_ptr, st_ptr, p_ptr, n, scale, s_t, s_h, m_t,
+                          BLOCK: tl.constexpr, PDL: tl.constexpr):
+        # p[t, h, j] (contiguous [T, H, n]) from the scores and the rows' statistics, for
+        # _softmax_pv_kernel's P_STORED: one (query, head) row's BLOCK entries a program.
+        wait_then_release(PDL)
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        j = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+        live = j < n
+        st = st_ptr + (t * tl.num_programs(1) + h) * 2
+        x = tl.load(s_ptr + t * s_t + h * s_h + j, mask=live, other=0.0)
+        ok = (tl.load(m_ptr + t * m_t + j, mask=live, other=0) != 0) & live
+        p = _probabilities(x, ok, tl.load(st), tl.load(st + 1), scale)
+        tl.store(p_ptr + (t * tl.num_programs(1) + h) * n + j, p, mask=live)
 
     @triton.jit
     def _softmax_pv_kernel(s_ptr, m_ptr, st_ptr, v_ptr, tab_ptr, o_ptr, H, n, hd, m_blocks,
@@ -141,8 +159,8 @@ if triton is not None:
                            TABLE: tl.constexpr, P_STORED: tl.constexpr, PDL: tl.constexpr):
         # One query's BLOCK_M heads × BLOCK_N value columns over one chunk of its rows: p =
         # exp(x − top) / den from the scores and the rows' statistics, element by element (so
-        # its bits do not depend on the tile) — P_STORED: s is the statistics launch's p, the
-        # same values — then p·v as rowwise's products make it: SPLIT
+        # its bits do not depend on the tile) — P_STORED: s is _softmax_p_kernel's p, the same
+        # values — then p·v as rowwise's products make it: SPLIT
         # (bf16 values), p as hi + mid + lo bf16 — three exact tensor-core products; else
         # IEEE fp32. TABLE: v's row k starts at v_ptr + tab[t, k] (a RowTable), else at
         # s_vt·t + s_vk·k.
@@ -168,8 +186,8 @@ if triton is not None:
                 p = x
             else:
                 ok = (tl.load(m_ptr + t * m_t + ks, mask=live, other=0) != 0) & live
-                x = tl.where(live_h[:, None] & ok[None, :], x * scale, float("-inf"))
-                p = tl.exp(x - top[:, None]) / den[:, None]
+                p = _probabilities(x, live_h[:, None] & ok[None, :], top[:, None],
+                                   den[:, None], scale)
             v_mask = live[:, None] & (cols[None, :] < hd)
             if TABLE:  # (row starts: multiples of 16 elements — RowTable's)
                 v_rows = v_ptr + tl.multiple_of(
@@ -273,6 +291,7 @@ def _gather(kv, ring_rows, ring_tags, window, cache, sel, out: torch.Tensor,
 # the same). Any other values: IEEE fp32 FMAs, 32 × 32 × 32.
 PV_PREFILL_COLUMNS = 128
 FMA_TILE = (32, 32, 32)
+P_BLOCK = 256  # _softmax_p_kernel: a row's entries a program
 
 
 def sink_softmax_pv(s: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float,
@@ -283,11 +302,11 @@ def sink_softmax_pv(s: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, sca
     contiguous rows, or a RowTable) → softmax over [s·scale (masked to −inf), sink] without
     the sink's column, times the rows: [T, H, hd] fp32, into `out` (a contiguous fp32
     [T, H, hd]) if given. Two launches: each row's maximum and denominator, then p·v with p
-    formed in registers where it is multiplied — for at most SMALL_BATCH queries formed in the
-    first launch and stored ([T, H, n] fp32), the same bits. Rows past k_chunk (a multiple of
-    64) are summed in chunks computed in parallel and added in order — a partition by
-    position alone, so a query's bits do not depend on T or on masked rows after its last
-    visible one."""
+    formed in registers where it is multiplied — for at most SMALL_BATCH queries, a launch
+    between them forms p and stores it ([T, H, n] fp32), with the same bits. Rows past k_chunk
+    (a multiple of 64) are summed in chunks computed in parallel and added in order — a
+    partition by position alone, so a query's bits do not depend on T or on masked rows after
+    its last visible one."""
     T, H, n = s.shape
     hd = rows.shape[-1]
     if tuple(rows.shape[:2]) != (T, n):
@@ -306,12 +325,17 @@ def sink_softmax_pv(s: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, sca
         s = s.contiguous()
     m = (mask if mask.stride(-1) == 1 else mask.contiguous()).view(torch.uint8)  # (no copy)
     stats = torch.empty((T, H, 2), dtype=torch.float32, device=s.device)
-    stored = T <= SMALL_BATCH  # (a decode step's or a verify window's p: formed once, stored)
-    p = torch.empty((T, H, n), dtype=torch.float32, device=s.device) if stored else s
-    _softmax_stats_kernel[(T, H)](s, m, sink.float().contiguous(), stats, p, int(stored), n,
-                                  float(scale), s.stride(0), s.stride(1), m.stride(0),
+    _softmax_stats_kernel[(T, H)](s, m, sink.float().contiguous(), stats, n, float(scale),
+                                  s.stride(0), s.stride(1), m.stride(0),
                                   NB=triton.next_power_of_2(n), enable_fp_fusion=False,
                                   **pdl.args(s.device))
+    p = s
+    stored = T <= SMALL_BATCH  # (a decode step's or a verify window's p: formed once, stored)
+    if stored:
+        p = torch.empty((T, H, n), dtype=torch.float32, device=s.device)
+        _softmax_p_kernel[(T, H, triton.cdiv(n, P_BLOCK))](
+            s, m, stats, p, n, float(scale), s.stride(0), s.stride(1), m.stride(0),
+            BLOCK=P_BLOCK, enable_fp_fusion=False, **pdl.args(s.device))
     table = isinstance(rows, RowTable)
     if table:
         v, tab, s_vt, s_vk, s_tab = rows.base, rows.offsets, 0, 0, rows.offsets.stride(0)
