@@ -1,7 +1,9 @@
 # One device call (one GPU) for a prefill change: (1) the GPU tests it touches (TESTS: files or
 # node ids, nothing quoted; NO_TESTS=1: none); (2) the 10-layer prefill A/B of sessions 46–53
 # (layers 0-4 and 20-24: five encoder and five decoder layers, 32K and 128K prompts with the
-# decoder skip, 4 graphed decode tokens), each variant in its own copy of the tree: `kept` as
+# decoder skip) with its decode (plain and p0.69@3 windows, graphed, 48 tokens, two runs: a
+# prefill change can cost decode — session 56's did, 5 %, which its 4-token single runs did
+# not show: session 58), each variant in its own copy of the tree: `kept` as
 # the tree is, any other V with .ab/V/ copied over it (scripts/ab_overlay.sh REV V makes it
 # here; carry ".ab"). The order alternates (AB: default "before kept kept before") so drift
 # between runs shows; ARGS: more `bench synthetic` arguments for every run (e.g.
@@ -28,11 +30,13 @@ for v in ${AB:-before kept kept before}; do
   i=$((i + 1))
   rm -rf /tmp/ab_$v && cp -r $repo /tmp/ab_$v
   [ $v = kept ] || cp -r $repo/.ab/$v/. /tmp/ab_$v/
-  synthetic /tmp/ab_$v prefill_ab_${i}_$v --layers 0-4,20-24 --modes plain+graphs --tokens 4
+  synthetic /tmp/ab_$v prefill_ab_${i}_$v --layers 0-4,20-24 --runs 2 \
+      --modes plain+graphs,oracle:p0.69@3+graphs --tokens 48
 done
 if [ -n "$PIECES" ]; then
   for p in a:0-13 b:14-27 c:20,28-39 d:20; do
-    synthetic $repo piece_${p%%:*} --layers ${p#*:} --modes plain+graphs --tokens 8
+    synthetic $repo piece_${p%%:*} --layers ${p#*:} --tokens 32 \
+        --modes plain+graphs,oracle+graphs,oracle:p0.69@3+graphs
   done
   python -m strata bench pieces --add $OUT/piece_{a,b,c}.json --subtract $OUT/piece_d.json
 fi
