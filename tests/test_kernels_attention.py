@@ -57,7 +57,7 @@ def test_matches_the_torch_steps_and_queries_stand_alone(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stored_p_of_a_few_queries_gives_a_pieces_bits(dtype):
     """At most SMALL_BATCH queries (a decode step, a verify window) have p formed and stored by
-    the statistics launch; a prefill piece's p·v forms it itself: the same queries give the
+    a launch of its own; a prefill piece's p·v forms it itself: the same queries give the
     same bits either way, in one K chunk and in two."""
     from strata.kernels.rowwise import SMALL_BATCH
     g = torch.Generator().manual_seed(5)
