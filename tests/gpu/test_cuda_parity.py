@@ -113,10 +113,9 @@ def test_softmax_pv_compiled_queries_stand_alone(cuda, dtype):
     """Attention's softmax and p·v (sink_softmax_pv), compiled at V4.1's shapes (64 heads,
     rows of 512): near the float64 torch steps; a decode query, a verify window (p formed and
     stored before the product) and the rest of a prefill piece (p formed in the product; each
-    its own tile width) give the batch's bits; rows in one K chunk, past
-    one, and masked rows after each query's last visible one (a decode query has fewer rows
-    than a chunk's — here also one chunk against two) change no bit; a RowTable of the rows
-    gives the rows' bits."""
+    its own tile width) give the batch's bits; rows in one K chunk, past one, and masked rows
+    after each query's last visible one (a decode query has fewer rows than a chunk's — here
+    also one chunk against two) change no bit; a RowTable of the rows gives the rows' bits."""
     from strata.kernels.attention import sink_softmax_pv
     from strata.kernels.rowwise import RowTable
     g = torch.Generator().manual_seed(9)
