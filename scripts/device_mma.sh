@@ -1,10 +1,10 @@
 # Device calls for the CUDA EXL3 kernel (strata/kernels/exl3_mma.cu) after a change to it.
 # STEP=check (default): (1) its GPU tests — bits against the Triton kernels for linears and MoE,
 # the early launch — and the CUDA-graph and fused-op tests; (2) an A/B of the synthetic
-# V4.1's graphed decode (half the layers): as configured (cuda), without the small kernels'
-# early launch (nopdl: STRATA_PDL=0, strata/kernels/pdl.py) and Triton only (--no-mma), each
-# mode twice (the tokens' sha256 must match across variants); (3) the kernels alone:
-# scripts/exl3_variants.py (V4.1 shapes at 1 and 6 rows, the MoE gate + up and down for 1 and
+# V4.1's graphed decode (LAYERS, default 0-4,20-24): as configured (cuda), without the small
+# kernels' early launch (nopdl: STRATA_PDL=0, strata/kernels/pdl.py) and Triton only
+# (--no-mma), each mode twice (the tokens' sha256 must match across variants); (3) the kernels
+# alone: scripts/exl3_variants.py (V4.1 shapes at 1 and 6 rows, the MoE gate + up and down for 1 and
 # 6 tokens; bits compared), also with fewer and more splits a weight (TARGET_PROGRAMS
 # 256 / 1024 against 512: other summation orders, so other bits). With two GPUs visible the
 # tests run on the second while the A/B times on the first (graph replays: the tests' host
@@ -29,7 +29,7 @@ tests() {
 
 ab() {  # one variant of the synthetic A/B: cuda | nopdl | triton
   env $([ $1 = nopdl ] && echo STRATA_PDL=0) timeout ${T2:-150} python -m strata bench \
-      synthetic --device cuda:${2:-0} --layers 0-9,20-29 \
+      synthetic --device cuda:${2:-0} --layers ${LAYERS:-0-4,20-24} \
       --modes plain+graphs,oracle+graphs,oracle:2.9+graphs --tokens 24 --runs 2 --warmup 1 \
       $([ $1 = triton ] && echo --no-mma) --json $OUT/synthetic_$1.json 2>&1 \
       | grep -E "^measured|identical|^mode|graphs |Error|error" > $OUT/synthetic_$1.log

@@ -1,5 +1,5 @@
 """What a DSpark session's plain steps cost, and where a random-draft DSpark run's time goes.
-The synthetic V4.1 as scripts/probe_session.py (20 layers, a 512-token prompt), 96 greedy
+The synthetic V4.1 as scripts/probe_session.py (its layers, a 512-token prompt), 96 greedy
 tokens a run, 3 runs after a warm-up, each mode's tok/s with capture time subtracted, the
 medians of each yield's wall time split by whether a verify window produced it, and the
 session's DSpark counters:
@@ -24,8 +24,10 @@ from strata.runtime import graphs
 from strata.runtime.sampling import SamplingParams
 from strata.runtime.speculative import SpecConfig
 
+from probe_session import PROBE_LAYERS
+
 cfg = v41_flash_config()
-model, _ = build_synthetic(cfg, "cuda:0", layers=parse_layers("0-9,20-29", cfg.n_layers))
+model, _ = build_synthetic(cfg, "cuda:0", layers=parse_layers(PROBE_LAYERS, cfg.n_layers))
 prompt = torch.randint(3, 100_000, (512,), generator=torch.Generator().manual_seed(0)).tolist()
 N = 96
 

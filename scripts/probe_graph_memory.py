@@ -1,7 +1,7 @@
 """GPU memory a decode state's CUDA graphs hold — what a state retained for prefix reuse keeps
 beyond its caches (runtime/prefix_cache counts the caches, state_nbytes, and the graphs'
-memory pools' segments, GraphedForward.nbytes). The synthetic V4.1 as scripts/probe_session.py (20
-layers, a 512-token prompt); for each mode, a fresh session decodes 64 tokens (plain steps;
+memory pools' segments, GraphedForward.nbytes). The synthetic V4.1 as scripts/probe_session.py
+(its layers, a 512-token prompt); for each mode, a fresh session decodes 64 tokens (plain steps;
 oracle: verify windows, drafts and commits), then prints the device memory allocated and
 reserved beyond the model's before and after State.drop_graphs() (a pool's freed scratch stays
 reserved: the allocated figure misses it), what the prefix cache counts for the graphs, and
@@ -17,8 +17,10 @@ from strata.config import v41_flash_config
 from strata.runtime.prefix_cache import state_nbytes
 from strata.runtime.sampling import SamplingParams
 
+from probe_session import PROBE_LAYERS
+
 cfg = v41_flash_config()
-model, _ = build_synthetic(cfg, "cuda:0", layers=parse_layers("0-9,20-29", cfg.n_layers))
+model, _ = build_synthetic(cfg, "cuda:0", layers=parse_layers(PROBE_LAYERS, cfg.n_layers))
 prompt = torch.randint(3, 100_000, (512,), generator=torch.Generator().manual_seed(0)).tolist()
 N = 64
 reference = _run_once(model, prompt, N, "plain", None, None, None)[0]

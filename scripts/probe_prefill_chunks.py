@@ -1,6 +1,6 @@
 """Prefill rate by chunk size on the synthetic V4.1 (one GPU, one build for every run).
 
-    python scripts/probe_prefill_chunks.py LENGTHS CHUNKS OUT.json [--layers 0-9,20-29]
+    python scripts/probe_prefill_chunks.py LENGTHS CHUNKS OUT.json [--layers 0-4,20-24]
 
 LENGTHS and CHUNKS are comma-separated token counts; every chunk size (in the order given,
 repeats allowed, for alternating A/Bs) times a decoder-skipping prefill of each length through
@@ -16,13 +16,15 @@ import time
 from strata.bench.synthetic import bench_prefill, build_synthetic, parse_layers
 from strata.config import v41_flash_config
 
+from probe_session import PROBE_LAYERS
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("lengths")
     p.add_argument("chunks")
     p.add_argument("out")
-    p.add_argument("--layers", default="0-9,20-29")
+    p.add_argument("--layers", default=PROBE_LAYERS)
     p.add_argument("--device", default="cuda:0")
     args = p.parse_args()
     cfg = v41_flash_config()

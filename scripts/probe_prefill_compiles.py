@@ -2,13 +2,12 @@
 
     TRITON_CACHE_DIR=/tmp/fresh python scripts/probe_prefill_compiles.py [N] [CHUNK] [LAYERS]
 
-On the synthetic V4.1's LAYERS (default 0-9,20-29: 20 layers, one H200; 0-4,20-24 fit an
-H100): the warm-up strata.bench.synthetic.bench_prefill
-runs (ranking.compile_split, then a prefill of the same chunk forms), then two timed
-decoder-skipping prefills of N tokens (default 131,072) in chunks of CHUNK (4,096); every 8
-chunks, the kernels that entered Triton's cache directory since the last look (a fresh
-directory: every compile lands there) and the time so far. Run 0 slower than run 1 by more
-than the spread means compiles in the timed run.
+On the synthetic V4.1's LAYERS (default probe_session.PROBE_LAYERS): the warm-up
+strata.bench.synthetic.bench_prefill runs (ranking.compile_split, then a prefill of the same
+chunk forms), then two timed decoder-skipping prefills of N tokens (default 131,072) in
+chunks of CHUNK (4,096); every 8 chunks, the kernels that entered Triton's cache directory
+since the last look (a fresh directory: every compile lands there) and the time so far. Run 0
+slower than run 1 by more than the spread means compiles in the timed run.
 """
 from __future__ import annotations
 
@@ -24,6 +23,8 @@ from strata.bench.synthetic import build_synthetic, parse_layers, prefill_warmup
 from strata.config import v41_flash_config
 from strata.kernels import ranking
 from strata.runtime.session import Session
+
+from probe_session import PROBE_LAYERS
 
 
 def compiled(cache: str) -> dict[str, str]:
@@ -42,7 +43,7 @@ def main() -> None:
     if not cache:
         sys.exit("set TRITON_CACHE_DIR to a fresh directory")
     cfg = v41_flash_config()
-    layers = sys.argv[3] if len(sys.argv) > 3 else "0-9,20-29"
+    layers = sys.argv[3] if len(sys.argv) > 3 else PROBE_LAYERS
     model, _ = build_synthetic(cfg, "cuda:0", layers=parse_layers(layers, 40),
                                fmt="exl3", seed=0)
     prompt = torch.randint(3, 100_000, (n,), generator=torch.Generator().manual_seed(n))

@@ -1,11 +1,10 @@
-"""The decode session the GPU probes (scripts/probe_*.py) run: the synthetic V4.1 with half the
-layers (as scripts/device_probes.sh; LAYERS in the environment: others, as `--layers`), a
-random prompt of PROMPT tokens (environment, default 512; e.g. 32768: a step at an agent's
-context length), greedy, and a mode of `strata bench synthetic` (plain, oracle, oracle:X,
-each + "+graphs"); oracle drafts are plain decoding's own continuation. ENGRAM=disk
-(environment): the Engram tables on disk (in ENGRAM_DIR, default /tmp/eng), as `--engram
-disk`. Imported by the probes (run from the repo root as `python scripts/probe_….py`: this
-folder is on their path)."""
+"""The decode session the GPU probes (scripts/probe_*.py) run: the synthetic V4.1 with
+PROBE_LAYERS (LAYERS in the environment: others, as `--layers`), a random prompt of PROMPT
+tokens (environment, default 512; e.g. 32768: a step at an agent's context length), greedy, and
+a mode of `strata bench synthetic` (plain, oracle, oracle:X, each + "+graphs"); oracle drafts
+are plain decoding's own continuation. ENGRAM=disk (environment): the Engram tables on disk (in
+ENGRAM_DIR, default /tmp/eng), as `--engram disk`. Imported by the probes (run from the repo
+root as `python scripts/probe_….py`: this folder is on their path)."""
 from __future__ import annotations
 
 import gzip
@@ -23,6 +22,10 @@ from strata.runtime.sampling import SamplingParams
 
 
 WARM_UP = 4  # steps run before a probe measures: the graphs captured, the caches filled
+# The probes' and device scripts' layers: five encoder and five decoder layers, as the A/Bs
+# since session 46 (scripts/device_prefill_ab.sh). Half the model (0-9,20-29) fits an H200,
+# not the H100 the device mostly lends.
+PROBE_LAYERS = "0-4,20-24"
 
 
 def probe_session(mode: str, steps: int):
@@ -31,7 +34,7 @@ def probe_session(mode: str, steps: int):
     one_step() runs one plain step or, in a DSpark mode, one verify window with its draft."""
     cfg = v41_flash_config()
     engram = os.environ.get("ENGRAM", "device")
-    layers = parse_layers(os.environ.get("LAYERS", "0-9,20-29"), cfg.n_layers)
+    layers = parse_layers(os.environ.get("LAYERS", PROBE_LAYERS), cfg.n_layers)
     engram_dir = os.environ.get("ENGRAM_DIR", "/tmp/eng") if engram == "disk" else None
     model, _ = build_synthetic(cfg, "cuda:0", layers=layers, engram=engram,
                                engram_dir=engram_dir)

@@ -1,6 +1,6 @@
-"""A graphed step's kernels in the order the GPU ran them: the synthetic V4.1 (half the layers,
-as scripts/device_probes.sh), one plain step (or, with `oracle`, one verify window and its
-draft) profiled without Python stacks. Writes every kernel — start offset, duration, the gap
+"""A graphed step's kernels in the order the GPU ran them: the synthetic V4.1 (its layers as
+scripts/probe_session.py sets them), one plain step (or, with `oracle`, one verify window and
+its draft) profiled without Python stacks. Writes every kernel — start offset, duration, the gap
 before it, its real time (µs) and its stream — to $OUT/step_kernels_<mode>.txt, and prints a
 summary: kernels by name with their count, summed real time (a kernel launched early waits
 inside its duration for its predecessor: its real time starts when that one ends) and summed

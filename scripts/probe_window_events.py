@@ -1,5 +1,5 @@
 """How long the GPU idles between the phases of a graphed DSpark window, unprofiled: the
-synthetic V4.1 (half the layers, as scripts/device_probes.sh), oracle drafts, CUDA graphs.
+synthetic V4.1 (probe_session.PROBE_LAYERS or LAYERS), oracle drafts, CUDA graphs.
 CUDA events are recorded on the stream before and after each phase (the draft, the verify
 forward, the picks' sampling, the rollback, the draft context's commit), so the time from
 one phase's end event to the next phase's start event is the device's idle while the host
