@@ -20,9 +20,10 @@ and p = exp(x − max) / denominator is formed element by element:
   launches: the host's launches bound a prefill chunk, bench/results/performance.md, session
   54), and each p·v program reads 4 bytes of score an element where it read 6 of stored p;
 - for a decode step or a verify window (at most SMALL_BATCH queries), by a launch of its own
-  that stores it: there the p·v kernel's 16 column programs of a query would each form the
-  same p again (a decode step's p·v took 21.9 µs, against 10.0 reading p stored: H100,
-  session 58).
+  that stores it — for bf16 values as the three bf16 parts the product splits it into: there
+  the p·v kernel's 16 column programs of a query would each form, and split, the same p again
+  (a decode step's p·v took 21.9 µs, against 10.0 reading p stored in fp32: H100, session
+  58).
 Both form p with the same element-by-element operations (`_probabilities`), so its bits, and
 the product's, are the same either way. (Not in the statistics launch: a store there can
 change how the compiler lays out the row it sums, and so the denominator's rounding.)
@@ -136,10 +137,11 @@ if triton is not None:
         return tl.exp(tl.where(ok, x * scale, float("-inf")) - top) / den
 
     @triton.jit
-    def _softmax_p_kernel(s_ptr, m_ptr, st_ptr, p_ptr, n, scale, s_t, s_h, m_t,
-                          BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _softmax_p_kernel(s_ptr, m_ptr, st_ptr, p_ptr, n, plane, scale, s_t, s_h, m_t,
+                          BLOCK: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
         # p[t, h, j] (contiguous [T, H, n]) from the scores and the rows' statistics, for
         # _softmax_pv_kernel's P_STORED: one (query, head) row's BLOCK entries a program.
+        # SPLIT: stored as its split_bf16 parts hi, mid, lo, `plane` elements apart (bf16).
         wait_then_release(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
@@ -149,19 +151,27 @@ if triton is not None:
         x = tl.load(s_ptr + t * s_t + h * s_h + j, mask=live, other=0.0)
         ok = (tl.load(m_ptr + t * m_t + j, mask=live, other=0) != 0) & live
         p = _probabilities(x, ok, tl.load(st), tl.load(st + 1), scale)
-        tl.store(p_ptr + (t * tl.num_programs(1) + h) * n + j, p, mask=live)
+        out = p_ptr + (t * tl.num_programs(1) + h) * n + j
+        if SPLIT:
+            hi, mid, lo = split_bf16(p)
+            tl.store(out, hi, mask=live)
+            tl.store(out + plane, mid, mask=live)
+            tl.store(out + 2 * plane, lo, mask=live)
+        else:
+            tl.store(out, p, mask=live)
 
     @triton.jit
     def _softmax_pv_kernel(s_ptr, m_ptr, st_ptr, v_ptr, tab_ptr, o_ptr, H, n, hd, m_blocks,
-                           k_chunk, scale, s_t, s_h, m_t, s_vt, s_vk, s_tab, o_c, o_t, o_h,
+                           k_chunk, scale, s_t, s_h, s_plane, m_t, s_vt, s_vk, s_tab, o_c,
+                           o_t, o_h,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, WIDEN: tl.constexpr,
                            TABLE: tl.constexpr, P_STORED: tl.constexpr, PDL: tl.constexpr):
         # One query's BLOCK_M heads × BLOCK_N value columns over one chunk of its rows: p =
         # exp(x − top) / den from the scores and the rows' statistics, element by element (so
         # its bits do not depend on the tile) — P_STORED: s is _softmax_p_kernel's p, the same
-        # values — then p·v as rowwise's products make it: SPLIT
-        # (bf16 values), p as hi + mid + lo bf16 — three exact tensor-core products; else
+        # values (SPLIT: its parts, s_plane apart) — then p·v as rowwise's products make it:
+        # SPLIT (bf16 values), p as hi + mid + lo bf16 — three exact tensor-core products; else
         # IEEE fp32. TABLE: v's row k starts at v_ptr + tab[t, k] (a RowTable), else at
         # s_vt·t + s_vk·k.
         wait_then_release(PDL)
@@ -181,13 +191,19 @@ if triton is not None:
         for k0 in range(k_start, k_end, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             live = ks < k_end
-            x = tl.load(s_row + ks[None, :], mask=live_h[:, None] & live[None, :], other=0.0)
-            if P_STORED:
-                p = x
+            pm = live_h[:, None] & live[None, :]
+            if P_STORED and SPLIT:
+                hi = tl.load(s_row + ks[None, :], mask=pm, other=0.0)
+                mid = tl.load(s_row + s_plane + ks[None, :], mask=pm, other=0.0)
+                lo = tl.load(s_row + 2 * s_plane + ks[None, :], mask=pm, other=0.0)
             else:
-                ok = (tl.load(m_ptr + t * m_t + ks, mask=live, other=0) != 0) & live
-                p = _probabilities(x, live_h[:, None] & ok[None, :], top[:, None],
-                                   den[:, None], scale)
+                p = tl.load(s_row + ks[None, :], mask=pm, other=0.0)
+                if not P_STORED:
+                    ok = (tl.load(m_ptr + t * m_t + ks, mask=live, other=0) != 0) & live
+                    p = _probabilities(p, live_h[:, None] & ok[None, :], top[:, None],
+                                       den[:, None], scale)
+                if SPLIT:
+                    hi, mid, lo = split_bf16(p)
             v_mask = live[:, None] & (cols[None, :] < hd)
             if TABLE:  # (row starts: multiples of 16 elements — RowTable's)
                 v_rows = v_ptr + tl.multiple_of(
@@ -196,7 +212,6 @@ if triton is not None:
                 v_rows = v_ptr + t * s_vt + ks.to(tl.int64) * s_vk
             v = tl.load(v_rows[:, None] + cols[None, :], mask=v_mask, other=0.0)
             if SPLIT:
-                hi, mid, lo = split_bf16(p)
                 if WIDEN:  # (the interpreter: 16-bit tiles widened, IEEE dots — exact)
                     vf = v.to(tl.float32)
                     acc = tl.dot(hi.to(tl.float32), vf, acc, input_precision="ieee")
@@ -303,10 +318,10 @@ def sink_softmax_pv(s: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, sca
     the sink's column, times the rows: [T, H, hd] fp32, into `out` (a contiguous fp32
     [T, H, hd]) if given. Two launches: each row's maximum and denominator, then p·v with p
     formed in registers where it is multiplied — for at most SMALL_BATCH queries, a launch
-    between them forms p and stores it ([T, H, n] fp32), with the same bits. Rows past k_chunk
-    (a multiple of 64) are summed in chunks computed in parallel and added in order — a
-    partition by position alone, so a query's bits do not depend on T or on masked rows after
-    its last visible one."""
+    between them forms p and stores it ([T, H, n] fp32, or for bf16 rows its three bf16
+    parts), with the same bits. Rows past k_chunk (a multiple of 64) are summed in chunks
+    computed in parallel and added in order — a partition by position alone, so a query's
+    bits do not depend on T or on masked rows after its last visible one."""
     T, H, n = s.shape
     hd = rows.shape[-1]
     if tuple(rows.shape[:2]) != (T, n):
@@ -329,13 +344,6 @@ def sink_softmax_pv(s: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, sca
                                   s.stride(0), s.stride(1), m.stride(0),
                                   NB=triton.next_power_of_2(n), enable_fp_fusion=False,
                                   **pdl.args(s.device))
-    p = s
-    stored = T <= SMALL_BATCH  # (a decode step's or a verify window's p: formed once, stored)
-    if stored:
-        p = torch.empty((T, H, n), dtype=torch.float32, device=s.device)
-        _softmax_p_kernel[(T, H, triton.cdiv(n, P_BLOCK))](
-            s, m, stats, p, n, float(scale), s.stride(0), s.stride(1), m.stride(0),
-            BLOCK=P_BLOCK, enable_fp_fusion=False, **pdl.args(s.device))
     table = isinstance(rows, RowTable)
     if table:
         v, tab, s_vt, s_vk, s_tab = rows.base, rows.offsets, 0, 0, rows.offsets.stride(0)
@@ -343,6 +351,15 @@ def sink_softmax_pv(s: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, sca
         v = rows if rows.stride(-1) == 1 else rows.contiguous()
         tab, s_vt, s_vk, s_tab = v, v.stride(0), v.stride(1), 0
     split = v.dtype == torch.bfloat16
+    p, plane = s, 0
+    stored = T <= SMALL_BATCH  # (a decode step's or a verify window's p: formed once, stored)
+    if stored:  # (bf16 values: p's three bf16 parts, as the product splits it)
+        planes = torch.empty((3 if split else 1, T, H, n), device=s.device,
+                             dtype=torch.bfloat16 if split else torch.float32)
+        p, plane = planes[0], T * H * n
+        _softmax_p_kernel[(T, H, triton.cdiv(n, P_BLOCK))](
+            s, m, stats, planes, n, plane, float(scale), s.stride(0), s.stride(1), m.stride(0),
+            BLOCK=P_BLOCK, SPLIT=split, enable_fp_fusion=False, **pdl.args(s.device))
     bm, bn, bk = ((64, 32 if T <= SMALL_BATCH else PV_PREFILL_COLUMNS, 64) if split
                   else FMA_TILE)
     chunks = triton.cdiv(n, k_chunk) if n > k_chunk else 1
@@ -351,7 +368,7 @@ def sink_softmax_pv(s: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, sca
     m_blocks = triton.cdiv(H, bm)
     _softmax_pv_kernel[(T * m_blocks, triton.cdiv(hd, bn), chunks)](
         p, m, stats, v, tab, dest, H, n, hd, m_blocks,
-        k_chunk if chunks > 1 else n, float(scale), p.stride(0), p.stride(1),
+        k_chunk if chunks > 1 else n, float(scale), p.stride(0), p.stride(1), plane,
         m.stride(0), s_vt, s_vk, s_tab, dest.stride(0) if chunks > 1 else 0,
         *dest.stride()[-3:-1], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split,
         WIDEN=not s.is_cuda, TABLE=table, P_STORED=stored, num_warps=TILE_WARPS,
