@@ -299,11 +299,13 @@ def _gather(kv, ring_rows, ring_tags, window, cache, sel, out: torch.Tensor,
 
 
 # sink_softmax_pv's p·v tiles (heads × value columns × rows). bf16 values' split products on
-# tensor cores: 64 heads (V4.1's, in one tile) by 64 rows, as rowwise's SPLIT tile, 32 columns
-# for a decode step or verify window (more programs for a few queries), PV_PREFILL_COLUMNS for
-# more — every program reads its query's scores, so wider tiles read them fewer times. A
-# tile's width changes no bit (p is element by element; the products' chain over rows is
-# the same). Any other values: IEEE fp32 FMAs, 32 × 32 × 32.
+# tensor cores: 64 heads (V4.1's, in one tile) by 64 rows, as rowwise's SPLIT tile,
+# PV_SMALL_COLUMNS for a decode step or verify window (more programs for a few queries: a
+# decode query's p·v over 640 rows 6.7 µs at 16 columns, 10.1 at 32 — H100, session 59),
+# PV_PREFILL_COLUMNS for more — every program reads its query's scores, so wider tiles read
+# them fewer times. A tile's width changes no bit (p is element by element; the products'
+# chain over rows is the same). Any other values: IEEE fp32 FMAs, 32 × 32 × 32.
+PV_SMALL_COLUMNS = 16
 PV_PREFILL_COLUMNS = 128
 FMA_TILE = (32, 32, 32)
 P_BLOCK = 256  # _softmax_p_kernel: a row's entries a program
@@ -360,7 +362,7 @@ def sink_softmax_pv(s: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, sca
         _softmax_p_kernel[(T, H, triton.cdiv(n, P_BLOCK))](
             s, m, stats, planes, n, plane, float(scale), s.stride(0), s.stride(1), m.stride(0),
             BLOCK=P_BLOCK, SPLIT=split, enable_fp_fusion=False, **pdl.args(s.device))
-    bm, bn, bk = ((64, 32 if T <= SMALL_BATCH else PV_PREFILL_COLUMNS, 64) if split
+    bm, bn, bk = ((64, PV_SMALL_COLUMNS if stored else PV_PREFILL_COLUMNS, 64) if split
                   else FMA_TILE)
     chunks = triton.cdiv(n, k_chunk) if n > k_chunk else 1
     dest = out if chunks == 1 else torch.empty((chunks, T, H, hd), dtype=torch.float32,

@@ -197,13 +197,15 @@ def tile_shape(M: int, prod: int = Product.FMA, B: int = SMALL_BATCH + 1) -> tup
     query's gathered rows once; 128 columns for a prefill chunk (H200, session 9: a
     4,096-query chunk's q·k 292 µs against 361 at 64, cuBLAS 322). The split p·v: 64 × 64
     (H200, session 15: a 243-query piece 100 µs against the fp32 FMAs' 495 in their 32 × 32
-    tile). At most SMALL_BATCH queries: 32 columns for both (H200, session 20: one decode
-    query's q·k 3.0 µs against 4.8 at 128, its p·v 8.4 against 9.4 at 64; six queries 4.7 /
-    8.9 µs against 6.1 / 9.8). fp32 FMAs: 32 × 32."""
+    tile). At most SMALL_BATCH queries: 16 columns for both (H200, session 20: one decode
+    query's q·k 3.0 µs at 32 columns against 4.8 at 128, its p·v 8.4 against 9.4 at 64;
+    H100, session 59, a graphed step's kernels: q·k and the router's rows 3.15 µs a launch
+    at 16 against 3.36 at 32 (the two kernels' mean), the attention's p·v 6.7 against 10.1).
+    fp32 FMAs: 32 × 32."""
     if M == 1:
         return 1, ROW_BLOCK_N, 64
     if prod in (Product.PAIR16, Product.SPLIT) and B <= SMALL_BATCH:
-        return 64, 32, 64
+        return 64, 16, 64
     return {Product.PAIR16: (64, 128, 64), Product.SPLIT: (64, 64, 64)}.get(prod, (32, 32, 32))
 
 
