@@ -21,7 +21,7 @@ and p = exp(x − max) / denominator is formed element by element:
   54), and each p·v program reads 4 bytes of score an element where it read 6 of stored p;
 - for a decode step or a verify window (at most SMALL_BATCH queries), by a launch of its own
   that stores it — for bf16 values as the three bf16 parts the product splits it into: there
-  the p·v kernel's 16 column programs of a query would each form, and split, the same p again
+  each of the p·v kernel's column programs of a query would form, and split, the same p again
   (a decode step's p·v took 21.9 µs, against 10.0 reading p stored in fp32: H100, session
   58).
 Both form p with the same element-by-element operations (`_probabilities`), so its bits, and

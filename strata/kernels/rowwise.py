@@ -200,8 +200,7 @@ def tile_shape(M: int, prod: int = Product.FMA, B: int = SMALL_BATCH + 1) -> tup
     tile). At most SMALL_BATCH queries: 16 columns for both (H200, session 20: one decode
     query's q·k 3.0 µs at 32 columns against 4.8 at 128, its p·v 8.4 against 9.4 at 64;
     H100, session 59, a graphed step's kernels: q·k and the router's rows 3.15 µs a launch
-    at 16 against 3.36 at 32 (the two kernels' mean), the attention's p·v 6.7 against 10.1).
-    fp32 FMAs: 32 × 32."""
+    at 16 against 3.36 at 32 — the two kernels' mean). fp32 FMAs: 32 × 32."""
     if M == 1:
         return 1, ROW_BLOCK_N, 64
     if prod in (Product.PAIR16, Product.SPLIT) and B <= SMALL_BATCH:
