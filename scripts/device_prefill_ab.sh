@@ -10,7 +10,8 @@
 # --prefill-chunk 8192); (3) with PIECES=1, the whole 40 layers in pieces whose times add, on
 # the kept tree (layers 0-13, 14-27, 20+28-39, minus 20 alone: performance.md, session 51), and
 # their sum (`strata bench pieces`). Each run's measured lines are printed as it ends; the JSON
-# and logs are in $OUT.
+# and logs are in $OUT. PREFILL: the prompt lengths timed (default 32K,128K; none: a decode
+# change's A/B, decode alone); LAYERS: the A/B's layers (default 0-4,20-24).
 # On the device: source scripts/device_env.sh && AB="before kept kept before" bash scripts/device_prefill_ab.sh
 set -o pipefail
 [ -n "$NO_TESTS" ] || timeout ${T1:-300} python -m pytest -q -m gpu -rf --tb=short \
@@ -18,10 +19,12 @@ set -o pipefail
     > $OUT/prefill_ab_tests.log 2>&1
 [ -n "$NO_TESTS" ] || tail -4 $OUT/prefill_ab_tests.log
 repo=$PWD
+prefill=(--prefill ${PREFILL:-32K,128K} --prefill-skip on)
+[ "$PREFILL" = none ] && prefill=()
 synthetic() {  # tree, name, then bench synthetic arguments
   local tree=$1 name=$2; shift 2
   (cd $tree && PYTHONPATH=/tmp/site:$tree timeout ${T2:-300} python -m strata bench synthetic \
-      --device cuda:0 --runs 1 --warmup 1 --prefill 32K,128K --prefill-skip on \
+      --device cuda:0 --runs 1 --warmup 1 "${prefill[@]}" \
       --json $OUT/$name.json "$@" $ARGS > $OUT/$name.log 2>&1)
   echo "== $name rc $?"; grep -E "^measured|Error|error" $OUT/$name.log
 }
@@ -30,7 +33,7 @@ for v in ${AB:-before kept kept before}; do
   i=$((i + 1))
   rm -rf /tmp/ab_$v && cp -r $repo /tmp/ab_$v
   [ $v = kept ] || cp -r $repo/.ab/$v/. /tmp/ab_$v/
-  synthetic /tmp/ab_$v prefill_ab_${i}_$v --layers 0-4,20-24 --runs 2 \
+  synthetic /tmp/ab_$v prefill_ab_${i}_$v --layers ${LAYERS:-0-4,20-24} --runs 2 \
       --modes plain+graphs,oracle:p0.69@3+graphs --tokens 48
 done
 if [ -n "$PIECES" ]; then
