@@ -733,6 +733,28 @@ def test_attention_runs_queries_in_bounded_pieces(tiny_reference, monkeypatch):
     same_runs(runs)
 
 
+def test_a_few_queries_scratch_counts_their_stored_p(monkeypatch):
+    """scratch_per_query's CUDA count (the availability check mocked: no CUDA here): where
+    ATTN_SCRATCH holds at most SMALL_BATCH queries, a query also holds its stored p — fp32
+    for fp32 rows, three bf16 parts (6 bytes an entry) for bf16 rows, as sink_softmax_pv
+    allocates it; bigger pieces form p in the product and count none."""
+    from strata.kernels import attention as attn_kernels
+    from strata.kernels.rowwise import SMALL_BATCH
+    from strata.model import attention
+    from strata.runtime.state import PositionRing
+    monkeypatch.setattr(attn_kernels, "available", lambda t: True)
+    monkeypatch.setattr(attn_kernels, "row_table_applies", lambda *a: False)
+    H, n, hd = 64, 640, 512
+    for dt, p_bytes in ((torch.float32, 4), (torch.bfloat16, 6)):
+        kv = torch.zeros(1, hd, dtype=dt)
+        ring = PositionRing(8, (hd,), dt, torch.device("cpu"), keep=7)
+        base = n * hd * dt.itemsize + n + 4 * H * n + 8 * H
+        monkeypatch.setattr(attention, "ATTN_SCRATCH", base * 300)
+        assert attention.scratch_per_query(kv, ring, None, H, n) == base
+        monkeypatch.setattr(attention, "ATTN_SCRATCH", base * SMALL_BATCH)
+        assert attention.scratch_per_query(kv, ring, None, H, n) == base + p_bytes * H * n
+
+
 # ------------------------------------------------------------------------------------------
 # 5. MoE
 # ------------------------------------------------------------------------------------------

@@ -234,14 +234,14 @@ def scratch_per_query(kv: torch.Tensor, ring: PositionRing, cache: torch.Tensor 
     hd = kv.shape[-1]
     if not attn_kernels.available(kv):
         return 12 * n * hd + 12 * H * (n + 1)
-    if attn_kernels.row_table_applies(kv, ring.rows, cache):
-        rows = 8 * n
-    else:
-        rows = n * hd * rows_dtype(kv, ring, cache).itemsize
+    dt = rows_dtype(kv, ring, cache)
+    rows = 8 * n if attn_kernels.row_table_applies(kv, ring.rows, cache) else n * hd * dt.itemsize
     chunks = -(-n // K_CHUNK) if n > K_CHUNK else 0
     per = rows + n + 4 * H * n + 8 * H + 4 * H * hd * chunks
-    # (pieces of at most SMALL_BATCH queries also store their p, as large as their scores)
-    return per + 4 * H * n if ATTN_SCRATCH // per <= SMALL_BATCH else per
+    # (pieces of at most SMALL_BATCH queries also store their p: fp32, or for bf16 rows its
+    # three bf16 parts)
+    p = (6 if dt == torch.bfloat16 else 4) * H * n
+    return per + p if ATTN_SCRATCH // per <= SMALL_BATCH else per
 
 
 def rows_dtype(kv: torch.Tensor, ring: PositionRing, cache: torch.Tensor | None) -> torch.dtype:
