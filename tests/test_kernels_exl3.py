@@ -816,6 +816,30 @@ def test_a_linear_set_runs_as_one_grouped_launch(kernels_on_cpu, monkeypatch):
     assert LinearSet(deep)(xd, nx) and len(calls) == 4
 
 
+def test_a_linear_sets_weights_share_one_launchs_target():
+    """A ragged set's launch aims at TARGET_PROGRAMS programs in all: each of its W EXL3
+    weights of one input width, K and codebook takes TARGET_PROGRAMS // W as its own split
+    target (so its lone calls keep the set's bits), a weight in two sets the smaller share;
+    a weight alone in its kind, or not in any set, keeps the lone default (None)."""
+    from strata.quant.groups import LinearSet
+
+    def lin(s, codebook="mul1", k=3):
+        return Exl3Linear(trellis_of(8, 8, k, seed=s), scales(128, s + 1, scale=0.2),
+                          scales(128, s + 2), codebook, out_features=120, in_features=100)
+    a, b, c, odd, alone = lin(400), lin(410), lin(420), lin(430, "mcg"), lin(440)
+    LinearSet([a, b, odd])
+    assert a.target_programs == b.target_programs == X.TARGET_PROGRAMS // 2
+    assert odd.target_programs is None and alone.target_programs is None
+    LinearSet([a, b, c])  # (a and b in a second, larger set: its smaller share)
+    assert a.target_programs == b.target_programs == c.target_programs == X.TARGET_PROGRAMS // 3
+    LinearSet([a, lin(450)])  # (a larger share never raises a weight's target)
+    assert a.target_programs == X.TARGET_PROGRAMS // 3
+    # the share changes a real weight's schedule: V4.1's wkv (5120 → 512) in the attention's
+    # set of two runs 20 splits of two k-steps, not 40 of one
+    assert X.split_schedule(5120, 512) == (1, 40)
+    assert X.split_schedule(5120, 512, X.TARGET_PROGRAMS // 2) == (2, 20)
+
+
 def test_linear_sets_of_three_and_of_mixed_widths(kernels_on_cpu):
     """Three linears of one shape in separate, unevenly placed allocations (the DSpark
     stages' wkv) run as one grouped launch on one stacked copy of each tensor, every output

@@ -95,6 +95,18 @@ def _one_exl3_shape(lins: list[Linear]) -> bool:
                     and lin.target_programs == first.target_programs for lin in lins))
 
 
+def _ragged_sets(lins: list[Linear]) -> list[list[int]]:
+    """The linears (indices) that run as one ragged set on the CUDA decode kernel: EXL3
+    linears without bias, grouped by input width, K and codebook, two or more to a set."""
+    from strata.quant import exl3 as qexl3
+    groups: dict[tuple, list[int]] = {}
+    for i, lin in enumerate(lins):
+        if isinstance(lin, qexl3.Exl3Linear) and lin.bias is None:
+            key = (lin.trellis.shape[0], lin.trellis.shape[-1], lin.codebook)
+            groups.setdefault(key, []).append(i)
+    return [g for g in groups.values() if len(g) > 1]
+
+
 def _fixed_routing(cache: dict, T: int, device: torch.device, n: int):
     """The Routing of ids [T, n] = 0 … n − 1 in every row (row t's j-th pair is "expert" j),
     over n experts: fixed for a given T, so built once per T (on a graph's warm-up, before
@@ -122,6 +134,18 @@ class LinearSet:
         self.linears = list(linears)
         self._one_launch: bool | None = None  # whether they are one shape (checked once)
         self._routes: dict = {}               # (T, device) -> Routing of ids [T, 1] = 0
+        # A ragged set's launch aims at TARGET_PROGRAMS programs in all, not a lone linear's
+        # count for each weight: its W weights take TARGET_PROGRAMS // W each, in their lone
+        # calls too (a weight's split schedule fixes its bits), the smaller share where a
+        # weight is in several sets. At TARGET_PROGRAMS each, the attention's wkv ran as 40
+        # splits of one k-step whose partials the finish adds (bench/results/performance.md,
+        # session 59: the set wq_a + wkv 12.5 → 9.0 µs at 256).
+        from strata.kernels.exl3 import TARGET_PROGRAMS
+        for members in _ragged_sets(self.linears):
+            share = max(1, TARGET_PROGRAMS // len(members))
+            for i in members:
+                lin = self.linears[i]
+                lin.target_programs = min(lin.target_programs or share, share)
 
     def __call__(self, x: torch.Tensor, nx: Numerics,
                  out_dtype=None) -> list[torch.Tensor]:
@@ -150,20 +174,14 @@ class LinearSet:
                 for y, lin, dt in zip(out, self.linears, dtypes)]
 
     def _ragged_groups(self, x: torch.Tensor) -> list[list[int]]:
-        """The linears (indices) of each ragged set this call can run: EXL3 linears without
-        bias, grouped by input width, K and codebook, two or more to a set."""
+        """The linears (indices) of each ragged set this call can run (_ragged_sets)."""
         from strata.quant import exl3 as qexl3
         if not qexl3._use_kernels(x) or not x.is_cuda:
             return []
         from strata.kernels.exl3_mma import MAX_ROWS
         if x.shape[0] > MAX_ROWS:
             return []
-        groups: dict[tuple, list[int]] = {}
-        for i, lin in enumerate(self.linears):
-            if isinstance(lin, qexl3.Exl3Linear) and lin.bias is None:
-                key = (lin.trellis.shape[0], lin.trellis.shape[-1], lin.codebook)
-                groups.setdefault(key, []).append(i)
-        return [g for g in groups.values() if len(g) > 1]
+        return _ragged_sets(self.linears)
 
     def _grouped(self, x2: torch.Tensor, lead, nx: Numerics,
                  out_dtype: torch.dtype) -> list[torch.Tensor]:
