@@ -141,7 +141,8 @@ class LinearSet:
         # splits of one k-step whose partials the finish adds (bench/results/performance.md,
         # session 59: the set wq_a + wkv 12.5 → 9.0 µs at 256).
         from strata.kernels.exl3 import TARGET_PROGRAMS
-        for members in _ragged_sets(self.linears):
+        self._sets = _ragged_sets(self.linears)  # (fixed with the linears: found once)
+        for members in self._sets:
             share = max(1, TARGET_PROGRAMS // len(members))
             for i in members:
                 lin = self.linears[i]
@@ -181,7 +182,7 @@ class LinearSet:
         from strata.kernels.exl3_mma import MAX_ROWS
         if x.shape[0] > MAX_ROWS:
             return []
-        return _ragged_sets(self.linears)
+        return self._sets
 
     def _grouped(self, x2: torch.Tensor, lead, nx: Numerics,
                  out_dtype: torch.dtype) -> list[torch.Tensor]:
