@@ -1,8 +1,8 @@
 // EXL3 linear for decode-sized inputs (M ≤ 16 rows) after its rotate_in (x' = H128(fp16(x·suh))):
 // x'·Ŵ with Ŵ decoded straight into m16n8k16 MMA fragments → split partials → the last program
 // of each 128-column block sums them, Hadamard, ·svh (+ bias). Launched early (programmatic
-// dependent launch) after rotate_in: each program starts copying its first trellis tiles,
-// then waits for x'; after its k-loop it lets the next kernel launch early in turn.
+// dependent launch) after rotate_in: each program copies and decodes its first k-step's
+// trellis tiles, then waits for x'; after its k-loop it lets the next kernel launch early.
 // Compiled at run time with NVRTC (strata/kernels/exl3_mma.py); no header is included, so
 // half-precision work is done on bit patterns with PTX.
 //
@@ -404,20 +404,22 @@ __device__ __forceinline__ Window lane_window(int lane) {
 // 8 steps are contiguous at 32·t), so they are four 16-byte loads — with 16 4-byte loads a
 // 6-row step's x' cost 6× the L1 wavefronts of one row's.
 // (A row the tile lacks reads some valid row: an MMA's output column depends on its own B
-// column only, and such rows are never stored.)
+// column only, and such rows are never stored.) x' is written by the kernel this one waits
+// for (gdc_wait), so it is read with plain loads that stay below the wait in program order:
+// the read-only (.nc) loads a C++ read through the __restrict__ pointer compiles to were
+// moved above the wait by ptxas once the first k-step's decode stood before it (wrong tokens
+// in graphed decode; tests/gpu: test_a_graphed_early_launch_reads_its_own_replays_input).
 __device__ __forceinline__ void load_x(const unsigned short* const (&xp)[RG],
                                        u32 (&x)[RG][8][2]) {
 #pragma unroll
     for (int q = 0; q < RG; ++q) {
-        const uint4* const p = (const uint4*)xp[q];  // (x' row xq[q], k-step ks: + 128·ks + 32t)
+        const unsigned short* const p = xp[q];  // (x' row xq[q], k-step ks: + 128·ks + 32t)
 #pragma unroll
-        for (int v = 0; v < 4; ++v) {
-            const uint4 d = p[v];  // steps 2v, 2v + 1: (k 2t…, k 2t + 8…) each
-            x[q][2 * v][0] = d.x;
-            x[q][2 * v][1] = d.y;
-            x[q][2 * v + 1][0] = d.z;
-            x[q][2 * v + 1][1] = d.w;
-        }
+        for (int v = 0; v < 4; ++v)  // steps 2v, 2v + 1: (k 2t…, k 2t + 8…) each
+            asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(x[q][2 * v][0]), "=r"(x[q][2 * v][1]),
+                           "=r"(x[q][2 * v + 1][0]), "=r"(x[q][2 * v + 1][1])
+                         : "l"(p + 8 * v));
     }
 }
 
@@ -545,14 +547,48 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
 #if NW == 8
     load_scales(sv, bias, c0, n_out, scale, shift);
 #endif
+    // The first k-step's tiles depend on the weights alone: decoded while the kernels before
+    // this one (launched early) still run, so only their MMAs wait for x'.
+    asm volatile("cp.async.wait_group 0;" ::: "memory");  // (its chunks: own)
+    __syncwarp();                                          // (… and the other lanes')
+    u32 a0[8][4];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const u32* const sw = &stage[warp][0][0];
+        const u32 w[3] = {sw[i * WT + win.wa], sw[i * WT + win.wb], sw[i * WT + win.wc]};
+        decode_tile(w, win.o, xc, a0[i]);
+    }
     // x' comes from the rotate_in launched just before (a no-op without an early launch).
     // Nothing that kernel writes may be read above this line: ptxas may hoist a read-only
-    // (.nc, const __restrict__) load above the wait — check the SASS (no LDG before ACQBULK).
+    // (.nc, const __restrict__) load above the wait — check the SASS (no LDG before ACQBULK);
+    // load_x's loads are plain for that reason.
     gdc_wait();
     load_x(xp, x);
-    int cur = 0;
+    {   // the first k-step, its tiles decoded above: as the loop below, less the decode
+        const bool more = k_lo + 1 < k_hi;
+#pragma unroll
+        for (int c = 0; c < LANE_CHUNKS; ++c) wsrc[c] += more ? step_words : 0;
+#pragma unroll
+        for (int q = 0; q < RG; ++q) xp[q] += more ? 128 : 0;
+        stage_chunks(wsrc, sbuf[1], lane);
+        commit();
+        u32 xn[RG][8][2];
+        load_x(xp, xn);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int q = 0; q < RG; ++q) mma(acc[q], a0[i], x[q][i][0], x[q][i][1]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int q = 0; q < RG; ++q) {
+                x[q][i][0] = xn[q][i][0];
+                x[q][i][1] = xn[q][i][1];
+            }
+    }
+    int cur = 1;
 #pragma unroll 2
-    for (int ks = k_lo; ks < k_hi; ++ks) {
+    for (int ks = k_lo + 1; ks < k_hi; ++ks) {
         // the next k-step's words (into the other buffer, which every lane finished reading
         // in the previous step) and x' load while this one decodes; the last step re-stages
         // its own into the idle buffer (its sources not moved on), so there is no branch
