@@ -410,6 +410,39 @@ def test_the_early_launch_gives_plain_orders_bits_eager_and_graphed(cuda, monkey
     assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
 
 
+def test_a_graphed_early_launch_reads_its_own_replays_input(cuda):
+    """A decode step's linears (a dense one at 1 and 6 rows, the grouped MoE gate + up) in a
+    CUDA graph, replayed with a new input each time, give each input's eager bits. Their x'
+    stays in the graph's pool from one replay to the next, so a kernel that read it before its
+    wait for the rotate_in launched just before it (a load the compiler moved above the wait)
+    would read the previous replay's x' — which a replay of one fixed input cannot show."""
+    if not X._pdl(torch.device(cuda)):
+        pytest.skip("no early launch on this GPU (programmatic dependent launch: sm_90+)")
+    (tr, suh, svh), sets, idx, x = decode_case(cuda, seed=61)
+    g = torch.Generator().manual_seed(61)
+    inputs = [torch.randn(x.shape, generator=g).to(cuda, torch.bfloat16) for _ in range(8)]
+    static_x = inputs[0].clone()
+
+    def run():
+        return [X.exl3_linear(static_x[:1], tr, suh, svh, "mul1"),
+                X.exl3_linear(static_x, tr, suh, svh, "mul1"),
+                *X.exl3_moe_linear(static_x, idx, sets, "mul1")]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = run()
+    for i, inp in enumerate(inputs * 2):
+        static_x.copy_(inp)
+        graph.replay()
+        eager = run()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(static, eager)), i
+
+
 @pytest.mark.parametrize("K,codebook", [(2, "mul1"), (2.5, "mul1"), (3, "mcg"), (3.5, "mul1"),
                                         (4, "3inst"), (4, "mul1"), (5.5, "mul1"), (6, "3inst")])
 def test_the_mma_kernel_gives_the_triton_kernels_bits(cuda, monkeypatch, K, codebook):
