@@ -423,6 +423,17 @@ __device__ __forceinline__ void load_x(const unsigned short* const (&xp)[RG],
     }
 }
 
+// the next k-step's x' (xn) becomes this one's
+__device__ __forceinline__ void take(u32 (&x)[RG][8][2], const u32 (&xn)[RG][8][2]) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int q = 0; q < RG; ++q) {
+            x[q][i][0] = xn[q][i][0];
+            x[q][i][1] = xn[q][i][1];
+        }
+}
+
 // Row r (0 ≤ r < 16) of this program's row tile: its row of x', the partials and the output
 // (a pair id when grouped, r itself otherwise), or −1 where the tile has no row r. A grouped
 // tile's pairs come before its −1 padding (moe_grouping), so valid rows are a prefix.
@@ -578,13 +589,7 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
         for (int i = 0; i < 8; ++i)
 #pragma unroll
             for (int q = 0; q < RG; ++q) mma(acc[q], a0[i], x[q][i][0], x[q][i][1]);
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-#pragma unroll
-            for (int q = 0; q < RG; ++q) {
-                x[q][i][0] = xn[q][i][0];
-                x[q][i][1] = xn[q][i][1];
-            }
+        take(x, xn);
     }
     int cur = 1;
 #pragma unroll 2
@@ -613,13 +618,7 @@ exl3_mma_linear(const unsigned short* __restrict__ xr, const u32* __restrict__ t
 #pragma unroll
             for (int q = 0; q < RG; ++q) mma(acc[q], a, x[q][i][0], x[q][i][1]);
         }
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-#pragma unroll
-            for (int q = 0; q < RG; ++q) {
-                x[q][i][0] = xn[q][i][0];
-                x[q][i][1] = xn[q][i][1];
-            }
+        take(x, xn);
         cur ^= 1;
     }
     asm volatile("cp.async.wait_all;" ::: "memory");  // (the last step's spare copy)

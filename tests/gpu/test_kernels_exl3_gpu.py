@@ -48,9 +48,9 @@ def i16(t):
     return t.view(torch.int16) if t.dtype in (torch.float16, torch.bfloat16) else t.view(torch.int32)
 
 
-def assert_replays_equal(fn, eager, what=None) -> None:
-    """fn captured in a CUDA graph (after a warm-up call on a side stream, as the decode step
-    is captured) and replayed three times: each replay's outputs equal `eager`, bit for bit."""
+def captured(fn):
+    """fn captured in a CUDA graph after a warm-up call on a side stream, as the decode step is
+    captured: (the graph, the outputs its replays write)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -59,6 +59,13 @@ def assert_replays_equal(fn, eager, what=None) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static = fn()
+    return graph, static
+
+
+def assert_replays_equal(fn, eager, what=None) -> None:
+    """fn captured in a CUDA graph (`captured`) and replayed three times: each replay's outputs
+    equal `eager`, bit for bit."""
+    graph, static = captured(fn)
     as_list = lambda t: list(t) if isinstance(t, (list, tuple)) else [t]
     for _ in range(3):
         graph.replay()
@@ -427,14 +434,7 @@ def test_a_graphed_early_launch_reads_its_own_replays_input(cuda):
         return [X.exl3_linear(static_x[:1], tr, suh, svh, "mul1"),
                 X.exl3_linear(static_x, tr, suh, svh, "mul1"),
                 *X.exl3_moe_linear(static_x, idx, sets, "mul1")]
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = run()
+    graph, static = captured(run)
     for i, inp in enumerate(inputs * 2):
         static_x.copy_(inp)
         graph.replay()
