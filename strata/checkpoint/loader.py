@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from strata.checkpoint.safetensors_io import ST_DTYPES, TensorInfo, _byte_view, _pread_exact
+from strata.checkpoint.safetensors_io import (ST_DTYPES, ClosedOnExit, TensorInfo, _byte_view,
+                                              _pread_exact)
 from strata.errors import CheckpointError
 
 DEFAULT_BUFFER_BYTES = 256 << 20
@@ -49,7 +50,7 @@ class _Buffer:
             self.event = None
 
 
-class TensorLoader:
+class TensorLoader(ClosedOnExit):
     """Loads checkpoint tensors (by TensorInfo) onto one device through bounded staging.
 
     `progress`: True shows a tqdm bar (bytes, GB/s) on stderr, False never, None only when
@@ -145,18 +146,6 @@ class TensorLoader:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-
-    def __enter__(self) -> TensorLoader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     # ----------------------------------------------------------------- helpers
     def _fd(self, path: Path) -> int:

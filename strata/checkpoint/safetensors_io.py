@@ -20,6 +20,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -113,7 +114,30 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-class SafetensorsFile:
+_Holder = TypeVar("_Holder", bound="ClosedOnExit")
+
+
+class ClosedOnExit:
+    """A holder of open files (its close()): closed at the end of a `with` block, or when it
+    is collected."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _Holder) -> _Holder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class SafetensorsFile(ClosedOnExit):
     """One .safetensors file: the header is parsed and validated at open, data is read lazily.
 
     The file descriptor stays open for the object's lifetime; reads are positional so one
@@ -306,18 +330,6 @@ class SafetensorsFile:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-    def __enter__(self) -> SafetensorsFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 def encode_header(entries: Sequence[tuple[str, str, Sequence[int]]],
