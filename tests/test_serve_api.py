@@ -14,7 +14,7 @@ import pytest
 from strata.model.model import Model
 from strata.runtime.sampling import SamplingParams
 from strata.runtime.session import Session
-from tests.serve_helpers import M, LiveServer, recipe_prompt_ids
+from tests.serve_helpers import M, LiveServer, recipe_prompt_ids, recipe_tokenizer
 
 CAP = 4096
 
@@ -146,6 +146,43 @@ def test_responses_api(oa):
                             reasoning={"effort": "none"}, temperature=0)
     assert r.status == "incomplete" and r.output_text
     assert r.usage.input_tokens > 0
+
+
+def test_reasoning_tokens_are_the_models_own(live, oa, real_vocab_dir):
+    """The usage counts the tokens the model reasoned with, also where it spelled the reasoning
+    with other tokens than the tokenizer would and the answer ends inside it (the recipe alone
+    counts that case by re-encoding the text: 3 here, not 4)."""
+    tok = recipe_tokenizer(real_vocab_dir)
+    odd = tok.encode(" Par") + tok.encode("is")  # the canonical " Paris" is one token
+    assert len(tok.encode(" Paris")) == 1 and len(odd) == 2
+    odd += tok.encode(" is near")
+    n = len(odd)
+    ask = [{"role": "user", "content": "Where?"}]
+    try:
+        live.script([{"match": "", "tokens": odd}])
+        r = oa.chat.completions.create(model=M, messages=ask, max_tokens=n)
+        assert r.choices[0].finish_reason == "length"
+        assert r.usage.completion_tokens == n
+        assert r.usage.completion_tokens_details.reasoning_tokens == n
+        last = list(oa.chat.completions.create(model=M, messages=ask, max_tokens=n, stream=True,
+                                               stream_options={"include_usage": True}))[-1]
+        assert last.usage.completion_tokens_details.reasoning_tokens == n
+        resp = oa.responses.create(model=M, input="Where?", max_output_tokens=n)
+        assert resp.usage.output_tokens == n
+        assert resp.usage.output_tokens_details.reasoning_tokens == n
+        # the reasoning closed: its tokens before `</think>`, not the answer's
+        answer = tok.encode("</think>Here.<｜end▁of▁sentence｜>")
+        live.script([{"match": "", "tokens": odd + answer}])
+        r = oa.chat.completions.create(model=M, messages=ask, max_tokens=50)
+        assert r.choices[0].message.content == "Here."
+        assert r.usage.completion_tokens == n + len(answer) - 1  # (the end of sentence)
+        assert r.usage.completion_tokens_details.reasoning_tokens == n
+        # no reasoning: no count
+        r = oa.chat.completions.create(model=M, messages=ask, max_tokens=50,
+                                       extra_body={"thinking": {"type": "disabled"}})
+        assert r.usage.completion_tokens_details is None
+    finally:
+        live.script(None)
 
 
 def test_completions_raw_prompt(live, model):

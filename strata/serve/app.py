@@ -323,7 +323,7 @@ class Server:
         if self.scripts is not None:
             scripted = self.scripts.pick(
                 dr.DeepseekV41Encoding().render_conversation(conv.conversation).prompt)
-        output = RecipeOutput(protocol, conv, self.rtok, model, self.eos_id,
+        output = RecipeOutput(protocol, conv, self.rtok, model, self.eos_id, self.think_end,
                               lambda ids: self.htok.decode(ids, skip_special_tokens=False))
         gen = Generation(self.engine, self.metrics, output,
                          GenRequest(ids, max_tokens, params, scripted=scripted,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -107,15 +108,31 @@ class OneCall:
         return out
 
 
+# A usage's count of reasoning tokens, in the recipe's JSON (Chat's completion_tokens_details,
+# Responses' output_tokens_details). A model text's quotes are escaped there, so its text never
+# matches.
+REASONING_COUNT = re.compile(r'"reasoning_tokens":\d+')
+
+
 class RecipeOutput:
     """deepseek-recipe's stream processing and response accumulation for one request.
-    `decode` (token ids → text) is needed only for a request of one tool call at most."""
+    `decode` (token ids → text) is needed only for a request of one tool call at most.
+    `think_end`: the id of `</think>`, which ends the reasoning.
+
+    The usage's reasoning tokens are the model's own, counted here: the recipe counts a
+    reasoning that the generation's end cuts short by re-encoding its text, which can give
+    more reasoning tokens than the completion has where the model spelled it with other
+    tokens than the tokenizer would (checked against deepseek-recipe 0.2.0)."""
 
     def __init__(self, protocol: Protocol, conv: Converted, tokenizer: dr.Tokenizer,
-                 model: str, eos_id: int,
+                 model: str, eos_id: int, think_end: int,
                  decode: Callable[[list[int]], str] | None = None) -> None:
         self.protocol, self.conv, self.model, self.eos_id = protocol, conv, model, eos_id
+        self.think_end = think_end
         self.sp = dr.StreamProcessor(conv.generator, conv.parsing, tokenizer)
+        stage = conv.parsing.thinking_initial_stage
+        self.reasoning = stage is not None and stage.starts_in_reasoning()
+        self.reasoning_tokens = 0  # the tokens given to the parser before `</think>`
         if conv.one_call and decode is None:
             raise ValueError("a request of one tool call at most needs decode")
         self.one_call = OneCall(decode) if conv.one_call else None
@@ -127,7 +144,7 @@ class RecipeOutput:
         out = []
         for c in chunks:
             # to_json first: accumulate() consumes the chunk.
-            self._last = c.to_json()
+            self._last = self._counted(c.to_json())
             if self.one_call is not None:  # (the recipe echoes a Responses request's as true)
                 self._last = self._last.replace('"parallel_tool_calls":true',
                                                 '"parallel_tool_calls":false')
@@ -155,6 +172,10 @@ class RecipeOutput:
             return []
         ids = [t for t, _ in pairs]
         lps = [lp for _, lp in pairs]
+        for t in ids:
+            self.reasoning = self.reasoning and t != self.think_end
+            if self.reasoning:
+                self.reasoning_tokens += 1
         chunk = (dr.InferenceChunk.tokens(ids) if lps[0] is None
                  else dr.InferenceChunk.tokens(ids, logprobs=lps))
         return self._emit(self.sp.push(chunk))
@@ -172,10 +193,14 @@ class RecipeOutput:
                 else dr.InferenceFinishReason.Stop
             out += self._emit(self.sp.push(dr.InferenceChunk.finish(why)))
         out += self._emit(self.sp.finish())
-        self._final = json.loads(self.response.to_json())
+        self._final = json.loads(self._counted(self.response.to_json()))
         if self.one_call is not None and "parallel_tool_calls" in self._final:
             self._final["parallel_tool_calls"] = False
         return out
+
+    def _counted(self, text: str) -> str:
+        """The recipe's JSON with the reasoning tokens counted here."""
+        return REASONING_COUNT.sub(f'"reasoning_tokens":{self.reasoning_tokens}', text)
 
     def result(self) -> dict:
         assert self._final is not None, "result() before finish()"
