@@ -76,6 +76,25 @@ def test_prefill_chunk_breakdown_runs_the_chunk_it_names(cfg):
     assert {"attention", "moe", "mhc", "head"} <= set(full["ms"])
 
 
+def test_prefill_runs_report_their_median(cfg):
+    """--prefill-runs: each prompt timed that many times, each on a new session; the row's
+    seconds are the median of its runs, and the skip's exactness is still checked."""
+    import statistics
+
+    from strata.bench.synthetic import bench_prefill
+    model, _ = build_synthetic(cfg, "cpu", engram_rows=32)
+    lines = []
+    rows = bench_prefill(model, [60], 24, "both", seed=2, progress=lines.append, runs=3)
+    assert [r["decoder_skip"] for r in rows] == [False, True]
+    for r in rows:
+        assert len(r["runs_seconds"]) == 3
+        assert r["seconds"] == statistics.median(r["runs_seconds"])
+        assert r["tok_per_s"] == 60 / r["seconds"] and r["logits_equal_to_full"]
+    assert sum("(median of 3: " in line for line in lines) == 2
+    one = bench_prefill(model, [60], 24, "on", seed=2)[0]
+    assert one["runs_seconds"] == [one["seconds"]]
+
+
 def test_layer_subset(cfg):
     model, _ = build_synthetic(cfg, "cpu", layers=[0, 1, 2], engram_rows=16)
     assert [b.layer for b in model.layers] == [0, 1, 2]

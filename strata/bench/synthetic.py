@@ -557,6 +557,8 @@ def add_arguments(p) -> None:
                    help="before each timed prefill, an untimed one of a shorter prompt with "
                         "the same chunk shapes (the Triton kernels compile there, not in the "
                         "timed run); default: on CUDA")
+    p.add_argument("--prefill-runs", type=COUNT, default=1,
+                   help="timed prefills of each prompt; the median is reported")
     p.add_argument("--prefill-skip", default="both", choices=["both", "on", "off"],
                    help="the exact decoder-skipping prefill: with, without, or both (then the "
                         "last logits are checked bit-identical)")
@@ -584,13 +586,17 @@ def prefill_warmup_length(n: int, chunk: int, reach: int) -> int:
 
 
 def bench_prefill(model, lengths: list[int], chunk: int, skip: str, seed: int,
-                  progress=None, piece: int = 32768, warmup: bool | None = None) -> list[dict]:
+                  progress=None, piece: int = 32768, warmup: bool | None = None,
+                  runs: int = 1) -> list[dict]:
     """Time a chunked prefill of random prompts of each length (device synchronised around it)
     with and/or without the decoder skip; peak device memory; with both, whether the last
     row's logits are bit-identical (the skip is exact). `progress(text)`: a line per prefill
     as soon as it is timed, and one per `piece` tokens fed (the prompt goes in pieces, as the
     engine feeds long prompts: a long-context run cut short by a time limit keeps its rate).
-    `warmup` (default: on CUDA): an untimed prefill of `prefill_warmup_length` tokens first."""
+    `warmup` (default: on CUDA): an untimed prefill of `prefill_warmup_length` tokens first.
+    `runs`: timed prefills of each prompt, each on a new session; a row's seconds are their
+    median (a short prefill's run-to-run spread is several percent), all in `runs_seconds`."""
+    import statistics
     import time
 
     from strata.bench.memory import proc_status
@@ -619,27 +625,32 @@ def bench_prefill(model, lengths: list[int], chunk: int, skip: str, seed: int,
                 if progress is not None:
                     progress(f"prefill {n}: untimed warm-up of {warm} tokens took "
                              f"{time.perf_counter() - t0:.1f} s")
-            s = Session(model, n + 8, prefill_chunk=chunk, decoder_skip=on)
-            base = None
-            if cuda:
-                torch.cuda.synchronize(dev)
-                torch.cuda.reset_peak_memory_stats(dev)
-                base = torch.cuda.memory_allocated(dev)  # weights, tables, the session's caches
-            t0 = time.perf_counter()
-            logits = None
-            for i in range(0, n, piece):
-                j = min(i + piece, n)
-                logits = s.prefill(prompt[i:j], rows_after=n - j)
-                if progress is not None and j < n:
-                    if cuda:
-                        torch.cuda.synchronize(dev)
-                    progress(f"prefill {n}: {j} tokens in {time.perf_counter() - t0:.1f} s")
-            if cuda:
-                torch.cuda.synchronize(dev)
-            secs = time.perf_counter() - t0
+            timed = []
+            for _ in range(runs):
+                s = Session(model, n + 8, prefill_chunk=chunk, decoder_skip=on)
+                base = None
+                if cuda:
+                    torch.cuda.synchronize(dev)
+                    torch.cuda.reset_peak_memory_stats(dev)
+                    base = torch.cuda.memory_allocated(dev)  # weights, tables, the caches
+                t0 = time.perf_counter()
+                logits = None
+                for i in range(0, n, piece):
+                    j = min(i + piece, n)
+                    logits = s.prefill(prompt[i:j], rows_after=n - j)
+                    if progress is not None and j < n:
+                        if cuda:
+                            torch.cuda.synchronize(dev)
+                        progress(f"prefill {n}: {j} tokens in {time.perf_counter() - t0:.1f} s")
+                if cuda:
+                    torch.cuda.synchronize(dev)
+                timed.append(time.perf_counter() - t0)
+                del s
+            secs = statistics.median(timed)
             last[on] = logits
             out.append({"tokens": n, "decoder_skip": on, "skip_applied": on and can_skip,
                         "seconds": secs, "tok_per_s": n / secs, "chunk": chunk,
+                        "runs_seconds": timed,
                         "warmup_tokens": warm,
                         # this process's (rank 0's) device; host: the process's peak so far
                         "peak_device_bytes": torch.cuda.max_memory_allocated(dev) if cuda
@@ -649,10 +660,11 @@ def bench_prefill(model, lengths: list[int], chunk: int, skip: str, seed: int,
                         "peak_host_rss_bytes": proc_status("VmHWM")})
             if progress is not None:
                 peak = out[-1]["peak_device_bytes"]
+                each = "" if runs == 1 else \
+                    f" (median of {runs}: {', '.join(f'{t:.3f}' for t in timed)} s)"
                 progress(f"measured prefill {n} (decoder skip {'on' if on else 'off'}): "
-                         f"{secs:.1f} s, {n / secs:.0f} tok/s"
+                         f"{secs:.3f} s, {n / secs:.0f} tok/s{each}"
                          + ("" if peak is None else f", peak device {peak / 2**30:.1f} GiB"))
-            del s
         if len(last) == 2:
             same = bool(torch.equal(last[False], last[True]))
             for r in out[-2:]:
@@ -849,7 +861,8 @@ def run(args) -> int:
             prefill = bench_prefill(model, lengths, args.prefill_chunk, args.prefill_skip,
                                     args.seed, progress=lambda line: print(
                                         line, file=sys.stderr, flush=True),
-                                    piece=args.prefill_piece, warmup=args.prefill_warmup)
+                                    piece=args.prefill_piece, warmup=args.prefill_warmup,
+                                    runs=args.prefill_runs)
         # Eager plain steps, and graphed ones too when "plain+graphs" was measured; DSpark
         # windows (oracle drafts) when an oracle mode was, graphed if it was graphed.
         from strata.bench.decode import GRAPHS, parse_mode
