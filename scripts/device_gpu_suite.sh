@@ -7,7 +7,7 @@
 #   in that order; default: every tests/gpu file but the two-GPU one, newest mechanisms first)
 # Logs in $OUT/gpu_<file>.log; measurements the tests record in $OUT/gpu_results.jsonl.
 set -o pipefail
-files=${FILES:-"test_cuda_graph_gpu test_kernels_exl3_gpu test_cuda_parity test_bench_synthetic_gpu
+files=${FILES:-"test_chunk_size_gpu test_cuda_graph_gpu test_kernels_exl3_gpu test_cuda_parity test_bench_synthetic_gpu
   test_kernels_fused_ops_gpu test_kernels_fp8fp4_gpu test_streams_gpu test_loader_gpu"}
 end=$(( SECONDS + ${BUDGET_S:-540} ))
 status=0

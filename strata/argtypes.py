@@ -26,3 +26,13 @@ NONNEGATIVE = integer(0)
 SEED = integer(0, 2 ** 63 - 1)
 PORT = integer(0, 65535)
 THREADS = integer(1, 1024)    # a thread pool's size
+
+
+def count_or_auto(text: str) -> int | str:
+    """COUNT, or the word "auto" (the command measures what fits: e.g. --prefill-chunk)."""
+    if text == "auto":
+        return text
+    try:
+        return COUNT(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e} (or 'auto')") from None

@@ -29,7 +29,7 @@ import strata  # noqa: F401  (sets the CPU kernel capability before torch loads)
 import torch
 
 from strata.engram_store import IO_THREADS
-from strata.argtypes import COUNT, NONNEGATIVE, PORT, SEED, THREADS, integer
+from strata.argtypes import COUNT, NONNEGATIVE, PORT, SEED, THREADS, count_or_auto, integer
 from strata.errors import StrataError
 
 
@@ -191,11 +191,23 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
                         "at start-up)")
 
 
-def _add_prefill_chunk_arg(p: argparse.ArgumentParser, flag: str = "--prefill-chunk") -> None:
+def _add_prefill_chunk_arg(p: argparse.ArgumentParser, flag: str = "--prefill-chunk",
+                           auto: bool = False) -> None:
+    """auto: the flag also takes "auto", its default — the largest chunk the devices' memory
+    leaves room for, measured at start (runtime.chunk_size; for commands that prefill many
+    prompts: one prompt gains less from the bigger chunk than the measurement costs)."""
+    from strata.runtime.chunk_size import LARGEST_AUTO_CHUNK
     from strata.runtime.session import PREFILL_CHUNK
-    p.add_argument(flag, type=COUNT, default=PREFILL_CHUNK, dest="prefill_chunk",
-                   help=f"prompt rows a prefill forward takes at once (default {PREFILL_CHUNK}; "
-                        "smaller needs less scratch memory and prefills slower)")
+    what = "prompt rows a prefill forward takes at once; smaller needs less scratch memory " \
+           "and prefills slower"
+    if auto:
+        p.add_argument(flag, type=count_or_auto, default="auto", dest="prefill_chunk",
+                       help=f"{what} (default auto: on CUDA, the largest of {PREFILL_CHUNK}.."
+                            f"{LARGEST_AUTO_CHUNK} whose scratch, measured at start, fits; "
+                            f"else {PREFILL_CHUNK})")
+    else:
+        p.add_argument(flag, type=COUNT, default=PREFILL_CHUNK, dest="prefill_chunk",
+                       help=f"{what} (default {PREFILL_CHUNK})")
 
 
 def _check_speculative_args(args) -> None:
@@ -522,18 +534,21 @@ def cmd_bench_pieces(args) -> int:
 
 def cmd_passkey(args) -> int:
     from strata.bench.passkey import as_json, parse_length, report, run_passkey
+    from strata.runtime.chunk_size import resolve_prefill_chunk
     from strata.tokenizer import tokenizer_path
     lengths = [parse_length(t) for t in args.lengths.split(",") if t.strip()]
     if not lengths:
         raise StrataError("--lengths: no lengths given")
     model = _load(args)
+    chunk = resolve_prefill_chunk(args.prefill_chunk, model, max(lengths) + args.max_tokens)
     results = run_passkey(model, tokenizer_path(_model_dir(args.model)), lengths,
-                          depth=args.depth, chunk=args.prefill_chunk, max_tokens=args.max_tokens,
+                          depth=args.depth, chunk=chunk, max_tokens=args.max_tokens,
                           seed=args.seed)
     print(report(results))
     if args.json:
         meta = {"command": "strata " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
-                "model": str(_model_dir(args.model)), "device": str(model.device)}
+                "model": str(_model_dir(args.model)), "device": str(model.device),
+                "prefill_chunk": chunk}
         Path(args.json).write_text(json.dumps({"meta": meta, "results": as_json(results)},
                                               indent=2))
     return 0
@@ -671,7 +686,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated prompt lengths in tokens (K = 1024)")
     pk.add_argument("--depth", type=float, default=0.0,
                     help="where the key sits in the filler, 0 = start .. 1 = end")
-    _add_prefill_chunk_arg(pk, "--chunk")
+    _add_prefill_chunk_arg(pk, "--chunk", auto=True)
     pk.add_argument("--max-tokens", type=COUNT, default=16, help="answer length")
     pk.add_argument("--seed", type=SEED, default=0, help="picks the keys")
     pk.add_argument("--json", help="write the results as JSON here")
@@ -690,7 +705,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--prefix-cache-mb", type=NONNEGATIVE, default=2048,
                     help="memory for retained conversation states (default 2048)")
     sv.add_argument("--max-body-mb", type=COUNT, default=16, help="request size limit")
-    _add_prefill_chunk_arg(sv)
+    _add_prefill_chunk_arg(sv, auto=True)
     sv.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                     help="before serving, run two throwaway requests so the kernels compile "
                          "then, not in the first client's request (default: on CUDA)")

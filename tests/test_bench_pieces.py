@@ -8,7 +8,8 @@ from strata.cli import main
 from strata.errors import StrataError
 
 
-def piece(layers, plain, window, prefill_s, device="NVIDIA H100 80GB HBM3", committed=2.7):
+def piece(layers, plain, window, prefill_s, device="NVIDIA H100 80GB HBM3", committed=2.7,
+          chunk=4096):
     """A bench synthetic --json file's fields that bench pieces reads (a token's traffic: 0.4
     GB and 1 G weights a layer, the head 0.5 GB and 0.66 G weights)."""
     n = 0 if layers is None else len(layers)
@@ -22,7 +23,7 @@ def piece(layers, plain, window, prefill_s, device="NVIDIA H100 80GB HBM3", comm
                 "oracle+graphs": {"median_tok_per_s": window, "windows": 10,
                                   "mean_committed_per_window": committed}},
             "prefill": [{"tokens": 32768, "decoder_skip": True, "seconds": prefill_s,
-                         "peak_device_bytes": int(60e9)}]}
+                         "chunk": chunk, "peak_device_bytes": int(60e9)}]}
 
 
 def write(tmp_path, name, data):
@@ -53,7 +54,7 @@ def test_pieces_add_their_times_and_subtract_the_overlap(tmp_path, capsys):
     assert c["decode"]["oracle+graphs"]["tokens_per_window"] == {n: 2.7 for n in "abcd"}
     (p,) = c["prefill"]
     assert p["seconds"] == pytest.approx(2.206 + 1.0942 + 0.1445 - 0.0391)
-    assert round(p["tok_per_s"]) == 9622
+    assert round(p["tok_per_s"]) == 9622 and p["chunk"] == 4096
     assert (c["add"], c["subtract"], c["layers"]) == (["a", "b", "c"], ["d"], 40)
     # what a token reads and decodes adds the same way: 40 layers and the head counted twice
     # (three pieces' heads less the subtracted one's: one more than the model runs)
@@ -65,6 +66,7 @@ def test_pieces_add_their_times_and_subtract_the_overlap(tmp_path, capsys):
     assert roof["of_copy"] == pytest.approx(17.0 * plain / 3000.0)
     text = capsys.readouterr().out
     assert "plain+graphs: 108.0 tok/s" in text and "9622 tok/s" in text
+    assert "prefill 32768 (skip on, 4096-row chunks)" in text
 
 
 def test_each_layer_must_be_held_once(tmp_path):
@@ -87,6 +89,12 @@ def test_pieces_must_be_measured_alike(tmp_path):
     with pytest.raises(StrataError, match="c2 was not measured as a was"):
         pieces.combine([(n, pieces.load(p)) for n, p in zip("ab", add[:2])]
                        + [("c2", pieces.load(other))], [("d", pieces.load(sub[0]))], 40)
+    # (--prefill-chunk auto can pick a bigger chunk for a smaller piece: not comparable)
+    bigger = write(tmp_path, "c3", piece([20] + list(range(28, 40)), 321.6, 658.9, 0.1445,
+                                         chunk=8192))
+    with pytest.raises(StrataError, match="c3 was not measured as a was.*chunks must match"):
+        pieces.combine([(n, pieces.load(p)) for n, p in zip("ab", add[:2])]
+                       + [("c3", pieces.load(bigger))], [("d", pieces.load(sub[0]))], 40)
 
 
 def test_files_that_are_not_pieces_are_refused(tmp_path):

@@ -57,6 +57,9 @@ def test_the_prefill_chunk_reaches_the_session_and_the_engine(tiny_dir, capsys, 
         assert main(["serve", "--model", str(tiny_dir), "--port", "0"] + extra) == 0
     assert engines == [PREFILL_CHUNK, 7, PREFILL_CHUNK]
     assert len(warmed) == 1  # (asked for; by default only on CUDA)
+    # (serve's default is auto: measured on CUDA, here the base chunk, and said why)
+    assert capsys.readouterr().err.count(
+        f"strata: prefill chunk {PREFILL_CHUNK} rows (not measured off CUDA)") == 2
 
     def broken(self):  # (a stand-in for a GPU that cannot run the kernels: none here)
         raise RuntimeError("CUDA error: no kernel image is available")
@@ -161,7 +164,11 @@ def test_bad_arguments_are_reported(tiny_dir, capsys, argv, needle):
      "does not exist"),
     (["serve", "--port", "70000"], "--port: must be in 0..65535, got 70000"),
     (["serve", "--max-queue", "-1"], "--max-queue: must be ≥ 0, got -1"),
-    (["serve", "--prefill-chunk", "0"], "--prefill-chunk: must be ≥ 1, got 0"),
+    (["serve", "--prefill-chunk", "0"], "--prefill-chunk: must be ≥ 1, got 0 (or 'auto')"),
+    (["serve", "--prefill-chunk", "lots"],
+     "--prefill-chunk: expected an integer, got 'lots' (or 'auto')"),
+    (["generate", "--tokens", "1", "--prefill-chunk", "auto"],
+     "--prefill-chunk: expected an integer, got 'auto'"),
     (["generate", "--tokens", "1", "--prefill-chunk", "-2"], "--prefill-chunk: must be ≥ 1"),
     (["generate", "--tokens", "1", "--max-tokens", "0"], "--max-tokens: must be ≥ 1, got 0"),
     (["passkey", "--lengths", "100", "--chunk", "0"], "--chunk: must be ≥ 1, got 0"),

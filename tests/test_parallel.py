@@ -214,6 +214,16 @@ def test_stats(group):
     assert all(r["forwards"] == 1 and r["collectives"] >= 1 for r in rows)
 
 
+def test_memory_is_gathered_from_every_rank(group):
+    """MEMORY: every rank answers with its device's reading (zeros on CPU: the GPU test
+    tests/gpu/test_chunk_size_gpu.py reads real ones), and the group goes on serving."""
+    from strata.device_memory import DeviceMemory
+    assert group.memory(reset_peak=True) == [DeviceMemory(0, 0, 0)] * group.world
+    st = group.new_state(16)
+    assert group.forward(torch.tensor([5, 6, 7]), st, logits="last")[0] is not None
+    assert len(group.memory()) == group.world
+
+
 # ---- pieces ---------------------------------------------------------------------------------
 def test_parse_and_plan_split(tiny_dir):
     assert parse_split("0-2,3-7", 8, 2) == ((0, 3), (3, 8))

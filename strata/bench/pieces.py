@@ -49,9 +49,11 @@ def load(path: str | Path) -> dict:
 
 
 def _protocol(data: dict) -> tuple:
-    """What must match between pieces: device, format, modes, prefill lengths and skip."""
+    """What must match between pieces: device, format, modes, prefill lengths, skip and chunk
+    (`--prefill-chunk auto` may pick different chunks for pieces of different sizes)."""
     meta = data["meta"]
-    prefill = tuple((r["tokens"], r["decoder_skip"]) for r in data.get("prefill") or [])
+    prefill = tuple((r["tokens"], r["decoder_skip"], r.get("chunk"))
+                    for r in data.get("prefill") or [])
     return (meta.get("device"), meta.get("format"), tuple(sorted(data["results"])), prefill)
 
 
@@ -80,7 +82,8 @@ def combine(add: list[tuple[str, dict]], subtract: list[tuple[str, dict]],
     for name, data in add[1:] + subtract:
         if _protocol(data) != _protocol(base):
             raise StrataError(f"bench pieces: {name} was not measured as {base_name} was "
-                              f"(device, format, modes and prefill lengths must match): "
+                              f"(device, format, modes, prefill lengths and chunks must "
+                              f"match): "
                               f"{_protocol(data)} against {_protocol(base)}")
     pieces = [(1, n, d) for n, d in add] + [(-1, n, d) for n, d in subtract]
     decode = {}
@@ -101,6 +104,7 @@ def combine(add: list[tuple[str, dict]], subtract: list[tuple[str, dict]],
             raise StrataError(f"bench pieces: prefill {row['tokens']}: the subtracted pieces "
                               "take longer than the added ones")
         prefill.append({"tokens": row["tokens"], "decoder_skip": row["decoder_skip"],
+                        "chunk": row.get("chunk"),
                         "seconds": seconds, "tok_per_s": row["tokens"] / seconds,
                         "peak_device_bytes": max(
                             (d["prefill"][i].get("peak_device_bytes") or 0
@@ -141,7 +145,8 @@ def report(c: dict) -> str:
         lines.append(f"  {mode}: {r['tok_per_s']:.1f} tok/s{note}")
     for r in c["prefill"]:
         skip = "skip on" if r["decoder_skip"] else "skip off"
-        lines.append(f"  prefill {r['tokens']} ({skip}): {r['seconds']:.3f} s, "
+        chunk = f", {r['chunk']}-row chunks" if r.get("chunk") else ""
+        lines.append(f"  prefill {r['tokens']} ({skip}{chunk}): {r['seconds']:.3f} s, "
                      f"{r['tok_per_s']:.0f} tok/s; largest piece's peak "
                      f"{r['peak_device_bytes'] / 2**30:.1f} GiB")
     return "\n".join(lines)

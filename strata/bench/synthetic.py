@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from strata.argtypes import COUNT, NONNEGATIVE, SEED, THREADS
+from strata.argtypes import COUNT, NONNEGATIVE, SEED, THREADS, count_or_auto
 from strata.config import ModelConfig
 from strata.engram_store import IO_THREADS
 from strata.quant.exl3 import Exl3Linear
@@ -548,8 +548,12 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=SEED, default=0)
     p.add_argument("--prefill", help="also time chunked prefills of these prompt lengths, "
                                      "e.g. 8K,32K,128K (K = 1024)")
+    from strata.runtime.chunk_size import LARGEST_AUTO_CHUNK
     from strata.runtime.session import PREFILL_CHUNK
-    p.add_argument("--prefill-chunk", type=COUNT, default=PREFILL_CHUNK)
+    p.add_argument("--prefill-chunk", type=count_or_auto, default=PREFILL_CHUNK,
+                   help=f"rows a prefill forward takes at once (default {PREFILL_CHUNK}); "
+                        f"auto: the largest up to {LARGEST_AUTO_CHUNK} whose scratch fits, "
+                        "measured after the build as `strata serve` does")
     p.add_argument("--prefill-piece", type=COUNT, default=32768,
                    help="feed a prefill's prompt in pieces of this many tokens, with a "
                         "progress line after each")
@@ -574,6 +578,13 @@ def add_arguments(p) -> None:
     p.add_argument("--json", help="write the results as JSON here")
     from strata.cli import _add_parallel_args
     _add_parallel_args(p)  # every rank builds its part of the same synthetic model
+
+
+def chunk_rows(flag: int | str) -> int:
+    """--prefill-chunk's rows for sizing before the model is built: "auto" may pick up to
+    the largest."""
+    from strata.runtime.chunk_size import LARGEST_AUTO_CHUNK
+    return LARGEST_AUTO_CHUNK if flag == "auto" else flag
 
 
 def prefill_warmup_length(n: int, chunk: int, reach: int) -> int:
@@ -806,7 +817,7 @@ def run(args) -> int:
                           "--device cuda[:N] (and no --parallel), or name the layers")
     if not args.parallel and torch.device(args.device).type == "cuda":
         context = max([args.prompt_tokens + args.tokens + cfg.dspark_block_size + 2]
-                      + [n + args.prefill_chunk + 8 for n in lengths])
+                      + [n + chunk_rows(args.prefill_chunk) + 8 for n in lengths])
         free = torch.cuda.mem_get_info(args.device)[0]
         sizing = dict(context=context, fmt=args.fmt, engram=args.engram,
                       engram_rows=args.engram_rows,
@@ -831,6 +842,10 @@ def run(args) -> int:
                                    engram_rows=args.engram_rows, engram_dir=args.engram_dir,
                                    engram_io_threads=args.engram_io_threads)
     build_s = time.perf_counter() - t0
+    chunk = args.prefill_chunk
+    if lengths:
+        from strata.runtime.chunk_size import resolve_prefill_chunk
+        chunk = resolve_prefill_chunk(chunk, model, max(lengths) + 8)
     g = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(3, min(cfg.vocab_size, 100_000), (args.prompt_tokens,),
                            generator=g).tolist()
@@ -858,7 +873,7 @@ def run(args) -> int:
             split = parallel_split(model, prompt, modes, n=args.tokens, length=args.length)
         prefill = []
         if lengths:
-            prefill = bench_prefill(model, lengths, args.prefill_chunk, args.prefill_skip,
+            prefill = bench_prefill(model, lengths, chunk, args.prefill_skip,
                                     args.seed, progress=lambda line: print(
                                         line, file=sys.stderr, flush=True),
                                     piece=args.prefill_piece, warmup=args.prefill_warmup,
@@ -882,11 +897,11 @@ def run(args) -> int:
         if breakdown and prefill and not args.parallel:
             # a chunk at the longest prompt's end: the decoder skip's encoder-only chunks
             # are most of a long prefill, its last chunks run in full
-            at = max(r["tokens"] for r in prefill) - args.prefill_chunk
+            at = max(r["tokens"] for r in prefill) - chunk
             skips = getattr(model, "decoder_start", None) is not None
             for decoder in ((False, True) if skips else (True,)):
                 breakdown[f"prefill chunk at {at}, {'full' if decoder else 'encoder only'}"] \
-                    = prefill_breakdown(model, max(at, 0), args.prefill_chunk, decoder,
+                    = prefill_breakdown(model, max(at, 0), chunk, decoder,
                                         args.seed)
     finally:
         if args.parallel:

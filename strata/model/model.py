@@ -18,6 +18,7 @@ from strata.checkpoint.pack import open_checkpoint
 from strata.checkpoint.weights import WeightReader
 from strata.config import ModelConfig
 from strata.current_device import made_current, upload
+from strata.device_memory import DeviceMemory, device_memory
 from strata.engram_store import EngramDiskWeights
 from strata.errors import ConfigError
 from strata.kernels import engram as engram_kernels
@@ -173,6 +174,10 @@ class Model:
     def new_state(self, capacity: int) -> State:
         return State(self.cfg, capacity, self.device, kv_dtype=self.numerics.act_dtype,
                      layers=self.part.layers, dspark=self.dspark is not None)
+
+    def memory(self, reset_peak: bool = False) -> list[DeviceMemory]:
+        """This model's devices' memory (one here; ParallelModel.memory: every rank's)."""
+        return [device_memory(self.device, reset_peak)]
 
     @property
     def decoder_start(self) -> int | None:

@@ -28,7 +28,7 @@ sends the queue with the next FORWARD(state, T, logits mode, numerics, start, gr
 forward; skip: a decoder-skipping prefill, Model.forward): one broadcast per forward
 whatever the speculative step did around it. A follower checks that its
 State is at `start` before running, so diverged states fail loudly. STATS gathers per-rank
-timings; SHUTDOWN ends the followers.
+timings, MEMORY per-rank device memory; SHUTDOWN ends the followers.
 
 Launch. `launch(spec)` either joins the group described by torch.distributed's standard
 environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK — torchrun, or the same
@@ -53,6 +53,7 @@ from pathlib import Path
 import torch
 
 from strata.config import ModelConfig
+from strata.device_memory import DeviceMemory, device_memory
 from strata.errors import ConfigError, StrataError
 from strata.model.model import Model, ModelPart
 from strata.model.numerics import Numerics
@@ -88,6 +89,7 @@ class Op(IntEnum):
     TIMING = 12
     STATS = 13
     SHUTDOWN = 14
+    MEMORY = 15
 
 
 @dataclass(frozen=True)
@@ -378,6 +380,8 @@ class Follower:
             self.comm.timing = bool(a)
         elif op == Op.STATS:
             _exchange_stats(self.comm, reset=bool(a))
+        elif op == Op.MEMORY:
+            _exchange_memory(self.comm, reset_peak=bool(a))
         else:
             raise RuntimeError(f"unknown command {op}")
 
@@ -388,6 +392,12 @@ def _exchange_stats(comm: Comm, reset: bool) -> list[list[float]]:
     if reset:
         comm.stats = type(comm.stats)()
     return every
+
+
+def _exchange_memory(comm: Comm, reset_peak: bool) -> list[DeviceMemory]:
+    m = device_memory(comm.device, reset_peak)
+    mine = torch.tensor([m.free, m.allocated, m.peak], dtype=torch.int64, device=comm.device)
+    return [DeviceMemory(*row) for row in comm.all_gather(mine).tolist()]
 
 
 def run_follower(spec: ParallelSpec, rv: Rendezvous, rank: int, local_rank: int) -> int:
@@ -658,6 +668,11 @@ class ParallelModel:
         rows = _exchange_stats(self.comm, reset)
         keys = ("forwards", "forward_s", "collectives", "bytes", "comm_s", "idle_s")
         return [dict(zip(keys, r), rank=k) for k, r in enumerate(rows)]
+
+    def memory(self, reset_peak: bool = False) -> list[DeviceMemory]:
+        """Every rank's device memory, in rank order (Model.memory's, gathered)."""
+        self.driver.send((int(Op.MEMORY), 0, int(reset_peak), 0, 0, 0, 0))
+        return _exchange_memory(self.comm, reset_peak)
 
     # ---- shutdown ----------------------------------------------------------------------------
     def close(self) -> None:

@@ -41,7 +41,7 @@ class GenerationResult:
 # bench/results/performance.md, session 32. A 4,096-row chunk's scratch (~1.9 GiB on a device)
 # fits the memory plan's 4 GiB per-device reserve. 8,192 rows prefill ~5 % faster (session 57)
 # but need ~3.9 GiB above the model, past that reserve beside the CUDA context and graphs:
-# `--prefill-chunk 8192` where a device has the room.
+# `--prefill-chunk auto` (runtime/chunk_size.py) measures whether a device has the room.
 PREFILL_CHUNK = 4096
 
 

@@ -44,6 +44,7 @@ def check_bind(host: str, key: str | None) -> None:
 def serve(model: Model, model_dir: Path, args) -> int:
     import uvicorn
 
+    from strata.runtime.chunk_size import resolve_prefill_chunk
     from strata.runtime.engine import Engine
     from strata.runtime.speculative import speculative_config
     from strata.serve.app import ServeConfig, create_app
@@ -55,9 +56,12 @@ def serve(model: Model, model_dir: Path, args) -> int:
     # (flag ranges: strata.argtypes, checked as the command line is parsed)
     spec, costs = speculative_config(model, args.draft_length, args.graphs) \
         if args.speculative else (None, None)
+    # (the retained states grow into the prefix cache's budget: the chunk leaves it free)
+    chunk = resolve_prefill_chunk(args.prefill_chunk, model, capacity,
+                                  keep_bytes=args.prefix_cache_mb << 20, speculative=spec)
     engine = Engine(model, capacity, max_queue=args.max_queue,
                     prefix_cache_bytes=args.prefix_cache_mb << 20,
-                    prefill_chunk=args.prefill_chunk, speculative=spec,
+                    prefill_chunk=chunk, speculative=spec,
                     costs=costs, graphs=args.graphs)
     if args.warmup if args.warmup is not None else model.device.type == "cuda":
         print("strata: warming up (the kernels compile before the first request)",
