@@ -53,13 +53,13 @@ def test_the_prefill_chunk_reaches_the_session_and_the_engine(tiny_dir, capsys, 
     from strata.runtime.engine import Engine
     warmed = []
     monkeypatch.setattr(Engine, "warm_up", lambda self: warmed.append(self) or 0.0)
-    for extra in ([], ["--prefill-chunk", "7"], ["--warmup"]):
+    for extra in ([], ["--prefill-chunk", "7"], ["--warmup"], ["--prefill-chunk", "auto"]):
         assert main(["serve", "--model", str(tiny_dir), "--port", "0"] + extra) == 0
-    assert engines == [PREFILL_CHUNK, 7, PREFILL_CHUNK]
+    assert engines == [PREFILL_CHUNK, 7, PREFILL_CHUNK, PREFILL_CHUNK]
     assert len(warmed) == 1  # (asked for; by default only on CUDA)
-    # (serve's default is auto: measured on CUDA, here the base chunk, and said why)
+    # (auto: measured on CUDA; here the base chunk, and said why)
     assert capsys.readouterr().err.count(
-        f"strata: prefill chunk {PREFILL_CHUNK} rows (not measured off CUDA)") == 2
+        f"strata: prefill chunk {PREFILL_CHUNK} rows (not measured off CUDA)") == 1
 
     def broken(self):  # (a stand-in for a GPU that cannot run the kernels: none here)
         raise RuntimeError("CUDA error: no kernel image is available")
