@@ -215,8 +215,8 @@ def test_stats(group):
 
 
 def test_memory_is_gathered_from_every_rank(group):
-    """MEMORY: every rank answers with its device's reading (zeros on CPU: the GPU test
-    tests/gpu/test_chunk_size_gpu.py reads real ones), and the group goes on serving."""
+    """MEMORY: every rank answers with its device's reading (zeros on CPU; one GPU's real
+    readings: tests/gpu/test_chunk_size_gpu.py), and the group goes on serving."""
     from strata.device_memory import DeviceMemory
     assert group.memory(reset_peak=True) == [DeviceMemory(0, 0, 0)] * group.world
     st = group.new_state(16)
