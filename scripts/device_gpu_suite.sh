@@ -1,7 +1,8 @@
 # The GPU suite (one GPU) file by file, within one device call: each file runs in the time the
 # call has left (BUDGET_S, default 540 s), its summary line and slowest tests printed, and the
 # files not reached are named at the end so the next call can start there. The whole suite takes
-# longer than one call (session 41: the graph and parity files alone ~340 s on an H100).
+# longer than one call (session 65, one H100: 224 tests in ~880 s, the EXL3 kernel file ~475 s
+# of it — two calls).
 # On the device: source scripts/device_env.sh && bash scripts/device_gpu_suite.sh
 #   FILES="test_cuda_parity test_kernels_exl3_gpu" bash scripts/device_gpu_suite.sh  (a subset,
 #   in that order; default: every tests/gpu file but the two-GPU one, newest mechanisms first)

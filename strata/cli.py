@@ -193,19 +193,21 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
 
 def _add_prefill_chunk_arg(p: argparse.ArgumentParser, flag: str = "--prefill-chunk",
                            auto: bool = False) -> None:
-    """auto: the flag also takes "auto" — the largest chunk the devices' memory leaves room
-    for, measured at start (runtime.chunk_size; for commands that prefill many prompts: one
-    prompt gains less from the bigger chunk than the measurement costs)."""
+    """auto: the flag also takes "auto", its default — the largest chunk the devices' memory
+    leaves room for, measured at start (runtime.chunk_size; for commands that prefill many
+    prompts: one prompt gains less from the bigger chunk than the measurement costs)."""
     from strata.runtime.chunk_size import LARGEST_AUTO_CHUNK
     from strata.runtime.session import PREFILL_CHUNK
-    what = f"prompt rows a prefill forward takes at once (default {PREFILL_CHUNK}); smaller " \
-           "needs less scratch memory and prefills slower"
+    what = "prompt rows a prefill forward takes at once; smaller needs less scratch memory " \
+           "and prefills slower"
     if auto:
-        p.add_argument(flag, type=count_or_auto, default=PREFILL_CHUNK, dest="prefill_chunk",
-                       help=f"{what}; auto: on CUDA, the largest of {PREFILL_CHUNK}.."
-                            f"{LARGEST_AUTO_CHUNK} whose scratch, measured at start, fits")
+        p.add_argument(flag, type=count_or_auto, default="auto", dest="prefill_chunk",
+                       help=f"{what} (default auto: on CUDA, the largest of {PREFILL_CHUNK}.."
+                            f"{LARGEST_AUTO_CHUNK} whose scratch, measured at start, fits; "
+                            f"elsewhere {PREFILL_CHUNK})")
     else:
-        p.add_argument(flag, type=COUNT, default=PREFILL_CHUNK, dest="prefill_chunk", help=what)
+        p.add_argument(flag, type=COUNT, default=PREFILL_CHUNK, dest="prefill_chunk",
+                       help=f"{what} (default {PREFILL_CHUNK})")
 
 
 def _check_speculative_args(args) -> None:

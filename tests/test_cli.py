@@ -22,8 +22,8 @@ def test_generate_tokens_json(tiny_dir, capsys):
 
 
 def test_the_prefill_chunk_reaches_the_session_and_the_engine(tiny_dir, capsys, monkeypatch):
-    """--prefill-chunk: generate's session and the server's engine take it (default
-    PREFILL_CHUNK), and the tokens do not depend on it; --warmup warms the engine up."""
+    """--prefill-chunk: generate's session (default PREFILL_CHUNK) and the server's engine
+    (default auto) take it, and the tokens do not depend on it; --warmup warms the engine up."""
     import signal
 
     import uvicorn
@@ -57,9 +57,9 @@ def test_the_prefill_chunk_reaches_the_session_and_the_engine(tiny_dir, capsys, 
         assert main(["serve", "--model", str(tiny_dir), "--port", "0"] + extra) == 0
     assert engines == [PREFILL_CHUNK, 7, PREFILL_CHUNK, PREFILL_CHUNK]
     assert len(warmed) == 1  # (asked for; by default only on CUDA)
-    # (auto: measured on CUDA; here the base chunk, and said why)
+    # (auto, by default or asked for: measured on CUDA; here the base chunk, and said why)
     assert capsys.readouterr().err.count(
-        f"strata: prefill chunk {PREFILL_CHUNK} rows (not measured off CUDA)") == 1
+        f"strata: prefill chunk {PREFILL_CHUNK} rows (not measured off CUDA)") == 3
 
     def broken(self):  # (a stand-in for a GPU that cannot run the kernels: none here)
         raise RuntimeError("CUDA error: no kernel image is available")

@@ -61,6 +61,11 @@ def test_cli(real_vocab_dir, tmp_path, capsys):
                  "--max-tokens", "2", "--chunk", "50", "--json", str(out)]) == 0
     assert "| 140 |" in capsys.readouterr().out
     data = json.loads(out.read_text())
-    assert data["results"][0]["target_tokens"] == 140
+    assert data["results"][0]["target_tokens"] == 140 and data["meta"]["prefill_chunk"] == 50
+    # (the default chunk is auto: measured on CUDA; here the base chunk, and said why)
+    assert main(["passkey", "--model", str(real_vocab_dir), "--lengths", "140",
+                 "--max-tokens", "2", "--json", str(out)]) == 0
+    assert "strata: prefill chunk 4096 rows (not measured off CUDA)" in capsys.readouterr().err
+    assert json.loads(out.read_text())["meta"]["prefill_chunk"] == 4096
     assert main(["passkey", "--model", str(real_vocab_dir), "--lengths", "12q"]) == 2
     assert "context length '12q'" in capsys.readouterr().err
