@@ -8,7 +8,7 @@ from strata.errors import StrataError
 from strata.runtime.sampling import SamplingParams, sample
 from strata.runtime.session import Session
 from strata.runtime.speculative import SpecConfig, choose_length, measure_costs
-from util import random_tokens
+from util import plain_tokens_once, random_tokens
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.9, top_p=0.9, seed=5)
@@ -49,28 +49,15 @@ def test_many_seeds_sampled(tiny_reference, seed):
     assert s.run(prompt, 25, params, stop_ids=frozenset()).tokens == want
 
 
-_forced_want: dict = {}
-
-
-def forced_want(model, prompt, n, params) -> list[int]:
-    """test_forced_drafts' plain tokens, checked once against the prefill's own first pick
-    (per model and sampling in this process: every kind of forced draft compares with them)."""
-    key = (id(model), params)
-    if key not in _forced_want:
-        want = plain_tokens(model, prompt, n, params)
-        first = sample(model.forward(prompt, model.new_state(512), logits="last")[0],
-                       torch.tensor([len(prompt)]), params)[0]
-        assert int(first) == want[0]
-        _forced_want[key] = want
-    return _forced_want[key]
-
-
 @pytest.mark.parametrize("kind", ["accept_all", "reject_first", "reject_third", "reject_all"])
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_forced_drafts(tiny_model, kind, params):
     prompt_len, n = 124, 30  # the windows straddle positions 125-129
     prompt = random_tokens(prompt_len, seed=7)
-    want = forced_want(tiny_model, prompt, n, params)
+    want = plain_tokens_once(tiny_model, prompt, n, params)
+    ref = [int(sample(tiny_model.forward(prompt, tiny_model.new_state(512), logits="last")[0],
+                      torch.tensor([prompt_len]), params)[0])] + want[1:]
+    assert ref == want
     corrupt = {"accept_all": None, "reject_first": 0, "reject_third": 2, "reject_all": -1}[kind]
     if corrupt == -1:
         def override(P, L):

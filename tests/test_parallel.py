@@ -29,7 +29,7 @@ from strata.runtime.sampling import SamplingParams
 from strata.runtime.session import Session
 from strata.runtime.speculative import SpecConfig
 from strata.errors import StrataError
-from util import continuation_drafts, random_tokens
+from util import continuation_drafts, plain_tokens_once, random_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams()
@@ -57,18 +57,6 @@ def run_tokens(model, prompt, n, params, spec=None, override=None, cap=320):
     return s.run(prompt, n, params, stop_ids=frozenset()).tokens, s
 
 
-_one_device: dict = {}
-
-
-def one_device_tokens(model, prompt, n, params) -> list[int]:
-    """The plain one-device tokens a group must give: run once per prompt, length and
-    sampling in this process, however many group modes compare against them."""
-    key = (id(model), tuple(prompt.tolist()), n, params)
-    if key not in _one_device:
-        _one_device[key] = run_tokens(model, prompt, n, params)[0]
-    return _one_device[key]
-
-
 # ---- in-process groups ----------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["reference", "vendor"])
 def test_logits_bit_identical(group, tiny_reference, mode):
@@ -92,7 +80,7 @@ def test_logits_bit_identical(group, tiny_reference, mode):
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_plain_and_dspark_tokens(group, tiny_reference, params):
     prompt = random_tokens(24, seed=5)
-    want = one_device_tokens(tiny_reference, prompt, 20, params)
+    want = plain_tokens_once(tiny_reference, prompt, 20, params)
     got, _ = run_tokens(group, prompt, 20, params)
     assert got == want
     got, s = run_tokens(group, prompt, 20, params, SpecConfig())
@@ -102,7 +90,7 @@ def test_plain_and_dspark_tokens(group, tiny_reference, params):
 def test_across_the_window_and_forced_rejections(group, tiny_reference):
     """Past the 128-row window; drafts corrupted at the third token (partial rollbacks)."""
     prompt = random_tokens(124, seed=7)
-    want = one_device_tokens(tiny_reference, prompt, 14, GREEDY)
+    want = plain_tokens_once(tiny_reference, prompt, 14, GREEDY)
 
     def override(P, L):
         i = P - len(prompt)

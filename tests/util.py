@@ -9,6 +9,21 @@ def random_tokens(n: int, seed: int, vocab: int = 320, low: int = 3) -> torch.Te
     return torch.randint(low, vocab, (n,), generator=torch.Generator().manual_seed(seed))
 
 
+_plain_runs: dict = {}
+
+
+def plain_tokens_once(model, prompt: torch.Tensor, n: int, params) -> list[int]:
+    """A plain generation's tokens (no stop ids), run once per model, prompt, length and
+    sampling in this process: the reference many parametrised tests compare against. Keyed by
+    the model itself, so a cached run never outlives (or is mistaken for) its model."""
+    from strata.runtime.session import Session
+    key = (model, tuple(prompt.tolist()), n, params)
+    if key not in _plain_runs:
+        s = Session(model, max(512, prompt.numel() + n + 8))
+        _plain_runs[key] = s.run(prompt, n, params, stop_ids=frozenset()).tokens
+    return list(_plain_runs[key])
+
+
 def continuation_drafts(want: list[int], prompt_len: int, vocab: int, wrong_at: int = 2):
     """A DSpark draft override: plain decoding's own continuation `want` (of a prompt of
     prompt_len tokens) with the draft at index `wrong_at` of each window made wrong, so every
