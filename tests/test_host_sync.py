@@ -12,7 +12,8 @@ ids happens on the host before they move, in Model.check_forward, outside the pr
 forward's inputs — token ids, positions, the Engram hash's ids or input — are host work by
 design: numpy, wrapped as one tensor by Model.new_context and uploaded through pinned memory,
 which waits for nothing — so the host hash's frames and new_context's wrapping are not
-counted.)"""
+counted. Nor is mHC's Sinkhorn loop wrapping its numpy result: that branch runs on CPU
+tensors only, and on a GPU the loop is torch's or a fused kernel's.)"""
 from __future__ import annotations
 
 import collections
@@ -43,7 +44,8 @@ class HostReads(TorchDispatchMode):
                                   any(isinstance(a, torch.Tensor) for a in args[1:])):
             where = [f for f in traceback.extract_stack() if "/strata/" in f.filename][-1:]
             if where and (where[0].filename.endswith("model/ngram_hash.py") or (
-                    where[0].name == "new_context" and name.startswith("lift_fresh"))):
+                    where[0].name in ("new_context", "sinkhorn")
+                    and name.startswith("lift_fresh"))):
                 return func(*args, **(kwargs or {}))
             self.seen[(name, *(f"{f.filename.split('strata/')[-1]}:{f.lineno}"
                                for f in where))] += 1

@@ -133,6 +133,40 @@ def test_sinkhorn_doubly_stochastic_and_matches_spec():
         torch.testing.assert_close(c[b].double(), ref, atol=1e-6, rtol=1e-5)
 
 
+def test_sinkhorn_cpu_loop_matches_the_torch_loop_and_is_batch_invariant():
+    """On CPU the normalisation loop runs in numpy (torch's per-call cost dominated it). With
+    four copies (V4.1's hc_mult) it gives the torch loop's bits; with other counts numpy may
+    add a row's terms in another order (last-bit differences). Either way each row's result
+    must not depend on what else is in the batch."""
+    def torch_loop(logits, iters, eps):
+        c = torch.softmax(logits, dim=-1) + eps
+        c = c / (c.sum(-2, keepdim=True) + eps)
+        for _ in range(iters - 1):
+            c = c / (c.sum(-1, keepdim=True) + eps)
+            c = c / (c.sum(-2, keepdim=True) + eps)
+        return c
+
+    gen = torch.Generator().manual_seed(5)
+    for T, H, std, iters in ((1, 4, 0.5, 20), (3000, 4, 1.0, 20), (5, 4, 0.5, 1),
+                             (257, 2, 3.0, 7), (64, 8, 0.5, 20)):
+        logits = torch.randn(T, H, H, generator=gen) * std
+        got = sinkhorn(logits, iters, 1e-6)
+        assert got.dtype == torch.float32 and got.shape == (T, H, H)
+        want = torch_loop(logits, iters, 1e-6)
+        if H == 4:
+            assert torch.equal(got, want), (T, std, iters)
+        else:
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        for i in (0, T // 2, T - 1):
+            assert torch.equal(sinkhorn(logits[i:i + 1], iters, 1e-6), got[i:i + 1]), (T, H, i)
+    # a column slice of wider rows, as hc_mixes passes it, and a leading batch dim
+    wide = torch.randn(6, 32, generator=gen)
+    sliced = wide[:, 16:].reshape(6, 4, 4)
+    assert torch.equal(sinkhorn(sliced, 20, 1e-6), torch_loop(sliced, 20, 1e-6))
+    batched = torch.randn(2, 3, 4, 4, generator=gen)
+    assert torch.equal(sinkhorn(batched, 20, 1e-6), torch_loop(batched, 20, 1e-6))
+
+
 def _random_hc(gen: torch.Generator, H: int, D: int) -> HcWeights:
     n = (2 + H) * H
     return HcWeights(fn=torch.randn(n, H * D, generator=gen) * 0.3,
