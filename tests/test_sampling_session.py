@@ -21,6 +21,23 @@ def test_noise_is_keyed_by_seed_position_and_token():
     assert abs(float(a.mean()) - 0.5) < 0.02 and abs(float(a.var()) - 1 / 12) < 0.01
 
 
+def test_cpu_noise_is_the_device_paths_integer_hash():
+    """On CPU the hash runs in numpy's wrapping uint32; elsewhere in torch's int64 limbs. Both
+    give the same bits (a CPU run and a GPU run sample alike), seeds and positions past 2³²
+    included; MurmurHash3's finaliser maps 1 to 0x514E28B7."""
+    from strata.runtime.sampling import _fmix32, _fmix32_numpy, _uniform_noise_torch
+    import numpy as np
+    assert int(_fmix32(torch.tensor([1]))[0]) == 0x514E28B7
+    assert int(_fmix32_numpy(np.array([1], dtype=np.uint32))[0]) == 0x514E28B7
+    pos = torch.tensor([0, 1, 77, 2**32 - 1, 2**32, 2**40 + 5, 2**62 + 3])
+    for seed in (0, 1, 0xFFFFFFFF, 2**32, 2**40 + 3, 2**63 - 1):
+        want = _uniform_noise_torch(seed, pos, 5000)
+        assert torch.equal(uniform_noise(seed, pos, 5000), want), seed
+        assert torch.equal(uniform_noise(torch.tensor(seed), pos, 5000), want), seed
+        assert torch.equal(uniform_noise(seed, pos[:3].int(), 5000), want[:3]), seed
+    assert torch.equal(uniform_noise(3, pos, 129280)[:, :5000], _uniform_noise_torch(3, pos, 5000))
+
+
 def test_greedy_is_argmax_lowest_id_on_ties():
     logits = torch.tensor([[0.0, 3.0, 3.0, 1.0]])
     assert sample(logits, torch.tensor([9]), SamplingParams()).tolist() == [1]
